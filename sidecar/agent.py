@@ -1,0 +1,178 @@
+"""The agent: joins NVML readings and app figures into samples on a fixed schedule.
+
+Data flow: sources (``NvmlSource``, ``AppState``) -> ``GpuSample`` per GPU per cycle -> series
+-> sink. The schedule is anchored to the start time on the monotonic clock, so a slow cycle
+shifts nothing after it; a cycle that starts after its slot is counted as an overrun and the
+missed slots are skipped rather than run back to back.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable
+
+import structlog
+
+from sidecar import __version__
+from sidecar.app_socket import AppState
+from sidecar.config import Config
+from sidecar.nvml_source import NvmlSource
+from sidecar.samples import GpuIdentity, GpuSample, Series, gpu_labels, sample_series
+from sidecar.sinks import Sink
+
+log = structlog.get_logger("sidecar.agent")
+
+PRIME_WINDOW_S = 0.5  # rates and GPM averages need two readings; --once and probe wait this long
+
+
+class Agent:
+    def __init__(
+        self,
+        config: Config,
+        *,
+        source: NvmlSource | None,
+        app: AppState,
+        sink: Sink,
+        clock: Callable[[], float] = time.monotonic,
+        wall: Callable[[], float] = time.time,
+        mode: str = "nvml",
+    ) -> None:
+        self.config = config
+        self.source = source
+        self.app = app
+        self.sink = sink
+        self.clock = clock
+        self.wall = wall
+        self.mode = mode
+        self.pod = config.pod_labels()
+        self._pod_labels = tuple(sorted(self.pod.items()))
+        self.collected = 0
+        self.dropped: Counter[str] = Counter()
+        self.overruns = 0
+        self.last_cycle_s = 0.0
+        self._identities: dict[str, GpuIdentity] = {}
+        self._warned_missing: set[str] = set()
+        self._selection: tuple[str, ...] = ()
+        if source is not None:
+            self._identities = {i.uuid: i for i in source.devices()}
+
+    # -- selection -----------------------------------------------------------------------------
+
+    def selected(self) -> list[str]:
+        explicit = self.config.gpu_list()
+        if explicit:
+            chosen = list(explicit)
+        elif self.config.gpus == "visible":
+            chosen = list(self._identities)
+        else:
+            chosen = self.app.announced()
+        if tuple(chosen) != self._selection:
+            self._selection = tuple(chosen)
+            log.info("gpus_selected", mode=self.config.gpus, gpus=chosen)
+        if self.source is not None:
+            for uuid in chosen:
+                if uuid not in self._identities and uuid not in self._warned_missing:
+                    self._warned_missing.add(uuid)
+                    log.error("gpu_not_visible", gpu_uuid=uuid,
+                              visible=sorted(self._identities),
+                              hint="this UUID is not among the GPUs NVML shows this container; "
+                                   "check --gpus and NVIDIA_VISIBLE_DEVICES")
+        return chosen
+
+    def identity(self, uuid: str) -> GpuIdentity:
+        return self._identities.get(uuid) or GpuIdentity(uuid=uuid, name="unknown (no NVML)",
+                                                         index="unknown")
+
+    # -- one cycle -----------------------------------------------------------------------------
+
+    def prime(self) -> None:
+        """Take the first of the two readings that counter rates and GPM averages need."""
+        if self.source is not None:
+            self.source.read(self.selected())
+
+    def collect(self) -> tuple[list[GpuSample], dict[str, bool]]:
+        uuids = self.selected()
+        ts = int(self.wall() * 1000)
+        available: dict[str, bool] = {}
+        samples: list[GpuSample] = []
+        readings = self.source.read(uuids) if self.source is not None else {}
+        for uuid in uuids:
+            app = self.app.figures(uuid)
+            if self.source is None:
+                samples.append(GpuSample(self.identity(uuid), ts, app=app))
+                available[uuid] = True
+                continue
+            reading = readings.get(uuid)
+            available[uuid] = reading is not None
+            if reading is None:
+                self.dropped["gpu_unavailable"] += 1
+                continue
+            samples.append(GpuSample(self.identity(uuid), ts, reading.compute, reading.memory,
+                                     reading.io, app))
+        self.collected += len(samples)
+        return samples, available
+
+    def cycle(self) -> list[Series]:
+        started = self.clock()
+        samples, available = self.collect()
+        series: list[Series] = []
+        for sample in samples:
+            series.extend(sample_series(sample, self.pod))
+        ts = samples[0].timestamp_ms if samples else int(self.wall() * 1000)
+        self.last_cycle_s = self.clock() - started
+        series.extend(self.self_series(ts, available))
+        self.sink.emit(series)
+        return series
+
+    def self_series(self, ts: int, available: dict[str, bool]) -> list[Series]:
+        pl = self._pod_labels
+
+        def s(name: str, value: float, *extra: tuple[str, str]) -> Series:
+            return Series(name, tuple(sorted((*pl, *extra))), float(value), ts)
+
+        out = [
+            s("gpu_sidecar_up", 1),
+            s("gpu_sidecar_info", 1, ("version", __version__), ("mode", self.mode)),
+            s("gpu_sidecar_nvml_available", 1 if self.source is not None else 0),
+            s("gpu_sidecar_samples_collected_total", self.collected),
+            s("gpu_sidecar_cycle_overruns_total", self.overruns),
+            s("gpu_sidecar_cycle_duration_seconds", self.last_cycle_s),
+            s("gpu_sidecar_app_messages_accepted_total", self.app.accepted),
+        ]
+        for reason, n in sorted(self.app.rejected.items()):
+            out.append(s("gpu_sidecar_app_messages_rejected_total", n, ("reason", reason)))
+        for reason, n in sorted(self.dropped.items()):
+            out.append(s("gpu_sidecar_samples_dropped_total", n, ("reason", reason)))
+        if self.source is not None:
+            for reason, n in sorted(self.source.errors.items()):
+                out.append(s("gpu_sidecar_collection_errors_total", n, ("reason", reason)))
+        for uuid, ok in available.items():
+            labels = gpu_labels(self.identity(uuid), self.pod)
+            out.append(Series("gpu_sidecar_gpu_available", labels, 1.0 if ok else 0.0, ts))
+        return out
+
+    # -- schedule ------------------------------------------------------------------------------
+
+    def run(self, stop: threading.Event) -> None:
+        interval = self.config.interval
+        self.prime()
+        stop.wait(min(interval, PRIME_WINDOW_S))
+        start = self.clock()
+        slot = 0
+        while not stop.is_set():
+            self.cycle()
+            slot += 1
+            now = self.clock()
+            due = start + slot * interval
+            if now > due:
+                late = int((now - due) // interval) + 1
+                self.overruns += 1
+                slot += late
+                if self.overruns == 1 or self.overruns % 100 == 0:
+                    log.warning("cycle_overrun", cycle_s=round(self.last_cycle_s, 4),
+                                interval_s=interval, skipped_slots=late, overruns=self.overruns,
+                                hint="raise --interval or select fewer GPUs")
+                due = start + slot * interval
+            stop.wait(max(0.0, due - self.clock()))

@@ -1,0 +1,305 @@
+"""The app socket receiver (Contract 2): validated figures from the model server, per GPU.
+
+A blocking receiver thread drains the datagram socket as messages arrive, so a burst from the app
+never waits for the next sampling cycle (the kernel would drop what does not fit its buffer).
+Every datagram is validated on its own; a bad one is counted by reason and never disturbs the
+valid ones around it.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import socket
+import stat
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import structlog
+
+from sidecar import protocol
+from sidecar.samples import AllocatorFigures, AppFigures, LatencyHistogram
+
+log = structlog.get_logger("sidecar.app")
+
+MAX_PROCESSES_PER_GPU = 256
+MAX_APP_GPUS = 64
+REJECT_LOG_EVERY_S = 60.0
+
+
+@dataclass
+class _Merged:
+    bounds: tuple[float, ...]
+    counts: list[int]
+    total: float
+    updated: float
+
+
+class AppState:
+    """Latest allocator figures per (GPU, process) and latency histograms merged per GPU.
+
+    Histograms are kept as the agent's own cumulative counters: each message adds its increase
+    since the same process's previous message, and a process that restarted (its counts went
+    down) contributes its counts afresh. The exported histogram therefore never goes backwards
+    when one of several processes restarts.
+    """
+
+    def __init__(
+        self,
+        *,
+        stale_after_s: float = 30.0,
+        known_gpu: Callable[[str], bool] | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.stale_after_s = stale_after_s
+        self.known_gpu = known_gpu
+        self.clock = clock
+        self.accepted = 0
+        self.rejected: Counter[str] = Counter()
+        self._lock = threading.Lock()
+        self._announced: dict[str, None] = {}
+        self._alloc: dict[tuple[str, int], tuple[float, AllocatorFigures]] = {}
+        self._last_latency: dict[tuple[str, int], tuple[tuple[int, ...], float, float]] = {}
+        self._merged: dict[str, _Merged] = {}
+        self._stale_logged: set[tuple[str, int]] = set()
+        self._reject_log: dict[str, tuple[float, int]] = {}
+
+    def feed(self, data: bytes) -> protocol.Message | None:
+        """Validate and store one datagram; None when it was rejected (and counted)."""
+        try:
+            message = protocol.decode(data)
+            with self._lock:
+                self._store(message, self.clock())
+                self.accepted += 1
+            return message
+        except protocol.Rejected as exc:
+            self._reject(exc)
+            return None
+
+    def _reject(self, exc: protocol.Rejected) -> None:
+        now = self.clock()
+        with self._lock:
+            self.rejected[exc.reason] += 1
+            last, suppressed = self._reject_log.get(exc.reason, (-1e18, 0))
+            if now - last < REJECT_LOG_EVERY_S:
+                self._reject_log[exc.reason] = (last, suppressed + 1)
+                return
+            self._reject_log[exc.reason] = (now, 0)
+        log.warning("app_message_rejected", reason=exc.reason, detail=str(exc),
+                    similar_since_last_log=suppressed,
+                    hint="fix the sender; valid messages are unaffected")
+
+    def _check_gpu(self, uuid: str) -> None:
+        if self.known_gpu is not None and not self.known_gpu(uuid):
+            raise protocol.Rejected("unknown_gpu", f"GPU {uuid} is not on this node")
+        if uuid not in self._announced and len(self._announced) >= MAX_APP_GPUS:
+            raise protocol.Rejected("too_many_gpus", f"more than {MAX_APP_GPUS} GPUs announced")
+
+    def _store(self, message: protocol.Message, now: float) -> None:
+        if isinstance(message, protocol.Hello):
+            for uuid in message.gpus:
+                self._check_gpu(uuid)
+            for uuid in message.gpus:
+                self._announced.setdefault(uuid, None)
+            return
+        self._check_gpu(message.gpu)
+        key = (message.gpu, message.pid)
+        if key not in self._alloc and key not in self._last_latency:
+            self._make_room(message.gpu, now)
+        if isinstance(message, protocol.Allocator):
+            figures = AllocatorFigures(
+                pid=message.pid,
+                reserved_bytes=message.reserved_bytes,
+                allocated_bytes=message.allocated_bytes,
+                active_bytes=message.active_bytes,
+                inactive_split_bytes=message.inactive_split_bytes,
+                alloc_retries=message.alloc_retries,
+                ooms=message.ooms,
+                largest_free_block_bytes=message.largest_free_block_bytes,
+                private_pool_bytes=message.private_pool_bytes,
+            )
+            self._alloc[key] = (now, figures)
+        else:
+            self._merge(message, key, now)
+        self._announced.setdefault(message.gpu, None)
+        self._stale_logged.discard(key)
+
+    def _make_room(self, gpu: str, now: float) -> None:
+        """Bound the per-process state: forget processes silent past the staleness window first."""
+        keys = {k for k in (*self._alloc, *self._last_latency) if k[0] == gpu}
+        if len(keys) < MAX_PROCESSES_PER_GPU:
+            return
+        horizon = now - self.stale_after_s
+        for key in keys:
+            alloc = self._alloc.get(key)
+            lat = self._last_latency.get(key)
+            if max(alloc[0] if alloc else -1e18, lat[2] if lat else -1e18) < horizon:
+                self._alloc.pop(key, None)
+                self._last_latency.pop(key, None)
+                return
+        raise protocol.Rejected("too_many_processes",
+                                f"more than {MAX_PROCESSES_PER_GPU} live processes on {gpu}")
+
+    def _merge(self, message: protocol.Latency, key: tuple[str, int], now: float) -> None:
+        merged = self._merged.get(message.gpu)
+        if merged is not None and merged.bounds != message.bounds:
+            raise protocol.Rejected(
+                "bucket_mismatch",
+                f"latency bounds differ from those already used for {message.gpu}; "
+                "every process on a GPU must use the same buckets",
+            )
+        last = self._last_latency.get(key)
+        counts = message.counts
+        if last is not None and all(c >= p for c, p in zip(counts, last[0], strict=True)) and \
+                message.sum >= last[1]:
+            delta = [c - p for c, p in zip(counts, last[0], strict=True)]
+            dsum = message.sum - last[1]
+        else:  # first message of this process, or it restarted
+            delta, dsum = list(counts), message.sum
+        if merged is None:
+            merged = self._merged[message.gpu] = _Merged(message.bounds, [0] * len(counts), 0.0, now)
+        merged.counts = [m + d for m, d in zip(merged.counts, delta, strict=True)]
+        merged.total += dsum
+        merged.updated = now
+        self._last_latency[key] = (counts, message.sum, now)
+
+    def announced(self) -> list[str]:
+        with self._lock:
+            return list(self._announced)
+
+    def figures(self, gpu: str) -> AppFigures:
+        """What the app said about ``gpu`` within the staleness window."""
+        now = self.clock()
+        horizon = now - self.stale_after_s
+        with self._lock:
+            allocators = []
+            for key, (seen, fig) in list(self._alloc.items()):
+                if key[0] != gpu:
+                    continue
+                if seen < horizon:
+                    del self._alloc[key]
+                    self._log_stale(key, now - seen)
+                else:
+                    allocators.append(fig)
+            merged = self._merged.get(gpu)
+            latency = None
+            if merged is not None and merged.updated >= horizon:
+                latency = LatencyHistogram(merged.bounds, tuple(merged.counts), merged.total)
+
+        allocators.sort(key=lambda a: a.pid)
+        return AppFigures(tuple(allocators), latency)
+
+    def _log_stale(self, key: tuple[str, int], age: float) -> None:
+        if key not in self._stale_logged:
+            self._stale_logged.add(key)
+            log.warning("app_figures_stale", gpu_uuid=key[0], pid=key[1], age_s=round(age, 1),
+                        stale_after_s=self.stale_after_s,
+                        effect="allocator series of this process stop until it publishes again")
+
+
+class SocketInUse(RuntimeError):
+    pass
+
+
+class AppSocket:
+    """Binds the datagram socket and feeds every datagram to an ``AppState``."""
+
+    def __init__(self, path: str, state: AppState) -> None:
+        self.path = path
+        self.state = state
+        self._sock: socket.socket | None = None
+        self._thread: threading.Thread | None = None
+        self._stop = threading.Event()
+        self._inode: int | None = None
+
+    def start(self) -> None:
+        self._sock = bind_datagram(self.path)
+        self._inode = os.stat(self.path).st_ino
+        self._thread = threading.Thread(target=self._serve, name="app-socket", daemon=True)
+        self._thread.start()
+        log.info("app_socket_listening", path=self.path)
+
+    def _serve(self) -> None:
+        sock = self._sock
+        assert sock is not None
+        buf = bytearray(protocol.MAX_MESSAGE_BYTES + 1)
+        view = memoryview(buf)
+        while not self._stop.is_set():
+            try:
+                n = sock.recv_into(buf, len(buf), socket.MSG_TRUNC)
+            except TimeoutError:
+                continue
+            except OSError as exc:
+                if self._stop.is_set():
+                    return
+                log.error("app_socket_receive_failed", error=str(exc))
+                time.sleep(0.1)
+                continue
+            if n > protocol.MAX_MESSAGE_BYTES:
+                self.state._reject(protocol.Rejected(
+                    "too_large", f"datagram of {n} bytes exceeds {protocol.MAX_MESSAGE_BYTES}"))
+                continue
+            self.state.feed(bytes(view[:n]))
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._sock is not None:
+            self._sock.close()
+        if self._thread is not None:
+            self._thread.join(timeout=2)
+        try:
+            if self._inode is not None and os.stat(self.path).st_ino == self._inode:
+                os.unlink(self.path)
+        except FileNotFoundError:
+            pass
+
+
+def bind_datagram(path: str) -> socket.socket:
+    """Bind ``path`` with mode 0660, replacing a stale socket file but never a live one."""
+    directory = os.path.dirname(os.path.abspath(path))
+    try:
+        os.makedirs(directory, mode=0o770, exist_ok=True)
+    except OSError as exc:
+        raise SocketInUse(
+            f"cannot create the socket directory {directory}: {exc.strerror}; mount a writable "
+            "emptyDir there or set --socket / GPU_SIDECAR_SOCKET"
+        ) from exc
+    st = os.stat(directory)
+    if st.st_uid == os.getuid() and stat.S_IMODE(st.st_mode) & 0o007:
+        os.chmod(directory, stat.S_IMODE(st.st_mode) & ~0o007)
+    try:
+        existing = os.lstat(path)
+    except FileNotFoundError:
+        existing = None
+    if existing is not None:
+        if not stat.S_ISSOCK(existing.st_mode):
+            raise SocketInUse(
+                f"{path} exists and is not a socket; remove it or choose another --socket path"
+            )
+        probe = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        try:
+            probe.connect(path)
+        except OSError as exc:
+            if exc.errno not in (errno.ECONNREFUSED, errno.ENOENT):
+                raise
+            os.unlink(path)  # stale: left by a previous run
+        else:
+            raise SocketInUse(
+                f"another process is listening on {path}; is a second gpu-sidecar running in "
+                "this pod? Stop it or choose another --socket path"
+            )
+        finally:
+            probe.close()
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    old = os.umask(0o117)
+    try:
+        sock.bind(path)
+    finally:
+        os.umask(old)
+    os.chmod(path, 0o660)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1 << 20)
+    sock.settimeout(0.5)
+    return sock

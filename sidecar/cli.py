@@ -1,0 +1,226 @@
+"""Command line (Contract 3): ``gpu-sidecar run`` and ``gpu-sidecar probe``."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import signal
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+from typing import TYPE_CHECKING
+
+import structlog
+
+from sidecar import __version__, config, protocol
+from sidecar.agent import PRIME_WINDOW_S, Agent
+from sidecar.app_socket import AppSocket, AppState, SocketInUse
+from sidecar.log import configure
+from sidecar.nvml_source import NvmlReading, NvmlSource, NvmlUnavailable
+from sidecar.samples import GpuIdentity, ratio
+
+if TYPE_CHECKING:
+    from sidecar.simulate.scenarios import Scenario
+
+log = structlog.get_logger("sidecar.cli")
+
+EPILOG = """\
+Every option can also be set by the environment variable shown in brackets; a flag wins over
+its variable. Units: seconds for times, bytes and bytes/s for sizes and rates.
+
+Pod identity: set --pod-namespace, --pod-name and --node-name from the downward API
+(metadata.namespace, metadata.name, spec.nodeName) and --pod-container to the app container's
+name; they become the labels namespace, pod, node and container on every series.
+"""
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="gpu-sidecar",
+        description="Samples what GPU utilization hides (compute, memory, IO) for the GPUs of "
+        "this pod and writes timestamped series. With nothing configured: stdout.",
+    )
+    parser.add_argument("--version", action="version", version=config.version_line())
+    sub = parser.add_subparsers(dest="command", required=True, metavar="{run,probe}")
+    run = sub.add_parser("run", help="run the agent", epilog=EPILOG,
+                         formatter_class=argparse.RawDescriptionHelpFormatter,
+                         description="Sample every --interval seconds and write the series.")
+    config.add_arguments(run, "run")
+    probe = sub.add_parser("probe", help="report the GPUs, what each supports, one reading",
+                           epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter,
+                           description="One-shot report of the visible GPUs, the metrics each "
+                           "supports (and why others are absent) and one reading of every layer.")
+    config.add_arguments(probe, "probe")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    try:
+        cfg = config.build(args.command, args)
+    except config.ConfigError as exc:
+        print(f"gpu-sidecar: configuration error: {exc}", file=sys.stderr)
+        return 2
+    configure(cfg.log_format, cfg.log_level)
+    try:
+        if args.command == "probe":
+            return probe(cfg)
+        return run(cfg)
+    except NvmlUnavailable as exc:
+        log.error("nvml_unavailable", error=str(exc))
+        print(f"gpu-sidecar: {exc}", file=sys.stderr)
+        return 3
+    except SocketInUse as exc:
+        log.error("app_socket_unavailable", error=str(exc))
+        print(f"gpu-sidecar: {exc}", file=sys.stderr)
+        return 4
+
+
+@contextlib.contextmanager
+def _nvml(cfg: config.Config) -> Iterator[tuple[NvmlSource | None, Scenario | None]]:
+    """The NVML source (real or simulated) and the scenario, if any; closed on exit."""
+    scenario = None
+    if cfg.simulate:
+        from sidecar.simulate import fake_nvml, scenarios
+
+        scenario = scenarios.build(cfg.simulate, cfg.simulate_gpus)
+        fake_nvml.install(scenario.nvml())
+        log.warning("simulated_gpus", scenario=scenario.name, description=scenario.description,
+                    gpus=len(scenario.gpus), note="no real GPU is read; gpu_name says Simulated")
+    if cfg.no_nvml:
+        yield None, None
+        return
+    source = NvmlSource(pcie_peak_bytes_per_second=cfg.pcie_peak_bytes_per_second,
+                        lost_retry_s=cfg.gpu_retry_interval)
+    source.open()
+    try:
+        yield source, scenario
+    finally:
+        source.close()
+        if scenario is not None:
+            from sidecar.simulate import fake_nvml
+
+            fake_nvml.uninstall()
+
+
+def run(cfg: config.Config) -> int:
+    from sidecar.sinks.stdout import StdoutSink
+
+    log.info("starting", version=__version__, config=config.describe(cfg))
+    with contextlib.ExitStack() as stack, _nvml(cfg) as (source, scenario):
+        socket_path = cfg.socket
+        if scenario is not None and socket_path == protocol.DEFAULT_SOCKET_PATH:
+            socket_path = os.path.join(
+                stack.enter_context(tempfile.TemporaryDirectory(prefix="gpu-sidecar-")), "app.sock")
+        known = None
+        if source is not None:
+            visible = {i.uuid for i in source.devices()}
+            known = visible.__contains__
+        state = AppState(stale_after_s=cfg.app_stale_after, known_gpu=known)
+        app_socket = AppSocket(socket_path, state)
+        app_socket.start()
+        stack.callback(app_socket.stop)
+        if scenario is not None and source is not None:
+            from sidecar.simulate.app import SimulatedApp
+
+            sim = SimulatedApp(socket_path, [g.uuid for g in scenario.gpus], scenario.app,
+                               interval_s=min(cfg.interval, 5.0))
+            sim.start()
+            stack.callback(sim.stop)
+            _wait_for(lambda: bool(state.announced()), 2.0)
+        mode = "simulated" if scenario is not None else ("nvml" if source else "app-only")
+        agent = Agent(cfg, source=source, app=state, sink=StdoutSink(cfg.output), mode=mode)
+        stop = threading.Event()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, lambda signum, frame: stop.set())
+        if cfg.once:
+            agent.prime()
+            time.sleep(PRIME_WINDOW_S)
+            agent.cycle()
+        else:
+            agent.run(stop)
+        log.info("stopped", samples_collected=agent.collected, overruns=agent.overruns)
+    return 0
+
+
+def _wait_for(condition: Callable[[], bool], timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and not condition():
+        time.sleep(0.01)
+
+
+def probe(cfg: config.Config) -> int:
+    with _nvml(cfg) as (source, scenario):
+        if source is None:
+            print("NVML disabled (--no-nvml): only app figures would be exported.")
+            return 0
+        devices = source.devices()
+        uuids = [d.uuid for d in devices]
+        source.read(uuids)
+        time.sleep(PRIME_WINDOW_S)
+        readings = source.read(uuids)
+        sim = f"  [SIMULATED: scenario {cfg.simulate}]" if scenario is not None else ""
+        print(f"gpu-sidecar {__version__} probe: NVML driver {source.driver_version}, "
+              f"{len(devices)} GPU(s){sim}")
+        for identity in devices:
+            print()
+            print(_probe_block(source, identity, readings.get(identity.uuid)))
+        print()
+        print("app layer (fragmentation, allocator, latency): published by the model server over "
+              f"the app socket at run time ({cfg.socket}).")
+    return 0
+
+
+def _pct(value: float | None) -> str:
+    return "absent" if value is None else f"{value * 100:.1f} %"
+
+
+def _gb(value: float | None, unit: str = "GB/s") -> str:
+    return "absent" if value is None else f"{value / 1e9:.2f} {unit}"
+
+
+def _probe_block(source: NvmlSource, ident: GpuIdentity, reading: NvmlReading | None) -> str:
+    caps = source.capabilities(ident.uuid)
+    absent = source.absent(ident.uuid)
+    lines = [f"GPU {ident.index}  {ident.name}  {ident.uuid}"
+             f"  bus {ident.pci_bus_id or '?'}  {ident.architecture}"]
+    if ident.parent_uuid:
+        lines.append(f"  MIG instance of {ident.parent_uuid}")
+    link = (f"PCIe gen {caps['link_generation']} x{caps['link_width']}, "
+            f"{_gb(caps['link_max_bytes_per_second'])} per direction"
+            if caps["link_max_bytes_per_second"] else "PCIe link unknown")
+    lines.append(f"  sources: memory {caps['memory'] or 'none'}, GPM {'yes' if caps['gpm'] else 'no'}"
+                 f", PCIe rate from {caps['pcie'] or 'none'}, NVLink from {caps['nvlink'] or 'none'}"
+                 f" ({caps['nvlink_links']} links), replays from {caps['replay'] or 'none'}")
+    lines.append(f"  link: {link}")
+    if absent:
+        lines.append("  absent metrics:")
+        lines += [f"    {name}: {why}" for name, why in sorted(absent.items())]
+    else:
+        lines.append("  absent metrics: none")
+    if reading is None:
+        lines.append("  reading: failed (GPU lost?)")
+        return "\n".join(lines)
+    c, m, io = reading.compute, reading.memory, reading.io
+    lines.append(f"  compute: SM occupancy {_pct(c.sm_occupancy_ratio)}, tensor "
+                 f"{_pct(c.tensor_core_util_ratio)}, SM active {_pct(c.sm_active_ratio)}, "
+                 f"utilization {_pct(c.utilization_ratio)}")
+    used = "absent" if m.used_bytes is None else f"{m.used_bytes / 2**30:.1f} GiB"
+    total = "absent" if m.total_bytes is None else f"{m.total_bytes / 2**30:.1f} GiB"
+    lines.append(f"  memory:  DRAM bandwidth {_pct(m.bandwidth_util_ratio)}, controller busy "
+                 f"{_pct(m.controller_busy_ratio)}, used {used} of {total}")
+    lines.append(
+        f"  io:      PCIe TX {_gb(io.pcie_tx_bytes_per_second)} "
+        f"({_pct(ratio(io.pcie_tx_bytes_per_second, io.pcie_link_max_bytes_per_second))}), RX "
+        f"{_gb(io.pcie_rx_bytes_per_second)} "
+        f"({_pct(ratio(io.pcie_rx_bytes_per_second, io.pcie_link_max_bytes_per_second))}), NVLink "
+        f"TX {_gb(io.nvlink_tx_bytes_per_second)} RX {_gb(io.nvlink_rx_bytes_per_second)}, "
+        f"replays {io.pcie_replay_errors if io.pcie_replay_errors is not None else 'absent'}")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

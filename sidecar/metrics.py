@@ -1,0 +1,157 @@
+"""The metric table of Contract 1: one place that names every series the agent produces.
+
+The code builds series from these specs and ``docs/metrics.md`` is rendered from the same table
+(``python -m sidecar.metrics > docs/metrics.md``), so the reference cannot drift from the code: a
+test fails when the rendered text and the committed file differ.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+Kind = Literal["gauge", "counter", "histogram"]
+
+
+@dataclass(frozen=True, slots=True)
+class MetricSpec:
+    name: str
+    kind: Kind
+    unit: str
+    layer: str
+    source: str
+    help: str
+
+
+def _m(name: str, kind: Kind, unit: str, layer: str, source: str, help: str) -> MetricSpec:
+    return MetricSpec(name, kind, unit, layer, source, help)
+
+
+METRICS: tuple[MetricSpec, ...] = (
+    # compute
+    _m("gpu_sm_occupancy_ratio", "gauge", "ratio", "compute", "GPM SM_OCCUPANCY / 100",
+       "Resident warps over the maximum, averaged over the sample interval (Hopper and newer)."),
+    _m("gpu_tensor_core_util_ratio", "gauge", "ratio", "compute", "GPM ANY_TENSOR_UTIL / 100",
+       "Share of cycles in which any tensor pipe was active (Hopper and newer)."),
+    _m("gpu_sm_active_ratio", "gauge", "ratio", "compute", "GPM SM_UTIL / 100",
+       "Share of cycles in which an SM had work (Hopper and newer)."),
+    _m("gpu_utilization_ratio", "gauge", "ratio", "compute",
+       "nvmlDeviceGetUtilizationRates().gpu / 100",
+       "Share of time any kernel ran: the classic figure, kept for contrast with occupancy."),
+    # memory
+    _m("gpu_mem_bandwidth_util_ratio", "gauge", "ratio", "memory", "GPM DRAM_BW_UTIL / 100",
+       "DRAM bandwidth used over the theoretical maximum (Hopper and newer)."),
+    _m("gpu_memory_controller_busy_ratio", "gauge", "ratio", "memory",
+       "nvmlDeviceGetUtilizationRates().memory / 100",
+       "Share of time device memory was read or written."),
+    _m("gpu_memory_used_bytes", "gauge", "bytes", "memory", "nvmlDeviceGetMemoryInfo (v2, else v1)",
+       "Device memory in use."),
+    _m("gpu_memory_total_bytes", "gauge", "bytes", "memory", "nvmlDeviceGetMemoryInfo (v2, else v1)",
+       "Device memory in total."),
+    _m("gpu_memory_reserved_bytes", "gauge", "bytes", "memory", "nvmlDeviceGetMemoryInfo_v2",
+       "Device memory reserved by the driver and firmware (v2 only)."),
+    _m("gpu_memory_fragmentation_ratio", "gauge", "ratio", "memory",
+       "app: (reserved - allocated) / reserved",
+       "Share of the allocator's cache that holds no tensor."),
+    _m("gpu_allocator_nonreleasable_ratio", "gauge", "ratio", "memory",
+       "app: inactive_split_bytes / reserved",
+       "Free slivers inside live segments that empty_cache() cannot return."),
+    _m("gpu_allocator_largest_free_block_bytes", "gauge", "bytes", "memory",
+       "app: memory_snapshot(), inactive blocks",
+       "Largest request the allocator cache can serve without cudaMalloc."),
+    _m("gpu_allocator_reserved_bytes", "gauge", "bytes", "memory", "app: reserved_bytes.all.current",
+       "Memory the caching allocator holds from CUDA."),
+    _m("gpu_allocator_allocated_bytes", "gauge", "bytes", "memory",
+       "app: allocated_bytes.all.current", "Memory occupied by live tensors."),
+    _m("gpu_allocator_private_pool_bytes", "gauge", "bytes", "memory",
+       "app: private pools (CUDA graphs)", "Memory held by private pools, when the app reports it."),
+    _m("gpu_allocator_alloc_retries_total", "counter", "retries", "memory", "app: num_alloc_retries",
+       "cudaMalloc failed, the cache was flushed and the allocation retried."),
+    _m("gpu_allocator_ooms_total", "counter", "errors", "memory", "app: num_ooms",
+       "Out-of-memory errors raised by the allocator."),
+    # IO
+    _m("gpu_pcie_tx_bytes_per_second", "gauge", "bytes/s", "io",
+       "NVML field 197 deltas, else GPM PCIE_TX, else nvmlDeviceGetPcieThroughput(TX)",
+       "PCIe traffic from the device to the host."),
+    _m("gpu_pcie_rx_bytes_per_second", "gauge", "bytes/s", "io",
+       "NVML field 198 deltas, else GPM PCIE_RX, else nvmlDeviceGetPcieThroughput(RX)",
+       "PCIe traffic from the host to the device."),
+    _m("gpu_pcie_tx_bandwidth_util_ratio", "gauge", "ratio", "io",
+       "gpu_pcie_tx_bytes_per_second / gpu_pcie_link_max_bytes_per_second",
+       "Device-to-host rate over the link maximum."),
+    _m("gpu_pcie_rx_bandwidth_util_ratio", "gauge", "ratio", "io",
+       "gpu_pcie_rx_bytes_per_second / gpu_pcie_link_max_bytes_per_second",
+       "Host-to-device rate over the link maximum."),
+    _m("gpu_pcie_link_max_bytes_per_second", "gauge", "bytes/s", "io",
+       "max link generation x max width (per direction), or --pcie-peak-bytes-per-second",
+       "Per-direction link maximum the ratios divide by."),
+    _m("gpu_pcie_link_generation", "gauge", "generation", "io",
+       "nvmlDeviceGetMaxPcieLinkGeneration", "Maximum PCIe generation of device and system."),
+    _m("gpu_pcie_link_width", "gauge", "lanes", "io", "nvmlDeviceGetMaxPcieLinkWidth",
+       "Maximum PCIe link width."),
+    _m("gpu_pcie_replay_errors_total", "counter", "errors", "io",
+       "NVML field 94, else nvmlDeviceGetPcieReplayCounter",
+       "PCIe replays: link errors that also cost bandwidth."),
+    _m("gpu_nvlink_tx_bytes_per_second", "gauge", "bytes/s", "io",
+       "NVML fields 138 (KiB, per link) deltas summed, else GPM NVLINK_TOTAL_TX",
+       "NVLink data sent, summed over links."),
+    _m("gpu_nvlink_rx_bytes_per_second", "gauge", "bytes/s", "io",
+       "NVML fields 139 (KiB, per link) deltas summed, else GPM NVLINK_TOTAL_RX",
+       "NVLink data received, summed over links."),
+    # app
+    _m("inference_request_duration_seconds", "histogram", "seconds", "app",
+       "app: sidecar.client observe()",
+       "Request latency histogram, merged over the processes using the GPU."),
+    # self
+    _m("gpu_sidecar_up", "gauge", "boolean", "self", "agent",
+       "1 while the agent runs; pushed with every batch."),
+    _m("gpu_sidecar_info", "gauge", "info", "self", "agent",
+       "Version and mode of the agent in labels (version, mode); value 1."),
+    _m("gpu_sidecar_nvml_available", "gauge", "boolean", "self", "agent",
+       "1 when NVML initialised, 0 when the agent runs on app figures only."),
+    _m("gpu_sidecar_gpu_available", "gauge", "boolean", "self", "agent",
+       "Per selected GPU: 1 when the last cycle read it, 0 while it is lost or failing."),
+    _m("gpu_sidecar_samples_collected_total", "counter", "samples", "self", "agent",
+       "GPU samples taken (one per GPU per cycle)."),
+    _m("gpu_sidecar_samples_dropped_total", "counter", "samples", "self", "agent",
+       "Samples lost, by reason."),
+    _m("gpu_sidecar_collection_errors_total", "counter", "errors", "self", "agent",
+       "NVML reads that failed, by reason (gpu_lost, nvml_error)."),
+    _m("gpu_sidecar_cycle_overruns_total", "counter", "cycles", "self", "agent",
+       "Cycles that started late because the previous one ran past its slot."),
+    _m("gpu_sidecar_cycle_duration_seconds", "gauge", "seconds", "self", "agent",
+       "Wall time of the last sampling cycle."),
+    _m("gpu_sidecar_app_messages_accepted_total", "counter", "messages", "self", "agent",
+       "App socket messages accepted."),
+    _m("gpu_sidecar_app_messages_rejected_total", "counter", "messages", "self", "agent",
+       "App socket messages rejected, by reason."),
+)
+
+BY_NAME: dict[str, MetricSpec] = {m.name: m for m in METRICS}
+
+
+def render_markdown() -> str:
+    """The text of ``docs/metrics.md``."""
+    lines = [
+        "# Metrics reference",
+        "",
+        "Generated from `sidecar/metrics.py` by `python -m sidecar.metrics > docs/metrics.md`;",
+        "a test fails when this file is out of date.",
+        "",
+        "Every GPU series carries `gpu_uuid`, `gpu_name`, `gpu_index` and, when configured, `namespace`,",
+        "`pod`, `container`, `node` (see the README, *Pod identity*). Series from the app carry `pid`",
+        "only when several processes share a GPU. A figure a GPU cannot give is absent, never zero.",
+        "Histograms are sent as `_bucket{le=...}`, `_sum` and `_count` series.",
+        "",
+    ]
+    for layer in ("compute", "memory", "io", "app", "self"):
+        lines += [f"## {layer}", "", "| name | type | unit | source | meaning |", "|---|---|---|---|---|"]
+        for m in METRICS:
+            if m.layer == layer:
+                lines.append(f"| `{m.name}` | {m.kind} | {m.unit} | {m.source} | {m.help} |")
+        lines.append("")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    print(render_markdown(), end="")

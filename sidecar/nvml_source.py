@@ -1,0 +1,671 @@
+"""The NVML source: per-GPU readings of the compute, memory and IO layers.
+
+Capabilities are detected once per GPU when it is first opened: what a GPU cannot give
+(``NotSupported``, or ``FunctionNotFound`` on an old driver) is logged once and stays absent. At
+run time only two things can go wrong: the GPU is lost (it is set aside and re-opened later by
+UUID, the others carry on) or a call fails for a passing reason (that figure is absent this cycle,
+logged once until it recovers).
+
+``nvmlDeviceGetPcieThroughput`` blocks for its 20 ms window, so when a GPU has no byte counters
+and no GPM, those calls run concurrently on a small pool while the serial reads go on.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections import Counter
+from collections.abc import Callable, Iterable
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+import pynvml
+import structlog
+
+from sidecar.pcie import counter_rate, link_max_bytes_per_second
+from sidecar.samples import ComputeLayer, GpuIdentity, IoLayer, MemoryLayer
+
+log = structlog.get_logger("sidecar.nvml")
+
+GPM_MIN_INTERVAL_S = 0.1
+KIB = 1024
+MIB = 1024 * 1024
+
+ARCHITECTURES = {
+    pynvml.NVML_DEVICE_ARCH_KEPLER: "kepler",
+    pynvml.NVML_DEVICE_ARCH_MAXWELL: "maxwell",
+    pynvml.NVML_DEVICE_ARCH_PASCAL: "pascal",
+    pynvml.NVML_DEVICE_ARCH_VOLTA: "volta",
+    pynvml.NVML_DEVICE_ARCH_TURING: "turing",
+    pynvml.NVML_DEVICE_ARCH_AMPERE: "ampere",
+    pynvml.NVML_DEVICE_ARCH_ADA: "ada",
+    pynvml.NVML_DEVICE_ARCH_HOPPER: "hopper",
+    getattr(pynvml, "NVML_DEVICE_ARCH_BLACKWELL", 10): "blackwell",
+}
+
+_UNSUPPORTED_CODES = {
+    pynvml.NVML_ERROR_NOT_SUPPORTED,
+    pynvml.NVML_ERROR_FUNCTION_NOT_FOUND,
+    getattr(pynvml, "NVML_ERROR_ARGUMENT_VERSION_MISMATCH", 25),
+}
+_LOST_CODES = {pynvml.NVML_ERROR_GPU_IS_LOST, pynvml.NVML_ERROR_GPU_NOT_FOUND}
+
+# GPM metric id -> (field in our layers, scale to our unit)
+_GPM_CORE = {
+    pynvml.NVML_GPM_METRIC_SM_OCCUPANCY: ("sm_occupancy_ratio", 0.01),
+    pynvml.NVML_GPM_METRIC_ANY_TENSOR_UTIL: ("tensor_core_util_ratio", 0.01),
+    pynvml.NVML_GPM_METRIC_SM_UTIL: ("sm_active_ratio", 0.01),
+    pynvml.NVML_GPM_METRIC_DRAM_BW_UTIL: ("bandwidth_util_ratio", 0.01),
+}
+_GPM_PCIE = {
+    pynvml.NVML_GPM_METRIC_PCIE_TX_PER_SEC: ("pcie_tx_bytes_per_second", MIB),
+    pynvml.NVML_GPM_METRIC_PCIE_RX_PER_SEC: ("pcie_rx_bytes_per_second", MIB),
+}
+_GPM_NVLINK = {
+    pynvml.NVML_GPM_METRIC_NVLINK_TOTAL_TX_PER_SEC: ("nvlink_tx_bytes_per_second", MIB),
+    pynvml.NVML_GPM_METRIC_NVLINK_TOTAL_RX_PER_SEC: ("nvlink_rx_bytes_per_second", MIB),
+}
+# every GPM-derived field -> the metric name users see (for "absent" reports)
+GPM_METRIC_NAMES = {
+    "sm_occupancy_ratio": "gpu_sm_occupancy_ratio",
+    "tensor_core_util_ratio": "gpu_tensor_core_util_ratio",
+    "sm_active_ratio": "gpu_sm_active_ratio",
+    "bandwidth_util_ratio": "gpu_mem_bandwidth_util_ratio",
+}
+
+FI_TX = pynvml.NVML_FI_DEV_PCIE_COUNT_TX_BYTES
+FI_RX = pynvml.NVML_FI_DEV_PCIE_COUNT_RX_BYTES
+FI_REPLAY = pynvml.NVML_FI_DEV_PCIE_REPLAY_COUNTER
+FI_LINKS = pynvml.NVML_FI_DEV_NVLINK_LINK_COUNT
+FI_NVL_TX = pynvml.NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_TX
+FI_NVL_RX = pynvml.NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_RX
+
+_VALUE_BITS = {
+    pynvml.NVML_VALUE_TYPE_UNSIGNED_INT: 32,
+    pynvml.NVML_VALUE_TYPE_UNSIGNED_LONG: 64,
+    pynvml.NVML_VALUE_TYPE_UNSIGNED_LONG_LONG: 64,
+    pynvml.NVML_VALUE_TYPE_SIGNED_LONG_LONG: 63,
+}
+
+
+class NvmlUnavailable(RuntimeError):
+    """NVML could not be initialised; the message says what to set."""
+
+
+class GpuLost(Exception):
+    pass
+
+
+def error_code(exc: pynvml.NVMLError) -> int:
+    return int(getattr(exc, "value", -1))
+
+
+def error_name(exc: pynvml.NVMLError) -> str:
+    return type(exc).__name__.removeprefix("NVMLError_") or "NVMLError"
+
+
+def field_value(fv: Any) -> tuple[int, int] | None:
+    """(value, counter width in bits) of an integer field value, None when it failed."""
+    if fv.nvmlReturn != pynvml.NVML_SUCCESS:
+        return None
+    vt = fv.valueType
+    if vt == pynvml.NVML_VALUE_TYPE_UNSIGNED_INT:
+        return fv.value.uiVal, 32
+    if vt in (pynvml.NVML_VALUE_TYPE_UNSIGNED_LONG, pynvml.NVML_VALUE_TYPE_UNSIGNED_LONG_LONG):
+        return fv.value.ullVal, 64
+    if vt == pynvml.NVML_VALUE_TYPE_SIGNED_LONG_LONG:
+        return fv.value.sllVal, 63
+    if vt == pynvml.NVML_VALUE_TYPE_UNSIGNED_SHORT:
+        return fv.value.usVal, 16
+    return None
+
+
+@dataclass(frozen=True, slots=True)
+class NvmlReading:
+    compute: ComputeLayer
+    memory: MemoryLayer
+    io: IoLayer
+
+
+@dataclass
+class _Device:
+    identity: GpuIdentity
+    handle: Any
+    parent_handle: Any = None  # MIG: the physical GPU
+    gpu_instance_id: int | None = None
+    # capabilities, decided once at open
+    memory: str | None = None  # "v2" | "v1" | None
+    utilization: bool = False
+    gpm: bool = False
+    pcie: str | None = None  # "counters" | "gpm" | "throughput" | None
+    replay: str | None = None  # "field" | "call" | None
+    nvlink_links: int = 0
+    nvlink: str | None = None  # "counters" | "gpm" | None
+    link_generation: int | None = None
+    link_width: int | None = None
+    link_max: float | None = None
+    absent: dict[str, str] = field(default_factory=dict)  # metric -> why
+    # run-time state
+    fields: list[Any] = field(default_factory=list)
+    prev_pcie: tuple[float, int, int, int, int] | None = None  # t, tx, tx_bits, rx, rx_bits
+    prev_nvlink: tuple[float, int, int] | None = None  # t, tx KiB, rx KiB
+    gpm_samples: list[Any] = field(default_factory=list)
+    gpm_prev_t: float | None = None
+    gpm_get: Any = None
+    gpm_ids: dict[int, tuple[str, float]] = field(default_factory=dict)
+    lost_since: float | None = None
+    retry_at: float = 0.0
+    failing: set[str] = field(default_factory=set)
+
+    @property
+    def is_mig(self) -> bool:
+        return self.parent_handle is not None
+
+
+class NvmlSource:
+    def __init__(
+        self,
+        *,
+        pcie_peak_bytes_per_second: float | None = None,
+        lost_retry_s: float = 30.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.pcie_peak = pcie_peak_bytes_per_second
+        self.lost_retry_s = lost_retry_s
+        self.clock = clock
+        self.driver_version = ""
+        self.errors: Counter[str] = Counter()
+        self._devices: dict[str, _Device] = {}
+        self._pool: ThreadPoolExecutor | None = None
+
+    # -- life cycle ----------------------------------------------------------------------------
+
+    def open(self) -> None:
+        try:
+            pynvml.nvmlInit()
+        except pynvml.NVMLError as exc:
+            raise NvmlUnavailable(_init_advice(exc)) from exc
+        try:
+            self.driver_version = pynvml.nvmlSystemGetDriverVersion()
+        except pynvml.NVMLError:
+            self.driver_version = "unknown"
+        count = pynvml.nvmlDeviceGetCount()
+        for index in range(count):
+            try:
+                handle = pynvml.nvmlDeviceGetHandleByIndex(index)
+                for dev in self._open_gpu(handle, index):
+                    self._devices[dev.identity.uuid] = dev
+            except pynvml.NVMLError as exc:
+                log.warning("gpu_unreadable_at_start", gpu_index=index, error=str(exc),
+                            hint=f"it is left out; check `nvidia-smi -i {index}`")
+        log.info("nvml_opened", driver=self.driver_version, gpus=len(self._devices))
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=False, cancel_futures=True)
+            self._pool = None
+        for dev in self._devices.values():
+            for sample in dev.gpm_samples:
+                with contextlib.suppress(pynvml.NVMLError):
+                    pynvml.nvmlGpmSampleFree(sample)
+            dev.gpm_samples.clear()
+        self._devices.clear()
+        with contextlib.suppress(pynvml.NVMLError):
+            pynvml.nvmlShutdown()
+
+    def devices(self) -> list[GpuIdentity]:
+        return [d.identity for d in self._devices.values()]
+
+    def absent(self, uuid: str) -> dict[str, str]:
+        """Metrics this GPU cannot give, with the reason (for ``probe`` and the start-up log)."""
+        return dict(self._devices[uuid].absent)
+
+    def capabilities(self, uuid: str) -> dict[str, Any]:
+        d = self._devices[uuid]
+        return {"memory": d.memory, "utilization": d.utilization, "gpm": d.gpm, "pcie": d.pcie,
+                "replay": d.replay, "nvlink": d.nvlink, "nvlink_links": d.nvlink_links,
+                "link_generation": d.link_generation, "link_width": d.link_width,
+                "link_max_bytes_per_second": d.link_max}
+
+    def is_lost(self, uuid: str) -> bool:
+        dev = self._devices.get(uuid)
+        return dev is not None and dev.lost_since is not None
+
+    # -- opening one GPU -----------------------------------------------------------------------
+
+    def _open_gpu(self, handle: Any, index: int) -> list[_Device]:
+        identity = GpuIdentity(
+            uuid=pynvml.nvmlDeviceGetUUID(handle),
+            name=pynvml.nvmlDeviceGetName(handle),
+            index=str(index),
+            pci_bus_id=_bus_id(handle),
+            architecture=ARCHITECTURES.get(
+                _try(lambda: pynvml.nvmlDeviceGetArchitecture(handle), -1), "unknown"),
+        )
+        dev = _Device(identity=identity, handle=handle)
+        self._detect(dev)
+        devices = [dev]
+        mig_mode = _try(lambda: pynvml.nvmlDeviceGetMigMode(handle), [0, 0])
+        if mig_mode[0] == 1:
+            devices += self._open_migs(dev)
+        self._report(dev)
+        return devices
+
+    def _open_migs(self, parent: _Device) -> list[_Device]:
+        out: list[_Device] = []
+        slots = _try(lambda: pynvml.nvmlDeviceGetMaxMigDeviceCount(parent.handle), 0)
+        for slot in range(slots):
+            try:
+                mh = pynvml.nvmlDeviceGetMigDeviceHandleByIndex(parent.handle, slot)
+            except pynvml.NVMLError:
+                continue  # empty slot
+            identity = GpuIdentity(
+                uuid=pynvml.nvmlDeviceGetUUID(mh),
+                name=pynvml.nvmlDeviceGetName(mh),
+                index=f"{parent.identity.index}/{slot}",
+                pci_bus_id=parent.identity.pci_bus_id,
+                architecture=parent.identity.architecture,
+                parent_uuid=parent.identity.uuid,
+            )
+            dev = _Device(identity=identity, handle=mh, parent_handle=parent.handle,
+                          gpu_instance_id=pynvml.nvmlDeviceGetGpuInstanceId(mh))
+            self._detect_memory(dev)
+            dev.gpm = parent.gpm
+            if dev.gpm:
+                self._gpm_setup(dev, _GPM_CORE)
+            dev.link_generation, dev.link_width = parent.link_generation, parent.link_width
+            dev.link_max = parent.link_max
+            for name in ("gpu_utilization_ratio", "gpu_memory_controller_busy_ratio",
+                         "gpu_pcie_tx_bytes_per_second", "gpu_pcie_rx_bytes_per_second",
+                         "gpu_nvlink_tx_bytes_per_second", "gpu_nvlink_rx_bytes_per_second",
+                         "gpu_pcie_replay_errors_total"):
+                dev.absent[name] = "MIG instance: reported on the parent GPU only"
+            if not dev.gpm:
+                for name in GPM_METRIC_NAMES.values():
+                    dev.absent[name] = parent.absent.get(name, "no GPM")
+            self._report(dev)
+            out.append(dev)
+        return out
+
+    def _detect_memory(self, dev: _Device) -> None:
+        try:
+            pynvml.nvmlDeviceGetMemoryInfo(dev.handle, version=pynvml.nvmlMemory_v2)
+            dev.memory = "v2"
+            return
+        except pynvml.NVMLError as exc:
+            if error_code(exc) not in _UNSUPPORTED_CODES:
+                raise
+        dev.absent["gpu_memory_reserved_bytes"] = "nvmlDeviceGetMemoryInfo_v2 unavailable (old driver)"
+        try:
+            pynvml.nvmlDeviceGetMemoryInfo(dev.handle)
+            dev.memory = "v1"
+        except pynvml.NVMLError as exc:
+            if error_code(exc) not in _UNSUPPORTED_CODES:
+                raise
+            for name in ("gpu_memory_used_bytes", "gpu_memory_total_bytes"):
+                dev.absent[name] = error_name(exc)
+
+    def _detect(self, dev: _Device) -> None:
+        h = dev.handle
+        self._detect_memory(dev)
+        try:
+            pynvml.nvmlDeviceGetUtilizationRates(h)
+            dev.utilization = True
+        except pynvml.NVMLError as exc:
+            if error_code(exc) not in _UNSUPPORTED_CODES:
+                raise
+            dev.absent["gpu_utilization_ratio"] = error_name(exc)
+            dev.absent["gpu_memory_controller_busy_ratio"] = error_name(exc)
+
+        try:
+            dev.gpm = bool(pynvml.nvmlGpmQueryDeviceSupport(h).isSupportedDevice)
+            gpm_why = "GPM not supported on this GPU (Hopper and newer only)"
+        except pynvml.NVMLError as exc:
+            if error_code(exc) not in _UNSUPPORTED_CODES:
+                raise
+            dev.gpm = False
+            gpm_why = f"GPM unavailable: {error_name(exc)} (driver too old?)"
+
+        # link: the device's maximum, not the current (idle links train down to save power)
+        dev.link_generation = _try(lambda: pynvml.nvmlDeviceGetMaxPcieLinkGeneration(h), None)
+        dev.link_width = _try(lambda: pynvml.nvmlDeviceGetMaxPcieLinkWidth(h), None)
+        if self.pcie_peak:
+            dev.link_max = float(self.pcie_peak)
+        elif dev.link_generation and dev.link_width:
+            dev.link_max = link_max_bytes_per_second(dev.link_generation, dev.link_width)
+        if dev.link_max is None:
+            for name in ("gpu_pcie_link_max_bytes_per_second", "gpu_pcie_tx_bandwidth_util_ratio",
+                         "gpu_pcie_rx_bandwidth_util_ratio"):
+                dev.absent[name] = "link generation/width unknown; set --pcie-peak-bytes-per-second"
+
+        probe: dict[int, tuple[int, int] | None] = {}
+        try:
+            values = pynvml.nvmlDeviceGetFieldValues(h, [FI_TX, FI_RX, FI_REPLAY, FI_LINKS])
+            probe = {v.fieldId: field_value(v) for v in values}
+        except pynvml.NVMLError as exc:
+            if error_code(exc) not in _UNSUPPORTED_CODES:
+                raise
+        if probe.get(FI_TX) and probe.get(FI_RX):
+            dev.pcie = "counters"
+        elif dev.gpm:
+            dev.pcie = "gpm"
+        else:
+            dev.pcie = "throughput"
+        if probe.get(FI_REPLAY):
+            dev.replay = "field"
+        elif _try(lambda: pynvml.nvmlDeviceGetPcieReplayCounter(h), None) is not None:
+            dev.replay = "call"
+        else:
+            dev.absent["gpu_pcie_replay_errors_total"] = "not supported"
+        links = probe.get(FI_LINKS)
+        dev.nvlink_links = links[0] if links else 0
+        if dev.nvlink_links:
+            try:
+                check = pynvml.nvmlDeviceGetFieldValues(h, [(FI_NVL_TX, 0), (FI_NVL_RX, 0)])
+                if all(field_value(v) for v in check):
+                    dev.nvlink = "counters"
+            except pynvml.NVMLError as exc:
+                if error_code(exc) not in _UNSUPPORTED_CODES:
+                    raise
+        if dev.nvlink is None and dev.gpm and dev.nvlink_links:
+            dev.nvlink = "gpm"
+        if dev.nvlink is None:
+            why = "no NVLink on this GPU" if not dev.nvlink_links else "NVLink counters unsupported"
+            dev.absent["gpu_nvlink_tx_bytes_per_second"] = why
+            dev.absent["gpu_nvlink_rx_bytes_per_second"] = why
+
+        ids = [FI_TX, FI_RX] if dev.pcie == "counters" else []
+        if dev.replay == "field":
+            ids.append(FI_REPLAY)
+        if dev.nvlink == "counters":
+            ids += [(FI_NVL_TX, link) for link in range(dev.nvlink_links)]
+            ids += [(FI_NVL_RX, link) for link in range(dev.nvlink_links)]
+        dev.fields = ids
+
+        if dev.gpm:
+            metrics = dict(_GPM_CORE)
+            if dev.pcie == "gpm":
+                metrics |= _GPM_PCIE
+            if dev.nvlink == "gpm":
+                metrics |= _GPM_NVLINK
+            self._gpm_setup(dev, metrics)
+        else:
+            for name in GPM_METRIC_NAMES.values():
+                dev.absent[name] = gpm_why
+
+    def _gpm_setup(self, dev: _Device, metrics: dict[int, tuple[str, float]]) -> None:
+        dev.gpm_samples = [pynvml.nvmlGpmSampleAlloc(), pynvml.nvmlGpmSampleAlloc()]
+        get = pynvml.c_nvmlGpmMetricsGet_t()
+        get.version = pynvml.NVML_GPM_METRICS_GET_VERSION
+        get.numMetrics = len(metrics)
+        for i, metric_id in enumerate(metrics):
+            get.metrics[i].metricId = metric_id
+        dev.gpm_get = get
+        dev.gpm_ids = metrics
+
+    def _report(self, dev: _Device) -> None:
+        if dev.absent:
+            log.info("gpu_metrics_absent", gpu_uuid=dev.identity.uuid, gpu_name=dev.identity.name,
+                     absent=dict(sorted(dev.absent.items())))
+
+    # -- reading -------------------------------------------------------------------------------
+
+    def read(self, uuids: Iterable[str]) -> dict[str, NvmlReading | None]:
+        """One reading per requested GPU; None for a GPU that is lost or unknown."""
+        now = self.clock()
+        uuids = list(uuids)
+        wanted = [self._devices.get(u) for u in uuids]
+        result: dict[str, NvmlReading | None] = {}
+        live: list[_Device] = []
+        for uuid, dev in zip(uuids, wanted, strict=True):
+            if dev is None or (dev.lost_since is not None and not self._recover(dev, now)):
+                result[uuid] = None
+            else:
+                live.append(dev)
+
+        pending: dict[str, tuple[Future[int], Future[int]]] = {}
+        slow = [d for d in live if d.pcie == "throughput" and not d.is_mig]
+        if slow:
+            pool = self._executor(len(slow))
+            for dev in slow:
+                pending[dev.identity.uuid] = (
+                    pool.submit(pynvml.nvmlDeviceGetPcieThroughput, dev.handle,
+                                pynvml.NVML_PCIE_UTIL_TX_BYTES),
+                    pool.submit(pynvml.nvmlDeviceGetPcieThroughput, dev.handle,
+                                pynvml.NVML_PCIE_UTIL_RX_BYTES),
+                )
+        parts: dict[str, tuple[dict[str, Any], dict[str, Any], dict[str, Any]]] = {}
+        for dev in live:
+            try:
+                parts[dev.identity.uuid] = self._read_serial(dev, now)
+            except GpuLost:
+                self._mark_lost(dev, now)
+                result[dev.identity.uuid] = None
+        for uuid, (ftx, frx) in pending.items():
+            dev = self._devices[uuid]
+            try:
+                tx, rx = ftx.result(), frx.result()
+            except pynvml.NVMLError as exc:
+                if error_code(exc) in _LOST_CODES:
+                    if uuid in parts:
+                        self._mark_lost(dev, now)
+                        parts.pop(uuid)
+                        result[uuid] = None
+                else:
+                    self._failed(dev, "pcie_throughput", exc)
+                continue
+            self._recovered(dev, "pcie_throughput")
+            if uuid in parts:
+                parts[uuid][2]["pcie_tx_bytes_per_second"] = float(tx * KIB)
+                parts[uuid][2]["pcie_rx_bytes_per_second"] = float(rx * KIB)
+        for uuid, (c, m, io) in parts.items():
+            result[uuid] = NvmlReading(ComputeLayer(**c), MemoryLayer(**m), IoLayer(**io))
+        return result
+
+    def _executor(self, n: int) -> ThreadPoolExecutor:
+        if self._pool is None or self._pool._max_workers < 2 * n:
+            if self._pool is not None:
+                self._pool.shutdown(wait=False)
+            self._pool = ThreadPoolExecutor(max_workers=2 * n, thread_name_prefix="pcie")
+        return self._pool
+
+    def _call(self, dev: _Device, what: str, fn: Callable[..., Any], *args: Any) -> Any:
+        try:
+            value = fn(*args)
+        except pynvml.NVMLError as exc:
+            if error_code(exc) in _LOST_CODES:
+                raise GpuLost from exc
+            self._failed(dev, what, exc)
+            return None
+        if dev.failing:
+            self._recovered(dev, what)
+        return value
+
+    def _failed(self, dev: _Device, what: str, exc: pynvml.NVMLError) -> None:
+        self.errors["nvml_error"] += 1
+        if what not in dev.failing:
+            dev.failing.add(what)
+            log.warning("nvml_read_failed", gpu_uuid=dev.identity.uuid, read=what,
+                        error=error_name(exc), detail=str(exc),
+                        effect="figure absent until the read succeeds; logged once")
+
+    def _recovered(self, dev: _Device, what: str) -> None:
+        if what in dev.failing:
+            dev.failing.discard(what)
+            log.info("nvml_read_recovered", gpu_uuid=dev.identity.uuid, read=what)
+
+    def _mark_lost(self, dev: _Device, now: float) -> None:
+        if dev.lost_since is None:
+            dev.lost_since = now
+            self.errors["gpu_lost"] += 1
+            log.error("gpu_lost", gpu_uuid=dev.identity.uuid, gpu_name=dev.identity.name,
+                      retry_in_s=self.lost_retry_s,
+                      effect="its series stop; the other GPUs keep reporting")
+        dev.retry_at = now + self.lost_retry_s
+        dev.prev_pcie = dev.prev_nvlink = None
+        dev.gpm_prev_t = None
+
+    def _recover(self, dev: _Device, now: float) -> bool:
+        if now < dev.retry_at:
+            return False
+        try:
+            if dev.is_mig:
+                raise pynvml.NVMLError(pynvml.NVML_ERROR_GPU_IS_LOST)  # re-opened with its parent
+            handle = pynvml.nvmlDeviceGetHandleByUUID(dev.identity.uuid)
+            pynvml.nvmlDeviceGetUUID(handle)
+        except pynvml.NVMLError:
+            dev.retry_at = now + self.lost_retry_s
+            return False
+        dev.handle = handle
+        log.info("gpu_recovered", gpu_uuid=dev.identity.uuid,
+                 lost_for_s=round(now - (dev.lost_since or now), 3))
+        dev.lost_since = None
+        return True
+
+    def _read_serial(
+        self, dev: _Device, now: float
+    ) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
+        h = dev.handle
+        compute: dict[str, Any] = {}
+        memory: dict[str, Any] = {}
+        io: dict[str, Any] = {
+            "pcie_link_max_bytes_per_second": dev.link_max,
+            "pcie_link_generation": dev.link_generation,
+            "pcie_link_width": dev.link_width,
+        }
+        if dev.memory == "v2":
+            mem = self._call(dev, "memory", pynvml.nvmlDeviceGetMemoryInfo, h, pynvml.nvmlMemory_v2)
+            if mem is not None:
+                memory.update(used_bytes=mem.used, total_bytes=mem.total,
+                              reserved_bytes=mem.reserved)
+        elif dev.memory == "v1":
+            mem = self._call(dev, "memory", pynvml.nvmlDeviceGetMemoryInfo, h)
+            if mem is not None:
+                memory.update(used_bytes=mem.used, total_bytes=mem.total)
+        if dev.utilization:
+            util = self._call(dev, "utilization", pynvml.nvmlDeviceGetUtilizationRates, h)
+            if util is not None:
+                compute["utilization_ratio"] = util.gpu / 100.0
+                memory["controller_busy_ratio"] = util.memory / 100.0
+        if dev.fields:
+            values = self._call(dev, "field_values", pynvml.nvmlDeviceGetFieldValues, h,
+                                dev.fields)
+            if values is not None:
+                self._counters(dev, values, now, io)
+        if dev.replay == "call":
+            replay = self._call(dev, "replay", pynvml.nvmlDeviceGetPcieReplayCounter, h)
+            if replay is not None:
+                io["pcie_replay_errors"] = replay
+        if dev.gpm:
+            self._gpm(dev, now, compute, memory, io)
+        return compute, memory, io
+
+    def _counters(self, dev: _Device, values: Any, now: float, io: dict[str, Any]) -> None:
+        by_id: dict[int, tuple[int, int] | None] = {}
+        nvl_tx = nvl_rx = 0
+        nvl_ok = True
+        for v in values:
+            got = field_value(v)
+            if v.fieldId == FI_NVL_TX or v.fieldId == FI_NVL_RX:
+                if got is None:
+                    nvl_ok = False
+                elif v.fieldId == FI_NVL_TX:
+                    nvl_tx += got[0]
+                else:
+                    nvl_rx += got[0]
+            else:
+                by_id[v.fieldId] = got
+        replay = by_id.get(FI_REPLAY)
+        if replay is not None:
+            io["pcie_replay_errors"] = replay[0]
+        tx, rx = by_id.get(FI_TX), by_id.get(FI_RX)
+        if dev.pcie == "counters" and tx and rx:
+            ceiling = 4 * dev.link_max if dev.link_max else None
+            prev = dev.prev_pcie
+            if prev is not None:
+                dt = now - prev[0]
+                io["pcie_tx_bytes_per_second"] = counter_rate(prev[1], tx[0], dt, tx[1], ceiling)
+                io["pcie_rx_bytes_per_second"] = counter_rate(prev[3], rx[0], dt, rx[1], ceiling)
+            dev.prev_pcie = (now, tx[0], tx[1], rx[0], rx[1])
+        if dev.nvlink == "counters" and nvl_ok:
+            prev_n = dev.prev_nvlink
+            if prev_n is not None:
+                dt = now - prev_n[0]
+                tx_rate = counter_rate(prev_n[1], nvl_tx, dt, 64)
+                rx_rate = counter_rate(prev_n[2], nvl_rx, dt, 64)
+                io["nvlink_tx_bytes_per_second"] = None if tx_rate is None else tx_rate * KIB
+                io["nvlink_rx_bytes_per_second"] = None if rx_rate is None else rx_rate * KIB
+            dev.prev_nvlink = (now, nvl_tx, nvl_rx)
+
+    def _gpm(
+        self, dev: _Device, now: float, compute: dict[str, Any], memory: dict[str, Any],
+        io: dict[str, Any]
+    ) -> None:
+        """Average of each GPM metric between the previous cycle's sample and this one."""
+        prev_t = dev.gpm_prev_t
+        if prev_t is not None and now - prev_t < GPM_MIN_INTERVAL_S:
+            if "gpm_interval" not in dev.failing:
+                dev.failing.add("gpm_interval")
+                log.warning("gpm_interval_too_short", gpu_uuid=dev.identity.uuid,
+                            interval_s=round(now - prev_t, 4), minimum_s=GPM_MIN_INTERVAL_S,
+                            effect="GPM figures skipped for this cycle; raise --interval")
+            return
+        fresh, previous = dev.gpm_samples[1], dev.gpm_samples[0]
+        if dev.is_mig:
+            got = self._call(dev, "gpm_sample", pynvml.nvmlGpmMigSampleGet, dev.parent_handle,
+                             dev.gpu_instance_id, fresh)
+        else:
+            got = self._call(dev, "gpm_sample", pynvml.nvmlGpmSampleGet, dev.handle, fresh)
+        if got is None:
+            dev.gpm_prev_t = None
+            return
+        if prev_t is not None:
+            get = dev.gpm_get
+            get.sample1, get.sample2 = previous, fresh
+            if self._call(dev, "gpm_metrics", pynvml.nvmlGpmMetricsGet, get) is not None:
+                for i in range(get.numMetrics):
+                    metric = get.metrics[i]
+                    if metric.nvmlReturn != pynvml.NVML_SUCCESS:
+                        continue
+                    name, scale = dev.gpm_ids[metric.metricId]
+                    value = metric.value * scale
+                    if name in ComputeLayer.__slots__:
+                        compute[name] = value
+                    elif name in MemoryLayer.__slots__:
+                        memory[name] = value
+                    else:
+                        io[name] = value
+        dev.gpm_samples.reverse()
+        dev.gpm_prev_t = now
+
+
+def _try(fn: Callable[[], Any], default: Any) -> Any:
+    try:
+        return fn()
+    except pynvml.NVMLError:
+        return default
+
+
+def _bus_id(handle: Any) -> str:
+    raw = _try(lambda: pynvml.nvmlDeviceGetPciInfo(handle).busId, b"")
+    return raw.decode(errors="replace") if isinstance(raw, bytes) else str(raw)
+
+
+def _init_advice(exc: pynvml.NVMLError) -> str:
+    code = error_code(exc)
+    if code == pynvml.NVML_ERROR_LIBRARY_NOT_FOUND:
+        what = "the NVML library (libnvidia-ml.so.1) is not in this container"
+    elif code == pynvml.NVML_ERROR_DRIVER_NOT_LOADED:
+        what = "the NVIDIA driver is not loaded on this node"
+    elif code == pynvml.NVML_ERROR_NO_PERMISSION:
+        what = "this user may not open the GPU device files"
+    else:
+        what = f"NVML failed to initialise ({error_name(exc)}: {exc})"
+    return (
+        f"{what}. Give the container its GPUs through the NVIDIA runtime: set "
+        "NVIDIA_VISIBLE_DEVICES to the pod's GPU UUIDs (or share the app container's devices) and "
+        "NVIDIA_DRIVER_CAPABILITIES=utility so libnvidia-ml.so.1 is mounted; or run with "
+        "--no-nvml (GPU_SIDECAR_NO_NVML=1) to export only the app's allocator and latency figures; "
+        "or try --simulate healthy on a machine without a GPU."
+    )

@@ -1,0 +1,214 @@
+"""The app socket's message format, version 1 (Contract 2).
+
+Standard library only: ``sidecar.client`` imports this module into the model server.
+
+One datagram is one JSON object, UTF-8, at most ``MAX_MESSAGE_BYTES``. Every message names its
+format version (``v``), its ``kind`` and the sender's ``pid``. Kinds:
+
+``hello``      ``gpus``: the UUIDs the process uses (at most 64). Announces the pod's GPUs.
+``allocator``  ``gpu`` and the caching allocator's figures in bytes and counts:
+               ``reserved_bytes``, ``allocated_bytes``, ``active_bytes``, ``inactive_split_bytes``,
+               ``alloc_retries``, ``ooms``; optional ``largest_free_block_bytes``,
+               ``private_pool_bytes``.
+``latency``    ``gpu``, ``bounds`` (finite, strictly increasing upper bounds in seconds, at most
+               64), ``counts`` (cumulative counts, one per bound plus one for +Inf, never
+               decreasing) and ``sum`` (seconds). Counts are cumulative since the process started.
+
+Unknown fields are rejected rather than ignored: a typo must not pass for a missing figure, and
+a new field is a new version.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from dataclasses import dataclass
+from typing import Any
+
+VERSION = 1
+MAX_MESSAGE_BYTES = 8192
+MAX_GPUS = 64
+MAX_BUCKETS = 64
+MAX_BYTES = 1 << 50  # 1 PiB: no single GPU has more; anything above is corrupt
+MAX_COUNT = 1 << 53  # exact in a JSON double
+DEFAULT_SOCKET_PATH = "/run/gpu-sidecar/app.sock"
+SOCKET_ENV = "GPU_SIDECAR_SOCKET"
+
+UUID_RE = re.compile(r"^(GPU|MIG)-[0-9A-Za-z][0-9A-Za-z/\-]{3,95}$")
+
+ALLOCATOR_REQUIRED = (
+    "reserved_bytes",
+    "allocated_bytes",
+    "active_bytes",
+    "inactive_split_bytes",
+    "alloc_retries",
+    "ooms",
+)
+ALLOCATOR_OPTIONAL = ("largest_free_block_bytes", "private_pool_bytes")
+_COMMON = ("v", "kind", "pid")
+_FIELDS = {
+    "hello": frozenset((*_COMMON, "gpus")),
+    "allocator": frozenset((*_COMMON, "gpu", *ALLOCATOR_REQUIRED, *ALLOCATOR_OPTIONAL)),
+    "latency": frozenset((*_COMMON, "gpu", "bounds", "counts", "sum")),
+}
+
+
+class Rejected(ValueError):
+    """A message that fails validation; ``reason`` is the counter label, the text says why."""
+
+    def __init__(self, reason: str, detail: str) -> None:
+        super().__init__(detail)
+        self.reason = reason
+
+
+@dataclass(frozen=True, slots=True)
+class Hello:
+    pid: int
+    gpus: tuple[str, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class Allocator:
+    pid: int
+    gpu: str
+    reserved_bytes: int
+    allocated_bytes: int
+    active_bytes: int
+    inactive_split_bytes: int
+    alloc_retries: int
+    ooms: int
+    largest_free_block_bytes: int | None = None
+    private_pool_bytes: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Latency:
+    pid: int
+    gpu: str
+    bounds: tuple[float, ...]
+    counts: tuple[int, ...]
+    sum: float
+
+
+Message = Hello | Allocator | Latency
+
+
+def encode(message: Message) -> bytes:
+    """The datagram for ``message``; raises ValueError if it would be refused."""
+    body: dict[str, Any] = {"v": VERSION}
+    if isinstance(message, Hello):
+        body |= {"kind": "hello", "pid": message.pid, "gpus": list(message.gpus)}
+    elif isinstance(message, Allocator):
+        body |= {"kind": "allocator", "pid": message.pid, "gpu": message.gpu}
+        for name in ALLOCATOR_REQUIRED:
+            body[name] = getattr(message, name)
+        for name in ALLOCATOR_OPTIONAL:
+            value = getattr(message, name)
+            if value is not None:
+                body[name] = value
+    else:
+        body |= {"kind": "latency", "pid": message.pid, "gpu": message.gpu,
+                 "bounds": list(message.bounds), "counts": list(message.counts),
+                 "sum": message.sum}
+    data = json.dumps(body, separators=(",", ":"), allow_nan=False).encode()
+    if len(data) > MAX_MESSAGE_BYTES:
+        raise ValueError(f"message of {len(data)} bytes exceeds {MAX_MESSAGE_BYTES}")
+    return data
+
+
+def _reject_constant(name: str) -> Any:
+    raise Rejected("bad_number", f"{name} is not a number JSON allows")
+
+
+def decode(data: bytes) -> Message:
+    """Parse and validate one datagram; raises ``Rejected`` with a reason and an explanation."""
+    if len(data) > MAX_MESSAGE_BYTES:
+        raise Rejected("too_large", f"datagram of {len(data)} bytes exceeds {MAX_MESSAGE_BYTES}")
+    try:
+        body = json.loads(data.decode("utf-8"), parse_constant=_reject_constant)
+    except Rejected:
+        raise
+    except (UnicodeDecodeError, ValueError, RecursionError) as exc:
+        raise Rejected("not_json", f"not a UTF-8 JSON document: {str(exc)[:80]}") from None
+    if not isinstance(body, dict):
+        raise Rejected("not_object", "a message is a JSON object")
+    version = body.get("v")
+    if type(version) is not int:
+        raise Rejected("bad_version", "field 'v' (format version) is missing or not an integer")
+    if version != VERSION:
+        raise Rejected("bad_version", f"format version {version!r} is not supported (want {VERSION})")
+    kind = body.get("kind")
+    if kind not in _FIELDS:
+        raise Rejected("bad_kind", f"kind {str(kind)[:32]!r} is not one of {sorted(_FIELDS)}")
+    unknown = set(body) - _FIELDS[kind]
+    if unknown:
+        raise Rejected("unknown_field", f"unknown fields for {kind}: {sorted(unknown)[:5]}")
+    pid = _int(body, "pid", 1, 1 << 22)
+    if kind == "hello":
+        gpus = body.get("gpus")
+        if not isinstance(gpus, list) or not gpus or len(gpus) > MAX_GPUS:
+            raise Rejected("bad_type", f"'gpus' must be a list of 1..{MAX_GPUS} GPU UUIDs")
+        return Hello(pid, tuple(_uuid(g) for g in gpus))
+    gpu = _uuid(body.get("gpu"))
+    if kind == "allocator":
+        figures = {name: _int(body, name, 0, MAX_BYTES) for name in ALLOCATOR_REQUIRED}
+        optional = {
+            name: _int(body, name, 0, MAX_BYTES) for name in ALLOCATOR_OPTIONAL if name in body
+        }
+        reserved = figures["reserved_bytes"]
+        for name in ("allocated_bytes", "active_bytes", "inactive_split_bytes",
+                     *optional.keys()):
+            value = figures.get(name, optional.get(name))
+            if value is not None and value > reserved:
+                raise Rejected("inconsistent", f"{name}={value} exceeds reserved_bytes={reserved}")
+        return Allocator(pid, gpu, **figures, **optional)
+    return _latency(body, pid, gpu)
+
+
+def _latency(body: dict[str, Any], pid: int, gpu: str) -> Latency:
+    bounds, counts, total = body.get("bounds"), body.get("counts"), body.get("sum")
+    if not isinstance(bounds, list) or not 1 <= len(bounds) <= MAX_BUCKETS:
+        raise Rejected("bad_type", f"'bounds' must be a list of 1..{MAX_BUCKETS} numbers")
+    if not isinstance(counts, list) or len(counts) != len(bounds) + 1:
+        raise Rejected("bad_type", "'counts' must have one entry per bound plus one for +Inf")
+    clean_bounds: list[float] = []
+    for b in bounds:
+        if type(b) not in (int, float) or not math.isfinite(b) or b <= 0:
+            raise Rejected("out_of_range", "every bound must be a finite number of seconds > 0")
+        if clean_bounds and b <= clean_bounds[-1]:
+            raise Rejected("out_of_range", "bounds must be strictly increasing")
+        clean_bounds.append(float(b))
+    previous = 0
+    for c in counts:
+        if type(c) is not int or not 0 <= c <= MAX_COUNT:
+            raise Rejected("out_of_range", f"every count must be an integer in 0..{MAX_COUNT}")
+        if c < previous:
+            raise Rejected("inconsistent", "cumulative counts must never decrease")
+        previous = c
+    if type(total) not in (int, float) or not math.isfinite(total) or total < 0:
+        raise Rejected("out_of_range", "'sum' must be a finite number of seconds >= 0")
+    return Latency(pid, gpu, tuple(clean_bounds), tuple(counts), float(total))
+
+
+def _int(body: dict[str, Any], name: str, low: int, high: int) -> int:
+    if name not in body:
+        raise Rejected("missing_field", f"field {name!r} is required")
+    value = body[name]
+    if type(value) is not int:  # bool is an int subclass; type() keeps it out
+        raise Rejected("bad_type", f"field {name!r} must be an integer, not {type(value).__name__}")
+    if not low <= value <= high:
+        raise Rejected("out_of_range", f"field {name!r}={value} is outside {low}..{high}")
+    return value
+
+
+def _uuid(value: Any) -> str:
+    if not isinstance(value, str) or not UUID_RE.match(value):
+        raise Rejected("bad_uuid", f"{str(value)[:48]!r} is not a GPU or MIG UUID")
+    return value
+
+# Latency buckets (seconds) shared by the client and the simulator: fine around the 50-300 ms
+# where the seed's latency went from 80 to 260 ms, coarse beyond.
+DEFAULT_LATENCY_BOUNDS: tuple[float, ...] = (
+    0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0,
+)

@@ -1,0 +1,191 @@
+"""Three-layer samples and their conversion into labelled series (Contract 1).
+
+A sample is what one cycle learned about one GPU; ``None`` in a field means the GPU could not give
+that figure, and it becomes an absent series, never a zero.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+
+Labels = tuple[tuple[str, str], ...]
+
+
+@dataclass(frozen=True, slots=True)
+class Series:
+    name: str
+    labels: Labels
+    value: float
+    timestamp_ms: int
+
+
+@dataclass(frozen=True, slots=True)
+class GpuIdentity:
+    uuid: str
+    name: str
+    index: str
+    pci_bus_id: str = ""
+    architecture: str = ""
+    parent_uuid: str = ""  # set for MIG instances
+
+
+@dataclass(frozen=True, slots=True)
+class ComputeLayer:
+    sm_occupancy_ratio: float | None = None
+    tensor_core_util_ratio: float | None = None
+    sm_active_ratio: float | None = None
+    utilization_ratio: float | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class MemoryLayer:
+    bandwidth_util_ratio: float | None = None
+    controller_busy_ratio: float | None = None
+    used_bytes: int | None = None
+    total_bytes: int | None = None
+    reserved_bytes: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class IoLayer:
+    pcie_tx_bytes_per_second: float | None = None
+    pcie_rx_bytes_per_second: float | None = None
+    pcie_link_max_bytes_per_second: float | None = None
+    pcie_link_generation: int | None = None
+    pcie_link_width: int | None = None
+    pcie_replay_errors: int | None = None
+    nvlink_tx_bytes_per_second: float | None = None
+    nvlink_rx_bytes_per_second: float | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class AllocatorFigures:
+    """What one process's caching allocator said about one GPU."""
+
+    pid: int
+    reserved_bytes: int
+    allocated_bytes: int
+    active_bytes: int
+    inactive_split_bytes: int
+    alloc_retries: int
+    ooms: int
+    largest_free_block_bytes: int | None = None
+    private_pool_bytes: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class LatencyHistogram:
+    """Cumulative request-latency buckets; ``counts[i]`` counts requests <= ``bounds[i]``,
+    the last entry is +Inf."""
+
+    bounds: tuple[float, ...]
+    counts: tuple[int, ...]
+    sum_seconds: float
+
+    @property
+    def count(self) -> int:
+        return self.counts[-1]
+
+
+@dataclass(frozen=True, slots=True)
+class AppFigures:
+    allocators: tuple[AllocatorFigures, ...] = ()
+    latency: LatencyHistogram | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class GpuSample:
+    identity: GpuIdentity
+    timestamp_ms: int
+    compute: ComputeLayer = field(default_factory=ComputeLayer)
+    memory: MemoryLayer = field(default_factory=MemoryLayer)
+    io: IoLayer = field(default_factory=IoLayer)
+    app: AppFigures = field(default_factory=AppFigures)
+
+
+def ratio(numerator: float | None, denominator: float | None) -> float | None:
+    if numerator is None or not denominator:
+        return None
+    return numerator / denominator
+
+
+def gpu_labels(identity: GpuIdentity, pod: Mapping[str, str]) -> Labels:
+    base = {"gpu_uuid": identity.uuid, "gpu_name": identity.name, "gpu_index": identity.index}
+    base.update(pod)
+    return tuple(sorted(base.items()))
+
+
+def _with(labels: Labels, **extra: str) -> Labels:
+    return tuple(sorted((*labels, *extra.items())))
+
+
+def format_bound(bound: float) -> str:
+    """Bucket bounds the way Prometheus clients write them (``0.1``, ``1.0``, ``+Inf``)."""
+    return repr(float(bound))
+
+
+def sample_series(sample: GpuSample, pod: Mapping[str, str]) -> Iterator[Series]:
+    """Every series of one sample, named and labelled as Contract 1 says."""
+    labels = gpu_labels(sample.identity, pod)
+    ts = sample.timestamp_ms
+    c, m, io = sample.compute, sample.memory, sample.io
+    plain: tuple[tuple[str, float | int | None], ...] = (
+        ("gpu_sm_occupancy_ratio", c.sm_occupancy_ratio),
+        ("gpu_tensor_core_util_ratio", c.tensor_core_util_ratio),
+        ("gpu_sm_active_ratio", c.sm_active_ratio),
+        ("gpu_utilization_ratio", c.utilization_ratio),
+        ("gpu_mem_bandwidth_util_ratio", m.bandwidth_util_ratio),
+        ("gpu_memory_controller_busy_ratio", m.controller_busy_ratio),
+        ("gpu_memory_used_bytes", m.used_bytes),
+        ("gpu_memory_total_bytes", m.total_bytes),
+        ("gpu_memory_reserved_bytes", m.reserved_bytes),
+        ("gpu_pcie_tx_bytes_per_second", io.pcie_tx_bytes_per_second),
+        ("gpu_pcie_rx_bytes_per_second", io.pcie_rx_bytes_per_second),
+        ("gpu_pcie_tx_bandwidth_util_ratio",
+         ratio(io.pcie_tx_bytes_per_second, io.pcie_link_max_bytes_per_second)),
+        ("gpu_pcie_rx_bandwidth_util_ratio",
+         ratio(io.pcie_rx_bytes_per_second, io.pcie_link_max_bytes_per_second)),
+        ("gpu_pcie_link_max_bytes_per_second", io.pcie_link_max_bytes_per_second),
+        ("gpu_pcie_link_generation", io.pcie_link_generation),
+        ("gpu_pcie_link_width", io.pcie_link_width),
+        ("gpu_pcie_replay_errors_total", io.pcie_replay_errors),
+        ("gpu_nvlink_tx_bytes_per_second", io.nvlink_tx_bytes_per_second),
+        ("gpu_nvlink_rx_bytes_per_second", io.nvlink_rx_bytes_per_second),
+    )
+    for name, value in plain:
+        if value is not None:
+            yield Series(name, labels, float(value), ts)
+
+    allocators = sample.app.allocators
+    shared = len(allocators) > 1
+    for a in allocators:
+        alabels = _with(labels, pid=str(a.pid)) if shared else labels
+        fig: tuple[tuple[str, float | int | None], ...] = (
+            ("gpu_memory_fragmentation_ratio",
+             ratio(a.reserved_bytes - a.allocated_bytes, a.reserved_bytes)),
+            ("gpu_allocator_nonreleasable_ratio", ratio(a.inactive_split_bytes, a.reserved_bytes)),
+            ("gpu_allocator_largest_free_block_bytes", a.largest_free_block_bytes),
+            ("gpu_allocator_reserved_bytes", a.reserved_bytes),
+            ("gpu_allocator_allocated_bytes", a.allocated_bytes),
+            ("gpu_allocator_private_pool_bytes", a.private_pool_bytes),
+            ("gpu_allocator_alloc_retries_total", a.alloc_retries),
+            ("gpu_allocator_ooms_total", a.ooms),
+        )
+        for name, value in fig:
+            if value is not None:
+                yield Series(name, alabels, float(value), ts)
+
+    hist = sample.app.latency
+    if hist is not None:
+        yield from histogram_series("inference_request_duration_seconds", labels, hist, ts)
+
+
+def histogram_series(
+    name: str, labels: Labels, hist: LatencyHistogram, ts: int
+) -> Iterator[Series]:
+    for bound, count in zip(hist.bounds, hist.counts, strict=False):
+        yield Series(f"{name}_bucket", _with(labels, le=format_bound(bound)), float(count), ts)
+    yield Series(f"{name}_bucket", _with(labels, le="+Inf"), float(hist.count), ts)
+    yield Series(f"{name}_sum", labels, float(hist.sum_seconds), ts)
+    yield Series(f"{name}_count", labels, float(hist.count), ts)

@@ -1,0 +1,588 @@
+"""A stand-in for the loaded NVML library, installed at ``pynvml.nvmlLib``.
+
+pynvml looks every C function up on ``nvmlLib`` and calls it with ctypes arguments; this object
+answers those calls the way ``libnvidia-ml.so`` does (return codes, out-parameters written through
+``byref``), so every line of pynvml above it runs unchanged. It is both the test double and the
+``--simulate`` backend.
+
+Signals are smooth functions of time with closed-form integrals, so cumulative counters (PCIe
+bytes, NVLink KiB) and GPM interval averages are exact, and tests can compute by hand what the
+agent must report.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import math
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+
+import pynvml
+
+SUCCESS = pynvml.NVML_SUCCESS
+NOT_SUPPORTED = pynvml.NVML_ERROR_NOT_SUPPORTED
+INVALID_ARGUMENT = pynvml.NVML_ERROR_INVALID_ARGUMENT
+NOT_FOUND = pynvml.NVML_ERROR_NOT_FOUND
+GPU_IS_LOST = pynvml.NVML_ERROR_GPU_IS_LOST
+
+THROUGHPUT_WINDOW_S = 0.020  # nvmlDeviceGetPcieThroughput samples a 20 ms window and blocks for it
+KIB = 1024
+
+# Functions an old driver (before R520 or so) lacks; pynvml turns a missing symbol into
+# NVMLError_FunctionNotFound, exactly as with the real library.
+OLD_DRIVER_MISSING = frozenset(
+    {
+        "nvmlDeviceGetMemoryInfo_v2",
+        "nvmlGpmQueryDeviceSupport",
+        "nvmlGpmSampleAlloc",
+        "nvmlGpmSampleFree",
+        "nvmlGpmSampleGet",
+        "nvmlGpmMigSampleGet",
+        "nvmlGpmMetricsGet",
+    }
+)
+
+
+@dataclass(frozen=True)
+class Signal:
+    """``base * (1 + amplitude * sin(2 pi t / period))``, with its exact integral."""
+
+    base: float
+    amplitude: float = 0.0
+    period: float = 60.0
+
+    def value(self, t: float) -> float:
+        return self.base * (1 + self.amplitude * math.sin(2 * math.pi * t / self.period))
+
+    def integral(self, t: float) -> float:
+        w = 2 * math.pi / self.period
+        return self.base * (t + self.amplitude * (1 - math.cos(w * t)) / w)
+
+    def mean(self, t1: float, t2: float) -> float:
+        return (self.integral(t2) - self.integral(t1)) / (t2 - t1)
+
+
+ZERO = Signal(0.0)
+
+
+@dataclass(frozen=True)
+class FakeMig:
+    gpu_instance_id: int
+    uuid: str
+    name: str
+    memory_total: int
+    memory_used: Signal = ZERO
+    sm_occupancy: Signal = ZERO
+    tensor: Signal = ZERO
+    sm_active: Signal = ZERO
+    dram_bw: Signal = ZERO
+
+
+@dataclass(frozen=True)
+class FakeGpu:
+    """One simulated device; percentages in 0..100, rates in bytes/s, times in seconds."""
+
+    uuid: str
+    name: str
+    pci_bus_id: str
+    architecture: int = pynvml.NVML_DEVICE_ARCH_HOPPER
+    memory_total: int = 141 * 1024**3
+    memory_driver_reserved: int = 512 * 1024**2
+    memory_used: Signal = ZERO
+    utilization: Signal = ZERO
+    memory_busy: Signal = ZERO
+    sm_occupancy: Signal = ZERO
+    tensor: Signal = ZERO
+    sm_active: Signal = ZERO
+    dram_bw: Signal = ZERO
+    pcie_tx: Signal = ZERO
+    pcie_rx: Signal = ZERO
+    nvlink_links: int = 18
+    nvlink_tx: Signal = ZERO
+    nvlink_rx: Signal = ZERO
+    link_generation: int = 5
+    link_width: int = 16
+    current_link_generation: int = 5
+    current_link_width: int = 16
+    replays_per_second: float = 0.0
+    has_gpm: bool = True
+    has_pcie_counters: bool = True
+    pcie_counter_bits: int = 64
+    pcie_counter_offset: int = 0
+    mig_capable: bool = True
+    mig: tuple[FakeMig, ...] = ()
+    lost_between: tuple[float, float | None] | None = None
+
+
+@dataclass
+class _GpmSample:
+    key: tuple[int, int | None] | None = None
+    t: float = 0.0
+
+
+class _Fn:
+    """A callable that, like a ctypes function pointer, accepts attributes such as ``restype``."""
+
+    __slots__ = ("__name__", "_impl", "_tally", "argtypes", "restype")
+
+    def __init__(self, name: str, impl: Callable[..., int], tally: Counter[str]) -> None:
+        self.__name__ = name
+        self._impl = impl
+        self._tally = tally
+        self.restype = None
+        self.argtypes = None
+
+    def __call__(self, *args: object) -> object:
+        self._tally[self.__name__] += 1
+        return self._impl(*args)
+
+
+def _out(ref: object) -> object:
+    """The ctypes object behind ``byref(x)``."""
+    return ref._obj  # type: ignore[attr-defined]
+
+
+def _set_pointer(ref: object, value: int) -> None:
+    ctypes.c_void_p.from_address(ctypes.addressof(_out(ref))).value = value  # type: ignore[arg-type]
+
+
+def _pointer_value(ptr: object) -> int:
+    return ctypes.cast(ptr, ctypes.c_void_p).value or 0  # type: ignore[arg-type]
+
+
+_HANDLE_BASE = 0x5EED0000
+
+
+class FakeNvml:
+    """The NVML library of a simulated node."""
+
+    def __init__(
+        self,
+        gpus: Iterable[FakeGpu],
+        *,
+        clock: Callable[[], float] = time.monotonic,
+        driver_version: str = "550.54.15",
+        missing: Iterable[str] = (),
+        throughput_blocking: bool = True,
+    ) -> None:
+        self.gpus = list(gpus)
+        self.clock = clock
+        self.t0 = clock()
+        self.driver_version = driver_version
+        self.throughput_blocking = throughput_blocking
+        self.calls: Counter[str] = Counter()
+        self._lock = threading.Lock()
+        self._gpm: dict[int, _GpmSample] = {}
+        self._next_gpm = 0x6F000000
+        self._fns: dict[str, _Fn] = {}
+        missing = set(missing)
+        for attr in dir(self):
+            if attr.startswith("nvml") and attr not in missing:
+                self._fns[attr] = _Fn(attr, getattr(self, attr), self.calls)
+
+    def __getattr__(self, name: str) -> _Fn:
+        fns = self.__dict__.get("_fns", {})
+        if name in fns:
+            return fns[name]
+        raise AttributeError(name)
+
+    # -- helpers -----------------------------------------------------------------------------
+
+    def now(self) -> float:
+        return self.clock() - self.t0
+
+    def is_lost(self, index: int) -> bool:
+        window = self.gpus[index].lost_between
+        if window is None:
+            return False
+        start, end = window
+        t = self.now()
+        return t >= start and (end is None or t < end)
+
+    def _handle(self, index: int, mig: int | None = None) -> int:
+        return _HANDLE_BASE + (index << 4) + (0 if mig is None else mig + 1)
+
+    def _resolve(self, handle: object) -> tuple[int, int | None] | None:
+        value = _pointer_value(handle) - _HANDLE_BASE
+        index, sub = value >> 4, value & 0xF
+        if value < 0 or index >= len(self.gpus):
+            return None
+        if sub and sub > len(self.gpus[index].mig):
+            return None
+        return index, (sub - 1 if sub else None)
+
+    def _device(self, handle: object) -> tuple[int, FakeGpu, FakeMig | None] | int:
+        """The addressed device, or an NVML error code."""
+        key = self._resolve(handle)
+        if key is None:
+            return INVALID_ARGUMENT
+        index, mig = key
+        if self.is_lost(index):
+            return GPU_IS_LOST
+        gpu = self.gpus[index]
+        return index, gpu, (gpu.mig[mig] if mig is not None else None)
+
+    # -- library -----------------------------------------------------------------------------
+
+    def nvmlInitWithFlags(self, flags: object) -> int:
+        return SUCCESS
+
+    def nvmlShutdown(self) -> int:
+        return SUCCESS
+
+    def nvmlErrorString(self, code: object) -> bytes:
+        return f"simulated NVML error {getattr(code, 'value', code)}".encode()
+
+    def nvmlSystemGetDriverVersion(self, buf: ctypes.Array, size: object) -> int:
+        buf.value = self.driver_version.encode()
+        return SUCCESS
+
+    def nvmlDeviceGetCount_v2(self, ref: object) -> int:
+        _out(ref).value = len(self.gpus)
+        return SUCCESS
+
+    def nvmlDeviceGetHandleByIndex_v2(self, index: object, ref: object) -> int:
+        i = index.value  # type: ignore[attr-defined]
+        if i >= len(self.gpus):
+            return INVALID_ARGUMENT
+        if self.is_lost(i):
+            return GPU_IS_LOST
+        _set_pointer(ref, self._handle(i))
+        return SUCCESS
+
+    def nvmlDeviceGetHandleByUUID(self, uuid: object, ref: object) -> int:
+        wanted = uuid.value.decode()  # type: ignore[attr-defined]
+        for i, gpu in enumerate(self.gpus):
+            if gpu.uuid == wanted:
+                if self.is_lost(i):
+                    return GPU_IS_LOST
+                _set_pointer(ref, self._handle(i))
+                return SUCCESS
+        return NOT_FOUND
+
+    # -- identity ----------------------------------------------------------------------------
+
+    def nvmlDeviceGetName(self, handle: object, buf: ctypes.Array, size: object) -> int:
+        dev = self._device(handle)
+        if isinstance(dev, int):
+            return dev
+        _, gpu, mig = dev
+        buf.value = (mig.name if mig else gpu.name).encode()
+        return SUCCESS
+
+    def nvmlDeviceGetUUID(self, handle: object, buf: ctypes.Array, size: object) -> int:
+        dev = self._device(handle)
+        if isinstance(dev, int):
+            return dev
+        _, gpu, mig = dev
+        buf.value = (mig.uuid if mig else gpu.uuid).encode()
+        return SUCCESS
+
+    def nvmlDeviceGetIndex(self, handle: object, ref: object) -> int:
+        dev = self._device(handle)
+        if isinstance(dev, int):
+            return dev
+        _out(ref).value = dev[0]
+        return SUCCESS
+
+    def nvmlDeviceGetPciInfo_v3(self, handle: object, ref: object) -> int:
+        dev = self._device(handle)
+        if isinstance(dev, int):
+            return dev
+        _out(ref).busId = dev[1].pci_bus_id.encode()
+        return SUCCESS
+
+    def nvmlDeviceGetArchitecture(self, handle: object, ref: object) -> int:
+        dev = self._device(handle)
+        if isinstance(dev, int):
+            return dev
+        _out(ref).value = dev[1].architecture
+        return SUCCESS
+
+    # -- MIG ---------------------------------------------------------------------------------
+
+    def nvmlDeviceGetMigMode(self, handle: object, current: object, pending: object) -> int:
+        dev = self._device(handle)
+        if isinstance(dev, int):
+            return dev
+        gpu = dev[1]
+        if not gpu.mig_capable:
+            return NOT_SUPPORTED
+        _out(current).value = _out(pending).value = 1 if gpu.mig else 0
+        return SUCCESS
+
+    def nvmlDeviceGetMaxMigDeviceCount(self, handle: object, ref: object) -> int:
+        dev = self._device(handle)
+        if isinstance(dev, int):
+            return dev
+        _out(ref).value = 7 if dev[1].mig_capable else 0
+        return SUCCESS
+
+    def nvmlDeviceGetMigDeviceHandleByIndex(self, handle: object, index: object, ref: object) -> int:
+        dev = self._device(handle)
+        if isinstance(dev, int):
+            return dev
+        i = index.value  # type: ignore[attr-defined]
+        if i >= len(dev[1].mig):
+            return NOT_FOUND
+        _set_pointer(ref, self._handle(dev[0], i))
+        return SUCCESS
+
+    def nvmlDeviceGetGpuInstanceId(self, handle: object, ref: object) -> int:
+        dev = self._device(handle)
+        if isinstance(dev, int):
+            return dev
+        if dev[2] is None:
+            return INVALID_ARGUMENT
+        _out(ref).value = dev[2].gpu_instance_id
+        return SUCCESS
+
+    # -- memory and utilization ----------------------------------------------------------------
+
+    def _memory(self, handle: object) -> tuple[int, int, int] | int:
+        dev = self._device(handle)
+        if isinstance(dev, int):
+            return dev
+        _, gpu, mig = dev
+        t = self.now()
+        if mig is not None:
+            return mig.memory_total, 0, int(mig.memory_used.value(t))
+        return gpu.memory_total, gpu.memory_driver_reserved, int(gpu.memory_used.value(t))
+
+    def nvmlDeviceGetMemoryInfo(self, handle: object, ref: object) -> int:
+        mem = self._memory(handle)
+        if isinstance(mem, int):
+            return mem
+        total, reserved, used = mem
+        out = _out(ref)
+        out.total, out.used, out.free = total, used + reserved, total - used - reserved
+        return SUCCESS
+
+    def nvmlDeviceGetMemoryInfo_v2(self, handle: object, ref: object) -> int:
+        mem = self._memory(handle)
+        if isinstance(mem, int):
+            return mem
+        total, reserved, used = mem
+        out = _out(ref)
+        if out.version != pynvml.nvmlMemory_v2:
+            return pynvml.NVML_ERROR_ARGUMENT_VERSION_MISMATCH
+        out.total, out.reserved, out.used = total, reserved, used
+        out.free = total - used - reserved
+        return SUCCESS
+
+    def nvmlDeviceGetUtilizationRates(self, handle: object, ref: object) -> int:
+        dev = self._device(handle)
+        if isinstance(dev, int):
+            return dev
+        if dev[2] is not None:
+            return NOT_SUPPORTED  # as on real MIG instances
+        t = self.now()
+        out = _out(ref)
+        out.gpu = round(dev[1].utilization.value(t))
+        out.memory = round(dev[1].memory_busy.value(t))
+        return SUCCESS
+
+    # -- PCIe ----------------------------------------------------------------------------------
+
+    def _link(self, handle: object, attr: str, ref: object) -> int:
+        dev = self._device(handle)
+        if isinstance(dev, int):
+            return dev
+        _out(ref).value = getattr(dev[1], attr)
+        return SUCCESS
+
+    def nvmlDeviceGetMaxPcieLinkGeneration(self, handle: object, ref: object) -> int:
+        return self._link(handle, "link_generation", ref)
+
+    def nvmlDeviceGetMaxPcieLinkWidth(self, handle: object, ref: object) -> int:
+        return self._link(handle, "link_width", ref)
+
+    def nvmlDeviceGetCurrPcieLinkGeneration(self, handle: object, ref: object) -> int:
+        return self._link(handle, "current_link_generation", ref)
+
+    def nvmlDeviceGetCurrPcieLinkWidth(self, handle: object, ref: object) -> int:
+        return self._link(handle, "current_link_width", ref)
+
+    def nvmlDeviceGetPcieReplayCounter(self, handle: object, ref: object) -> int:
+        dev = self._device(handle)
+        if isinstance(dev, int):
+            return dev
+        _out(ref).value = int(dev[1].replays_per_second * self.now())
+        return SUCCESS
+
+    def nvmlDeviceGetPcieThroughput(self, handle: object, counter: object, ref: object) -> int:
+        dev = self._device(handle)
+        if isinstance(dev, int):
+            return dev
+        if dev[2] is not None:
+            return NOT_SUPPORTED
+        if self.throughput_blocking:
+            time.sleep(THROUGHPUT_WINDOW_S)
+        t = self.now()
+        which = counter.value  # type: ignore[attr-defined]
+        signal = dev[1].pcie_tx if which == pynvml.NVML_PCIE_UTIL_TX_BYTES else dev[1].pcie_rx
+        start = max(0.0, t - THROUGHPUT_WINDOW_S)
+        rate = signal.mean(start, t) if t > start else signal.value(t)
+        _out(ref).value = int(rate / KIB)
+        return SUCCESS
+
+    def pcie_counter(self, gpu: FakeGpu, signal: Signal, t: float) -> int:
+        return (gpu.pcie_counter_offset + int(signal.integral(t))) % (1 << gpu.pcie_counter_bits)
+
+    def nvmlDeviceGetFieldValues(self, handle: object, count: object, ref: object) -> int:
+        dev = self._device(handle)
+        if isinstance(dev, int):
+            return dev
+        _, gpu, mig = dev
+        t = self.now()
+        values = _out(ref)
+        for i in range(count.value):  # type: ignore[attr-defined]
+            fv = values[i]
+            fv.timestamp = int(time.time() * 1e6)
+            fv.latencyUsec = 0
+            fv.nvmlReturn = SUCCESS
+            fid, scope = fv.fieldId, fv.scopeId
+            if mig is not None:
+                fv.nvmlReturn = NOT_SUPPORTED
+            elif fid in (pynvml.NVML_FI_DEV_PCIE_COUNT_TX_BYTES,
+                         pynvml.NVML_FI_DEV_PCIE_COUNT_RX_BYTES) and gpu.has_pcie_counters:
+                tx = fid == pynvml.NVML_FI_DEV_PCIE_COUNT_TX_BYTES
+                value = self.pcie_counter(gpu, gpu.pcie_tx if tx else gpu.pcie_rx, t)
+                if gpu.pcie_counter_bits == 32:
+                    fv.valueType = pynvml.NVML_VALUE_TYPE_UNSIGNED_INT
+                    fv.value.uiVal = value
+                else:
+                    fv.valueType = pynvml.NVML_VALUE_TYPE_UNSIGNED_LONG_LONG
+                    fv.value.ullVal = value
+            elif fid == pynvml.NVML_FI_DEV_PCIE_REPLAY_COUNTER:
+                fv.valueType = pynvml.NVML_VALUE_TYPE_UNSIGNED_INT
+                fv.value.uiVal = int(gpu.replays_per_second * t)
+            elif fid == pynvml.NVML_FI_DEV_NVLINK_LINK_COUNT and gpu.nvlink_links:
+                fv.valueType = pynvml.NVML_VALUE_TYPE_UNSIGNED_INT
+                fv.value.uiVal = gpu.nvlink_links
+            elif (fid in (pynvml.NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_TX,
+                          pynvml.NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_RX)
+                  and scope < gpu.nvlink_links):
+                tx = fid == pynvml.NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_TX
+                total = (gpu.nvlink_tx if tx else gpu.nvlink_rx).integral(t)
+                fv.valueType = pynvml.NVML_VALUE_TYPE_UNSIGNED_LONG_LONG
+                fv.value.ullVal = int(total / gpu.nvlink_links / KIB)
+            else:
+                fv.nvmlReturn = NOT_SUPPORTED
+        return SUCCESS
+
+    # -- GPM -----------------------------------------------------------------------------------
+
+    def nvmlGpmQueryDeviceSupport(self, handle: object, ref: object) -> int:
+        dev = self._device(handle)
+        if isinstance(dev, int):
+            return dev
+        _out(ref).isSupportedDevice = int(dev[1].has_gpm)
+        return SUCCESS
+
+    def nvmlGpmSampleAlloc(self, ref: object) -> int:
+        with self._lock:
+            self._next_gpm += 16
+            addr = self._next_gpm
+            self._gpm[addr] = _GpmSample()
+        _set_pointer(ref, addr)
+        return SUCCESS
+
+    def nvmlGpmSampleFree(self, sample: object) -> int:
+        with self._lock:
+            return SUCCESS if self._gpm.pop(_pointer_value(sample), None) else INVALID_ARGUMENT
+
+    def _take(self, sample: object, key: tuple[int, int | None]) -> int:
+        slot = self._gpm.get(_pointer_value(sample))
+        if slot is None:
+            return INVALID_ARGUMENT
+        slot.key, slot.t = key, self.now()
+        return SUCCESS
+
+    def nvmlGpmSampleGet(self, handle: object, sample: object) -> int:
+        dev = self._device(handle)
+        if isinstance(dev, int):
+            return dev
+        if not dev[1].has_gpm or dev[2] is not None:
+            return NOT_SUPPORTED
+        return self._take(sample, (dev[0], None))
+
+    def nvmlGpmMigSampleGet(self, handle: object, gi_id: int, sample: object) -> int:
+        dev = self._device(handle)
+        if isinstance(dev, int):
+            return dev
+        index, gpu, _ = dev
+        gi = getattr(gi_id, "value", gi_id)
+        for m, mig in enumerate(gpu.mig):
+            if mig.gpu_instance_id == gi and gpu.has_gpm:
+                return self._take(sample, (index, m))
+        return NOT_FOUND
+
+    def nvmlGpmMetricsGet(self, ref: object) -> int:
+        mg = _out(ref)
+        if mg.version != pynvml.NVML_GPM_METRICS_GET_VERSION:
+            return pynvml.NVML_ERROR_ARGUMENT_VERSION_MISMATCH
+        s1 = self._gpm.get(_pointer_value(mg.sample1))
+        s2 = self._gpm.get(_pointer_value(mg.sample2))
+        if s1 is None or s2 is None or s1.key is None or s1.key != s2.key or s2.t <= s1.t:
+            return INVALID_ARGUMENT
+        index, mig_index = s1.key
+        gpu = self.gpus[index]
+        source: FakeGpu | FakeMig = gpu if mig_index is None else gpu.mig[mig_index]
+        signals: dict[int, tuple[Signal, float]] = {
+            pynvml.NVML_GPM_METRIC_SM_OCCUPANCY: (source.sm_occupancy, 1.0),
+            pynvml.NVML_GPM_METRIC_ANY_TENSOR_UTIL: (source.tensor, 1.0),
+            pynvml.NVML_GPM_METRIC_SM_UTIL: (source.sm_active, 1.0),
+            pynvml.NVML_GPM_METRIC_DRAM_BW_UTIL: (source.dram_bw, 1.0),
+        }
+        if mig_index is None:
+            mib = 1.0 / (1024 * 1024)
+            signals |= {
+                pynvml.NVML_GPM_METRIC_PCIE_TX_PER_SEC: (gpu.pcie_tx, mib),
+                pynvml.NVML_GPM_METRIC_PCIE_RX_PER_SEC: (gpu.pcie_rx, mib),
+                pynvml.NVML_GPM_METRIC_NVLINK_TOTAL_TX_PER_SEC: (gpu.nvlink_tx, mib),
+                pynvml.NVML_GPM_METRIC_NVLINK_TOTAL_RX_PER_SEC: (gpu.nvlink_rx, mib),
+            }
+        for i in range(mg.numMetrics):
+            metric = mg.metrics[i]
+            found = signals.get(metric.metricId)
+            if found is None:
+                metric.nvmlReturn = NOT_SUPPORTED
+                continue
+            signal, scale = found
+            metric.value = signal.mean(s1.t, s2.t) * scale
+            metric.nvmlReturn = SUCCESS
+        return SUCCESS
+
+
+_install_lock = threading.Lock()
+
+
+def install(fake: FakeNvml) -> FakeNvml:
+    """Put ``fake`` where pynvml keeps the loaded library; pynvml's own code then talks to it."""
+    with _install_lock:
+        pynvml.nvmlLib = fake
+        pynvml._nvmlGetFunctionPointer_cache.clear()
+    return fake
+
+
+def uninstall() -> None:
+    with _install_lock:
+        pynvml.nvmlLib = None
+        pynvml._nvmlGetFunctionPointer_cache.clear()
+
+
+@dataclass(frozen=True)
+class ManualClock:
+    """A clock tests move by hand; shared by the fake library and the agent."""
+
+    _now: list[float] = field(default_factory=lambda: [1000.0])
+
+    def __call__(self) -> float:
+        return self._now[0]
+
+    def advance(self, seconds: float) -> None:
+        self._now[0] += seconds

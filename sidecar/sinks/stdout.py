@@ -1,0 +1,77 @@
+"""stdout sink: the embedded default, for a first look and for piping into other tools."""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+from typing import TextIO
+
+from sidecar.metrics import BY_NAME
+from sidecar.samples import Series
+
+_HIST_SUFFIXES = ("_bucket", "_sum", "_count")
+
+
+def _family(name: str) -> str:
+    for suffix in _HIST_SUFFIXES:
+        base = name.removesuffix(suffix)
+        if base != name and base in BY_NAME:
+            return base
+    return name
+
+
+def _escape(value: str) -> str:
+    return value.replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')
+
+
+def _number(value: float) -> str:
+    if math.isnan(value):
+        return "NaN"
+    if math.isinf(value):
+        return "+Inf" if value > 0 else "-Inf"
+    return repr(int(value)) if value.is_integer() and abs(value) < 1e15 else repr(value)
+
+
+def prometheus_text(series: list[Series]) -> str:
+    """Text exposition format 0.0.4 with explicit millisecond timestamps, families grouped."""
+    families: dict[str, list[Series]] = {}
+    for s in series:
+        families.setdefault(_family(s.name), []).append(s)
+    out: list[str] = []
+    for family, members in families.items():
+        spec = BY_NAME.get(family)
+        if spec is not None:
+            out.append(f"# HELP {family} {spec.help}")
+            out.append(f"# TYPE {family} {spec.kind}")
+        for s in members:
+            labels = ",".join(f'{k}="{_escape(v)}"' for k, v in s.labels)
+            head = f"{s.name}{{{labels}}}" if labels else s.name
+            out.append(f"{head} {_number(s.value)} {s.timestamp_ms}")
+    return "\n".join(out) + "\n"
+
+
+def json_lines(series: list[Series]) -> str:
+    return "".join(
+        json.dumps({"name": s.name, "labels": dict(s.labels), "value": s.value,
+                    "timestamp_ms": s.timestamp_ms}, separators=(",", ":")) + "\n"
+        for s in series
+    )
+
+
+class StdoutSink:
+    def __init__(self, fmt: str = "prometheus", stream: TextIO | None = None) -> None:
+        self.render = prometheus_text if fmt == "prometheus" else json_lines
+        self.stream = stream or sys.stdout
+
+    def emit(self, series: list[Series]) -> None:
+        if not series:
+            return
+        try:
+            self.stream.write(self.render(series))
+            self.stream.flush()
+        except BrokenPipeError:  # `gpu-sidecar run | head`: the reader left
+            raise SystemExit(0) from None
+
+    def close(self) -> None:
+        pass
