@@ -175,19 +175,26 @@ class FakeNvml:
         self.throughput_blocking = throughput_blocking
         self.calls: Counter[str] = Counter()
         self._lock = threading.Lock()
+        self._inflight = 0
+        self.max_concurrent_throughput = 0
         self._gpm: dict[int, _GpmSample] = {}
         self._next_gpm = 0x6F000000
         self._fns: dict[str, _Fn] = {}
         missing = set(missing)
         for attr in dir(self):
             if attr.startswith("nvml") and attr not in missing:
-                self._fns[attr] = _Fn(attr, getattr(self, attr), self.calls)
+                self._fns[attr] = _Fn(attr, object.__getattribute__(self, attr), self.calls)
 
-    def __getattr__(self, name: str) -> _Fn:
-        fns = self.__dict__.get("_fns", {})
-        if name in fns:
-            return fns[name]
-        raise AttributeError(name)
+    def __getattribute__(self, name: str) -> object:
+        # pynvml looks C symbols up by name: answer from the table (counted, and without the
+        # symbols an old driver lacks) rather than with the plain bound methods
+        if name.startswith("nvml"):
+            fns = object.__getattribute__(self, "__dict__").get("_fns")
+            if fns is not None:
+                if name in fns:
+                    return fns[name]
+                raise AttributeError(name)
+        return object.__getattribute__(self, name)
 
     # -- helpers -----------------------------------------------------------------------------
 
@@ -419,8 +426,15 @@ class FakeNvml:
             return dev
         if dev[2] is not None:
             return NOT_SUPPORTED
-        if self.throughput_blocking:
-            time.sleep(THROUGHPUT_WINDOW_S)
+        with self._lock:
+            self._inflight += 1
+            self.max_concurrent_throughput = max(self.max_concurrent_throughput, self._inflight)
+        try:
+            if self.throughput_blocking:
+                time.sleep(THROUGHPUT_WINDOW_S)
+        finally:
+            with self._lock:
+                self._inflight -= 1
         t = self.now()
         which = counter.value  # type: ignore[attr-defined]
         signal = dev[1].pcie_tx if which == pynvml.NVML_PCIE_UTIL_TX_BYTES else dev[1].pcie_rx

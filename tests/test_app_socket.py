@@ -1,0 +1,223 @@
+"""The app socket (Contract 2): every datagram validated alone, bad ones counted by reason."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import stat
+import time
+
+import pytest
+
+from sidecar import protocol
+from sidecar.app_socket import MAX_PROCESSES_PER_GPU, AppSocket, AppState, SocketInUse, bind_datagram
+from sidecar.simulate.fake_nvml import ManualClock
+from tests.conftest import send_datagram
+
+GPU = "GPU-0c4b24ac-fb68-413f-6f0c-54be2b5a94c7"
+OTHER = "GPU-18f9fd34-4f90-8419-eed6-00c6bc203962"
+GiB = 1024**3
+
+
+def alloc(pid: int = 100, gpu: str = GPU, **kw) -> dict:
+    body = {"v": 1, "kind": "allocator", "pid": pid, "gpu": gpu, "reserved_bytes": 10 * GiB,
+            "allocated_bytes": 4 * GiB, "active_bytes": 4 * GiB,
+            "inactive_split_bytes": 1 * GiB, "alloc_retries": 3, "ooms": 0}
+    body.update(kw)
+    return body
+
+
+def latency(pid: int = 100, counts=(1, 5, 7), total: float = 0.5, bounds=(0.1, 0.2)) -> dict:
+    return {"v": 1, "kind": "latency", "pid": pid, "gpu": GPU, "bounds": list(bounds),
+            "counts": list(counts), "sum": total}
+
+
+def raw(body: dict) -> bytes:
+    return json.dumps(body).encode()
+
+
+def test_encode_then_decode_gives_back_the_same_message():
+    messages = [
+        protocol.Hello(7, (GPU, OTHER)),
+        protocol.Allocator(7, GPU, 10, 5, 5, 1, 2, 0, largest_free_block_bytes=3,
+                           private_pool_bytes=1),
+        protocol.Latency(7, GPU, (0.1, 0.5), (1, 2, 3), 0.75),
+    ]
+    for m in messages:
+        assert protocol.decode(protocol.encode(m)) == m
+
+
+HOSTILE = [
+    (b"\xff\xfe not utf-8", "not_json"),
+    (b"{not json", "not_json"),
+    (b"[" * 4000 + b"]" * 4000, "not_json"),                 # recursion bomb
+    (b'{"v": 1, "kind": "allocator", "pid": ' + b"9" * 5000 + b"}", "not_json"),  # 5000-digit int
+    (b"[1, 2]", "not_object"),
+    (b'"allocator"', "not_object"),
+    (raw({"kind": "hello", "pid": 1, "gpus": [GPU]}), "bad_version"),
+    (raw({"v": 2, "kind": "hello", "pid": 1, "gpus": [GPU]}), "bad_version"),
+    (raw({"v": "1", "kind": "hello", "pid": 1, "gpus": [GPU]}), "bad_version"),
+    (raw({"v": 1, "kind": "shell", "pid": 1}), "bad_kind"),
+    (raw({**alloc(), "extra": 1}), "unknown_field"),
+    (raw({k: v for k, v in alloc().items() if k != "ooms"}), "missing_field"),
+    (raw(alloc(reserved_bytes="10")), "bad_type"),
+    (raw(alloc(reserved_bytes=10.5)), "bad_type"),
+    (raw(alloc(ooms=True)), "bad_type"),
+    (raw(alloc(reserved_bytes=-1)), "out_of_range"),
+    (raw(alloc(reserved_bytes=2**60)), "out_of_range"),
+    (raw(alloc(pid=0)), "out_of_range"),
+    (raw(alloc(allocated_bytes=11 * GiB)), "inconsistent"),
+    (raw(alloc(gpu="../../etc/passwd")), "bad_uuid"),
+    (raw(alloc(gpu=123)), "bad_uuid"),
+    (b'{"v": 1, "kind": "latency", "pid": 1, "gpu": "' + GPU.encode()
+     + b'", "bounds": [0.1], "counts": [1, 2], "sum": NaN}', "bad_number"),
+    (b'{"v": 1, "kind": "latency", "pid": 1, "gpu": "' + GPU.encode()
+     + b'", "bounds": [Infinity], "counts": [1, 2], "sum": 1}', "bad_number"),
+    (raw(latency(counts=(5, 1, 7))), "inconsistent"),
+    (raw(latency(counts=(1, 2))), "bad_type"),
+    (raw(latency(bounds=(0.2, 0.1))), "out_of_range"),
+    (raw(latency(bounds=(0.0, 0.1))), "out_of_range"),
+    (raw(latency(total=-1)), "out_of_range"),
+    (raw({"v": 1, "kind": "hello", "pid": 1, "gpus": []}), "bad_type"),
+    (raw({"v": 1, "kind": "hello", "pid": 1, "gpus": [GPU] * 65}), "bad_type"),
+    (b"x" * (protocol.MAX_MESSAGE_BYTES + 1), "too_large"),
+]
+
+
+@pytest.mark.parametrize(("data", "reason"), HOSTILE, ids=[f"{i}-{r}" for i, (_, r) in enumerate(HOSTILE)])
+def test_malformed_and_hostile_messages_are_rejected_with_their_reason(data, reason):
+    with pytest.raises(protocol.Rejected) as err:
+        protocol.decode(data)
+    assert err.value.reason == reason
+    assert str(err.value)  # says what was wrong
+
+
+def test_message_for_a_gpu_not_on_this_node_is_rejected():
+    state = AppState(known_gpu={GPU}.__contains__)
+    assert state.feed(raw(alloc(gpu=OTHER))) is None
+    assert state.rejected == {"unknown_gpu": 1}
+    assert state.announced() == []
+
+
+def test_allocator_figures_are_kept_per_process_and_expire_when_the_app_goes_quiet():
+    clock = ManualClock()
+    state = AppState(stale_after_s=30, clock=clock)
+    state.feed(raw(alloc(pid=100)))
+    state.feed(raw(alloc(pid=200, allocated_bytes=9 * GiB, active_bytes=9 * GiB)))
+    figs = state.figures(GPU)
+    assert [a.pid for a in figs.allocators] == [100, 200]
+    assert figs.allocators[1].allocated_bytes == 9 * GiB
+    clock.advance(20)
+    state.feed(raw(alloc(pid=200)))
+    clock.advance(15)  # pid 100 last spoke 35 s ago: stale; pid 200 15 s ago
+    assert [a.pid for a in state.figures(GPU).allocators] == [200]
+    clock.advance(20)
+    assert state.figures(GPU).allocators == ()
+    assert state.announced() == [GPU]  # the GPU stays the pod's
+
+
+def test_latency_histograms_merge_across_processes_and_survive_a_restart():
+    clock = ManualClock()
+    state = AppState(clock=clock)
+    state.feed(raw(latency(pid=1, counts=(1, 5, 7), total=1.0)))
+    state.feed(raw(latency(pid=2, counts=(2, 2, 3), total=0.5)))
+    h = state.figures(GPU).latency
+    assert h.counts == (3, 7, 10) and h.sum_seconds == 1.5
+    state.feed(raw(latency(pid=1, counts=(2, 6, 9), total=1.25)))  # +1, +1, +2
+    assert state.figures(GPU).latency.counts == (4, 8, 12)
+    state.feed(raw(latency(pid=2, counts=(1, 1, 1), total=0.1)))  # pid 2 restarted: counts afresh
+    h = state.figures(GPU).latency
+    assert h.counts == (5, 9, 13) and h.sum_seconds == pytest.approx(1.85)
+    assert h.bounds == (0.1, 0.2)
+
+
+def test_a_process_with_other_buckets_is_rejected_not_mixed_in():
+    state = AppState()
+    state.feed(raw(latency(pid=1)))
+    assert state.feed(raw(latency(pid=2, bounds=(0.1, 0.3)))) is None
+    assert state.rejected == {"bucket_mismatch": 1}
+    assert state.figures(GPU).latency.counts == (1, 5, 7)
+
+
+def test_per_process_state_is_bounded():
+    clock = ManualClock()
+    state = AppState(clock=clock, stale_after_s=30)
+    for pid in range(1, MAX_PROCESSES_PER_GPU + 1):
+        state.feed(raw(alloc(pid=pid)))
+    assert state.feed(raw(alloc(pid=99_999))) is None
+    assert state.rejected == {"too_many_processes": 1}
+    clock.advance(31)  # all silent now: the oldest make room
+    assert state.feed(raw(alloc(pid=99_999))) is not None
+
+
+@pytest.fixture
+def sock_path(tmp_path):
+    return str(tmp_path / "run" / "app.sock")
+
+
+def wait_until(cond, timeout=3.0):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if cond():
+            return True
+        time.sleep(0.01)
+    return False
+
+
+def test_real_socket_keeps_valid_messages_around_bad_ones(sock_path):
+    state = AppState()
+    app = AppSocket(sock_path, state)
+    app.start()
+    try:
+        send_datagram(sock_path, raw({"v": 1, "kind": "hello", "pid": 5, "gpus": [GPU]}))
+        send_datagram(sock_path, b"\x00garbage")
+        send_datagram(sock_path, raw(alloc(pid=5)))
+        send_datagram(sock_path, b"{" * 70_000)  # oversized: the kernel truncates, we notice
+        send_datagram(sock_path, raw(latency(pid=5)))
+        send_datagram(sock_path, raw(alloc(pid=5, ooms=-1)))
+        assert wait_until(lambda: state.accepted + sum(state.rejected.values()) == 6)
+        assert state.accepted == 3
+        assert state.rejected == {"not_json": 1, "too_large": 1, "out_of_range": 1}
+        figs = state.figures(GPU)
+        assert figs.allocators[0].pid == 5 and figs.latency is not None
+    finally:
+        app.stop()
+    assert not os.path.exists(sock_path)
+
+
+def test_socket_is_mode_0660_in_a_directory_closed_to_others(sock_path):
+    app = AppSocket(sock_path, AppState())
+    app.start()
+    try:
+        assert stat.S_IMODE(os.stat(sock_path).st_mode) == 0o660
+        assert stat.S_IMODE(os.stat(os.path.dirname(sock_path)).st_mode) & 0o007 == 0
+    finally:
+        app.stop()
+
+
+def test_stale_socket_file_is_replaced(sock_path):
+    os.makedirs(os.path.dirname(sock_path))
+    old = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    old.bind(sock_path)
+    old.close()  # the file stays, nobody listens: what a killed sidecar leaves
+    sock = bind_datagram(sock_path)
+    sock.close()
+
+
+def test_live_socket_of_another_process_is_not_stolen(sock_path):
+    first = bind_datagram(sock_path)
+    try:
+        with pytest.raises(SocketInUse, match="another process is listening"):
+            bind_datagram(sock_path)
+    finally:
+        first.close()
+
+
+def test_regular_file_at_the_socket_path_is_an_error_not_deleted(sock_path):
+    os.makedirs(os.path.dirname(sock_path))
+    with open(sock_path, "w") as f:
+        f.write("precious")
+    with pytest.raises(SocketInUse, match="not a socket"):
+        bind_datagram(sock_path)
+    assert open(sock_path).read() == "precious"

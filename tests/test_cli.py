@@ -1,0 +1,236 @@
+"""The command line as a user runs it: a subprocess whose output is parsed and checked."""
+
+from __future__ import annotations
+
+import ctypes.util
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from sidecar import protocol
+from sidecar.config import OPTIONS
+from sidecar.simulate.scenarios import GPU_LOST_INDEX, build
+from tests.conftest import ROOT, run_cli, send_datagram
+
+
+def series_of(stdout: str) -> list[dict]:
+    return [json.loads(line) for line in stdout.splitlines() if line.strip()]
+
+
+def values(rows: list[dict], name: str) -> dict[str, float]:
+    return {r["labels"]["gpu_uuid"]: r["value"] for r in rows if r["name"] == name}
+
+
+def once(scenario: str, *extra: str) -> list[dict]:
+    proc = run_cli("run", "--simulate", scenario, "--once", "--output", "json", *extra)
+    assert proc.returncode == 0, proc.stderr
+    return series_of(proc.stdout)
+
+
+def gpu_rows(rows):
+    return [r for r in rows if "gpu_uuid" in r["labels"]]
+
+
+@pytest.mark.parametrize("scenario", ["healthy", "pcie-saturated", "fragmented", "low-occupancy",
+                                      "old-driver"])
+def test_every_series_of_a_simulated_gpu_says_simulated(scenario):
+    rows = gpu_rows(once(scenario))
+    assert rows
+    assert all("Simulated" in r["labels"]["gpu_name"] for r in rows)
+    uuids = {r["labels"]["gpu_uuid"] for r in rows}
+    assert uuids == {g.uuid for g in build(scenario).gpus}
+
+
+def test_healthy_gives_all_three_layers_and_the_app_figures():
+    rows = once("healthy")
+    names = {r["name"] for r in rows}
+    for name in ("gpu_sm_occupancy_ratio", "gpu_tensor_core_util_ratio", "gpu_utilization_ratio",
+                 "gpu_mem_bandwidth_util_ratio", "gpu_memory_used_bytes",
+                 "gpu_memory_fragmentation_ratio", "gpu_pcie_rx_bandwidth_util_ratio",
+                 "gpu_nvlink_tx_bytes_per_second", "inference_request_duration_seconds_bucket",
+                 "gpu_sidecar_app_messages_accepted_total"):
+        assert name in names, name
+    frag = values(rows, "gpu_memory_fragmentation_ratio")
+    assert all(v < 0.2 for v in frag.values())
+
+
+def test_pcie_saturated_rx_ratio_is_rate_over_link_maximum_and_above_80_percent():
+    rows = once("pcie-saturated")
+    rate = values(rows, "gpu_pcie_rx_bytes_per_second")
+    link = values(rows, "gpu_pcie_link_max_bytes_per_second")
+    ratio = values(rows, "gpu_pcie_rx_bandwidth_util_ratio")
+    assert len(ratio) == 2
+    for uuid, r in ratio.items():
+        assert r == pytest.approx(rate[uuid] / link[uuid], rel=1e-12)
+        assert r > 0.8
+        assert link[uuid] == pytest.approx(32e9 * 128 / 130 / 8 * 16)
+
+
+def test_fragmented_scenario_shows_fragmentation_above_half_and_retries():
+    rows = once("fragmented")
+    assert all(v == pytest.approx(0.65, abs=1e-9)
+               for v in values(rows, "gpu_memory_fragmentation_ratio").values())
+    assert all(v > 0 for v in values(rows, "gpu_allocator_alloc_retries_total").values())
+
+
+def test_low_occupancy_hides_behind_high_utilization():
+    rows = once("low-occupancy")
+    occ = values(rows, "gpu_sm_occupancy_ratio")
+    util = values(rows, "gpu_utilization_ratio")
+    assert occ and all(v < 0.3 for v in occ.values())
+    assert all(v > 0.9 for v in util.values())
+
+
+def test_old_driver_leaves_gpm_and_reserved_memory_absent_but_keeps_pcie():
+    rows = once("old-driver")
+    names = {r["name"] for r in rows}
+    assert "gpu_sm_occupancy_ratio" not in names
+    assert "gpu_memory_reserved_bytes" not in names
+    assert "gpu_nvlink_tx_bytes_per_second" not in names
+    assert len(values(rows, "gpu_pcie_rx_bytes_per_second")) == 2
+    assert len(values(rows, "gpu_pcie_rx_bandwidth_util_ratio")) == 2
+
+
+def stop_after(proc: subprocess.Popen, seconds: float) -> tuple[str, str]:
+    """SIGTERM after ``seconds`` while reading its output (a full pipe would stall the agent)."""
+    timer = threading.Timer(seconds, proc.send_signal, args=(signal.SIGTERM,))
+    timer.start()
+    try:
+        return proc.communicate(timeout=seconds + 15)
+    finally:
+        timer.cancel()
+
+
+def test_gpu_lost_mid_run_the_other_gpus_keep_reporting():
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "sidecar", "run", "--simulate", "gpu-lost", "--interval", "0.2",
+         "--output", "json", "--gpu-retry-interval", "60"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    out, err = stop_after(proc, 3.0)
+    assert proc.returncode == 0, err
+    rows = series_of(out)
+    gpus = [g.uuid for g in build("gpu-lost").gpus]
+    lost = gpus[GPU_LOST_INDEX]
+    by_cycle: dict[int, set[str]] = {}
+    avail: dict[int, float] = {}
+    for r in rows:
+        if r["name"] == "gpu_memory_used_bytes":
+            by_cycle.setdefault(r["timestamp_ms"], set()).add(r["labels"]["gpu_uuid"])
+        if r["name"] == "gpu_sidecar_gpu_available" and r["labels"]["gpu_uuid"] == lost:
+            avail[r["timestamp_ms"]] = r["value"]
+    cycles = [by_cycle[t] for t in sorted(by_cycle)]
+    assert len(cycles) >= 8
+    assert lost in cycles[0]  # read before it fell off
+    after = [i for i, c in enumerate(cycles) if lost not in c]
+    assert after and after == list(range(after[0], len(cycles)))  # gone for good once lost
+    for c in cycles:
+        assert set(gpus) - {lost} <= c  # the others, every single cycle
+    assert list(avail.values())[-1] == 0.0
+    assert '"gpu_lost"' in err and err.count('"gpu_lost"') == 1  # logged once, not per cycle
+
+
+def test_prometheus_text_output_parses_with_timestamps():
+    proc = run_cli("run", "--simulate", "healthy", "--once")
+    assert proc.returncode == 0, proc.stderr
+    families = {f.name: f for f in text_string_to_metric_families(proc.stdout)}
+    assert families["gpu_sm_occupancy_ratio"].type == "gauge"
+    hist = families["inference_request_duration_seconds"]
+    assert hist.type == "histogram"
+    sample = families["gpu_pcie_rx_bytes_per_second"].samples[0]
+    assert sample.timestamp is not None and abs(sample.timestamp - time.time()) < 60
+
+
+def test_probe_reports_supported_and_absent_metrics_with_reasons():
+    proc = run_cli("probe", "--simulate", "old-driver")
+    assert proc.returncode == 0, proc.stderr
+    out = proc.stdout
+    assert "SIMULATED" in out and "Simulated NVIDIA A100" in out
+    assert "gpu_sm_occupancy_ratio: GPM unavailable: FunctionNotFound" in out
+    assert "PCIe rate from throughput" in out
+    assert "compute:" in out and "memory:" in out and "io:" in out
+    healthy = run_cli("probe", "--simulate", "healthy").stdout
+    assert "absent metrics: none" in healthy
+    assert "PCIe gen 5 x16, 63.02 GB/s per direction" in healthy
+
+
+def test_help_documents_every_option_with_its_environment_variable():
+    out = run_cli("run", "--help").stdout
+    for opt in OPTIONS:
+        if "run" in opt.commands:
+            assert opt.flag in out and opt.env in out
+
+
+@pytest.mark.parametrize(("args", "env", "needle"), [
+    (["--interval", "0"], {}, "--interval='0': must be between 0.1 and 3600 seconds"),
+    ([], {"GPU_SIDECAR_INTERVAL": "soon"}, "GPU_SIDECAR_INTERVAL='soon'"),
+    ([], {"GPU_SIDECAR_INTERVL": "5"}, "unknown environment variable(s) GPU_SIDECAR_INTERVL"),
+    (["--gpus", "0,1"], {}, "'0' is not a GPU UUID"),
+    (["--socket", "relative.sock"], {}, "must be an absolute path"),
+    (["--simulate", "meltdown"], {}, "must be one of healthy"),
+    (["--no-nvml", "--simulate", "healthy"], {}, "exclude each other"),
+])
+def test_bad_configuration_is_refused_at_start_naming_the_option_and_the_fix(args, env, needle):
+    proc = run_cli("run", "--once", *args, env=env)
+    assert proc.returncode == 2
+    assert needle in proc.stderr
+    assert proc.stdout == ""
+
+
+def test_environment_variables_configure_like_flags():
+    proc = run_cli("run", "--once", env={"GPU_SIDECAR_SIMULATE": "healthy",
+                                         "GPU_SIDECAR_OUTPUT": "json",
+                                         "GPU_SIDECAR_POD_NAMESPACE": "ml",
+                                         "GPU_SIDECAR_POD_NAME": "llm-0",
+                                         "GPU_SIDECAR_NODE_NAME": "node-a"})
+    assert proc.returncode == 0, proc.stderr
+    rows = series_of(proc.stdout)
+    assert all(r["labels"]["namespace"] == "ml" and r["labels"]["pod"] == "llm-0" and
+               r["labels"]["node"] == "node-a" for r in rows)
+
+
+@pytest.mark.skipif(ctypes.util.find_library("nvidia-ml") is not None,
+                    reason="this machine has a real NVML library")
+def test_without_nvml_the_agent_stops_with_advice(tmp_path):
+    proc = run_cli("run", "--once", "--socket", str(tmp_path / "app.sock"))
+    assert proc.returncode == 3
+    assert "NVIDIA_DRIVER_CAPABILITIES=utility" in proc.stderr
+    assert "--no-nvml" in proc.stderr
+
+
+def test_app_only_mode_exports_what_the_app_sends_over_the_socket(tmp_path):
+    path = str(tmp_path / "app.sock")
+    gpu = "GPU-0c4b24ac-fb68-413f-6f0c-54be2b5a94c7"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "sidecar", "run", "--no-nvml", "--socket", path, "--interval",
+         "0.2", "--output", "json"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
+        env={**{k: v for k, v in os.environ.items() if not k.startswith("GPU_SIDECAR")},
+             "PYTHONUNBUFFERED": "1"})
+    try:
+        deadline = time.monotonic() + 10
+        while not os.path.exists(path) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        message = protocol.Allocator(pid=4242, gpu=gpu, reserved_bytes=1000, allocated_bytes=300,
+                                     active_bytes=300, inactive_split_bytes=100, alloc_retries=2,
+                                     ooms=0)
+        send_datagram(path, b"not json at all")
+        send_datagram(path, protocol.encode(message))
+        time.sleep(1.0)
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        out, err = proc.communicate(timeout=10)
+    assert proc.returncode == 0, err
+    rows = series_of(out)
+    frag = [r for r in rows if r["name"] == "gpu_memory_fragmentation_ratio"]
+    assert frag and frag[-1]["value"] == 0.7 and frag[-1]["labels"]["gpu_uuid"] == gpu
+    rejected = [r for r in rows if r["name"] == "gpu_sidecar_app_messages_rejected_total"]
+    assert rejected[-1]["labels"]["reason"] == "not_json" and rejected[-1]["value"] == 1
+    assert not os.path.exists(path)  # removed on exit

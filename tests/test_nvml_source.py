@@ -1,0 +1,252 @@
+"""The NVML source against the stand-in library: pynvml's own code runs for every call."""
+
+from __future__ import annotations
+
+import ctypes.util
+import math
+from dataclasses import replace
+
+import pynvml
+import pytest
+
+from sidecar.nvml_source import NvmlSource, NvmlUnavailable
+from sidecar.simulate import fake_nvml
+from sidecar.simulate.fake_nvml import OLD_DRIVER_MISSING, FakeGpu, FakeMig, FakeNvml, Signal
+from sidecar.simulate.scenarios import build
+
+GiB = 1024**3
+GEN5_X16 = 32e9 * 128 / 130 / 8 * 16
+
+
+def gpu(i: int = 0, **kw) -> FakeGpu:
+    base = FakeGpu(uuid=f"GPU-0000000{i}-aaaa-bbbb-cccc-dddddddddddd", name="Simulated H200",
+                   pci_bus_id=f"00000000:1{i}:00.0", memory_used=Signal(10 * GiB),
+                   utilization=Signal(97), memory_busy=Signal(40), sm_occupancy=Signal(20),
+                   tensor=Signal(10), sm_active=Signal(90), dram_bw=Signal(30),
+                   pcie_tx=Signal(1e9), pcie_rx=Signal(50e9), nvlink_tx=Signal(36e9),
+                   nvlink_rx=Signal(18e9))
+    return replace(base, **kw)
+
+
+def open_source(clock, **kw) -> NvmlSource:
+    source = NvmlSource(clock=clock, **kw)
+    source.open()
+    return source
+
+
+def test_two_readings_give_rates_from_byte_counters_and_gpm_averages(install_fake, clock):
+    install_fake([gpu()], clock=clock)
+    source = open_source(clock)
+    uuid = source.devices()[0].uuid
+    first = source.read([uuid])[uuid]
+    assert first is not None
+    # one reading cannot give a rate or an interval average: absent, not zero
+    assert first.io.pcie_rx_bytes_per_second is None
+    assert first.compute.sm_occupancy_ratio is None
+    assert first.compute.utilization_ratio == 0.97
+    clock.advance(5.0)
+    r = source.read([uuid])[uuid]
+    assert r.io.pcie_rx_bytes_per_second == pytest.approx(50e9, rel=1e-9)
+    assert r.io.pcie_tx_bytes_per_second == pytest.approx(1e9, rel=1e-9)
+    assert r.io.pcie_link_max_bytes_per_second == pytest.approx(GEN5_X16)
+    assert (r.io.pcie_link_generation, r.io.pcie_link_width) == (5, 16)
+    # NVLink: per-link KiB counters over 18 links, summed (integer KiB truncation per link)
+    assert r.io.nvlink_tx_bytes_per_second == pytest.approx(36e9, rel=1e-6)
+    assert r.io.nvlink_rx_bytes_per_second == pytest.approx(18e9, rel=1e-6)
+    assert r.compute.sm_occupancy_ratio == pytest.approx(0.20)
+    assert r.compute.tensor_core_util_ratio == pytest.approx(0.10)
+    assert r.compute.sm_active_ratio == pytest.approx(0.90)
+    assert r.memory.bandwidth_util_ratio == pytest.approx(0.30)
+    assert r.memory.controller_busy_ratio == 0.40
+    assert r.memory.used_bytes == 10 * GiB
+    assert r.memory.reserved_bytes == 512 * 1024**2
+    assert r.memory.total_bytes == 141 * GiB
+    source.close()
+
+
+def test_gpm_figure_is_the_average_over_the_interval_not_a_point_value(install_fake, clock):
+    # occupancy 40 % * (1 + 0.5 sin(2 pi t / 20)); between t=0 and t=5 its mean is
+    # 40 * (1 + 0.5 * (20 / 2pi) * (cos 0 - cos(pi/2)) / 5) = 40 * (1 + 1/pi) = 52.732 %
+    install_fake([gpu(sm_occupancy=Signal(40, 0.5, 20))], clock=clock)
+    source = open_source(clock)
+    uuid = source.devices()[0].uuid
+    fake = pynvml.nvmlLib
+    clock.advance(-fake.now())  # put the fake's t at exactly 0 for the first sample
+    source.read([uuid])
+    clock.advance(5.0)
+    r = source.read([uuid])[uuid]
+    assert r.compute.sm_occupancy_ratio == pytest.approx(0.40 * (1 + 1 / math.pi), rel=1e-9)
+    # the point value at t=5 would be 0.60: the agent must not report it
+    assert r.compute.sm_occupancy_ratio != pytest.approx(0.60)
+
+
+def test_gpm_interval_under_100ms_is_refused_and_the_next_cycle_spans_the_whole_gap(
+        install_fake, clock):
+    install_fake([gpu(sm_occupancy=Signal(40, 0.5, 2))], clock=clock)
+    source = open_source(clock)
+    uuid = source.devices()[0].uuid
+    fake = pynvml.nvmlLib
+    source.read([uuid])
+    t0 = fake.now()
+    clock.advance(0.05)
+    assert source.read([uuid])[uuid].compute.sm_occupancy_ratio is None
+    clock.advance(0.25)
+    got = source.read([uuid])[uuid].compute.sm_occupancy_ratio
+    assert got == pytest.approx(Signal(40, 0.5, 2).mean(t0, t0 + 0.30) / 100, rel=1e-9)
+
+
+@pytest.mark.parametrize("bits", [64, 32])
+def test_pcie_byte_counter_wrap_is_handled(install_fake, clock, bits):
+    # the counter starts 1 GB below its wrap point and receives 50 GB/s
+    install_fake([gpu(pcie_counter_bits=bits, pcie_counter_offset=2**bits - 10**9,
+                      pcie_rx=Signal(0.05e9 if bits == 32 else 50e9))], clock=clock)
+    source = open_source(clock)
+    uuid = source.devices()[0].uuid
+    source.read([uuid])
+    clock.advance(1.0)  # crosses the wrap (at 32 bits, 2**32 ~ 4.3 GB: wraps within 1 s too)
+    r = source.read([uuid])[uuid]
+    expected = 0.05e9 if bits == 32 else 50e9
+    assert r.io.pcie_rx_bytes_per_second == pytest.approx(expected, rel=1e-9)
+
+
+def test_calibrated_peak_replaces_the_theoretical_link_maximum(install_fake, clock):
+    install_fake([gpu()], clock=clock)
+    source = open_source(clock, pcie_peak_bytes_per_second=52e9)
+    uuid = source.devices()[0].uuid
+    assert source.read([uuid])[uuid].io.pcie_link_max_bytes_per_second == 52e9
+
+
+def test_old_driver_falls_back_and_reports_what_is_absent(install_fake, clock):
+    old = gpu(architecture=pynvml.NVML_DEVICE_ARCH_AMPERE, has_gpm=False, has_pcie_counters=False,
+              nvlink_links=0, link_generation=4, pcie_rx=Signal(8e9))
+    install_fake([old], clock=clock, missing=OLD_DRIVER_MISSING)
+    source = open_source(clock)
+    uuid = source.devices()[0].uuid
+    caps = source.capabilities(uuid)
+    assert caps["memory"] == "v1" and caps["gpm"] is False and caps["pcie"] == "throughput"
+    absent = source.absent(uuid)
+    assert "FunctionNotFound" in absent["gpu_sm_occupancy_ratio"]
+    assert "gpu_memory_reserved_bytes" in absent
+    assert "gpu_nvlink_tx_bytes_per_second" in absent
+    r = source.read([uuid])[uuid]
+    assert r.compute.sm_occupancy_ratio is None and r.memory.bandwidth_util_ratio is None
+    assert r.memory.reserved_bytes is None
+    # v1 "used" includes the driver's reservation
+    assert r.memory.used_bytes == 10 * GiB + 512 * 1024**2
+    # throughput is KB/s over a 20 ms window: 8e9 B/s -> 7812500 KiB/s
+    assert r.io.pcie_rx_bytes_per_second == pytest.approx(8e9, rel=1e-6)
+    assert r.io.pcie_link_max_bytes_per_second == pytest.approx(GEN5_X16 / 2)
+
+
+def test_blocking_throughput_calls_run_concurrently_across_gpus(install_fake):
+    fake = install_fake([gpu(i, has_pcie_counters=False, has_gpm=False) for i in range(8)],
+                        throughput_blocking=True)
+    source = open_source(fake_nvml.time.monotonic)
+    uuids = [d.uuid for d in source.devices()]
+    readings = source.read(uuids)
+    assert all(r is not None and r.io.pcie_rx_bytes_per_second for r in readings.values())
+    # 8 GPUs x (TX, RX): every one of the 16 calls was in flight at once, never serial
+    assert fake.max_concurrent_throughput == 16
+    source.close()
+
+
+def test_lost_gpu_is_set_aside_retried_later_and_never_stops_the_others(install_fake, clock):
+    gpus = [gpu(i) for i in range(4)]
+    gpus[2] = replace(gpus[2], lost_between=(2.0, 8.0))
+    fake = install_fake(gpus, clock=clock)
+    source = open_source(clock, lost_retry_s=3.0)
+    uuids = [d.uuid for d in source.devices()]
+    assert all(source.read(uuids).values())
+    clock.advance(5.0)  # t=5: lost
+    r = source.read(uuids)
+    assert r[uuids[2]] is None
+    assert all(r[u] is not None and r[u].io.pcie_rx_bytes_per_second for u in uuids if u != uuids[2])
+    assert source.errors["gpu_lost"] == 1
+    before = fake.calls["nvmlDeviceGetHandleByUUID"]
+    clock.advance(1.0)  # t=6: not yet time to retry
+    assert source.read(uuids)[uuids[2]] is None
+    assert fake.calls["nvmlDeviceGetHandleByUUID"] == before
+    clock.advance(2.5)  # t=8.5: retry due, and the GPU is back
+    back = source.read(uuids)
+    assert back[uuids[2]] is not None
+    assert source.errors["gpu_lost"] == 1
+    assert not source.is_lost(uuids[2])
+
+
+def test_transient_error_drops_only_that_figure_for_that_cycle(install_fake, clock):
+    fake = install_fake([gpu()], clock=clock)
+    source = open_source(clock)
+    uuid = source.devices()[0].uuid
+    real = fake._fns["nvmlDeviceGetUtilizationRates"]._impl
+    fake._fns["nvmlDeviceGetUtilizationRates"]._impl = lambda h, ref: pynvml.NVML_ERROR_UNKNOWN
+    r = source.read([uuid])[uuid]
+    assert r.compute.utilization_ratio is None
+    assert r.memory.used_bytes == 10 * GiB  # everything else still read
+    assert source.errors["nvml_error"] == 1
+    fake._fns["nvmlDeviceGetUtilizationRates"]._impl = real
+    assert source.read([uuid])[uuid].compute.utilization_ratio == 0.97
+
+
+def test_mig_instances_have_their_own_uuid_memory_and_gpm_and_the_parents_link(install_fake, clock):
+    migs = (FakeMig(1, "MIG-11111111-2222-3333-4444-555555555555", "Simulated H200 MIG 3g.71gb",
+                    71 * GiB, memory_used=Signal(5 * GiB), sm_occupancy=Signal(33)),
+            FakeMig(2, "MIG-66666666-7777-8888-9999-000000000000", "Simulated H200 MIG 3g.71gb",
+                    71 * GiB, memory_used=Signal(7 * GiB), sm_occupancy=Signal(66)))
+    install_fake([gpu(mig=migs)], clock=clock)
+    source = open_source(clock)
+    ids = {d.uuid: d for d in source.devices()}
+    assert set(ids) == {gpu().uuid, migs[0].uuid, migs[1].uuid}
+    m1 = ids[migs[0].uuid]
+    assert m1.parent_uuid == gpu().uuid and m1.index == "0/0"
+    uuids = list(ids)
+    source.read(uuids)
+    clock.advance(2.0)
+    r = source.read(uuids)
+    assert r[migs[0].uuid].memory.used_bytes == 5 * GiB
+    assert r[migs[1].uuid].memory.total_bytes == 71 * GiB
+    assert r[migs[0].uuid].compute.sm_occupancy_ratio == pytest.approx(0.33)
+    assert r[migs[1].uuid].compute.sm_occupancy_ratio == pytest.approx(0.66)
+    assert r[migs[0].uuid].io.pcie_link_max_bytes_per_second == pytest.approx(GEN5_X16)
+    assert r[migs[0].uuid].compute.utilization_ratio is None
+    assert r[migs[0].uuid].io.pcie_rx_bytes_per_second is None
+    assert "MIG" in source.absent(migs[0].uuid)["gpu_pcie_rx_bytes_per_second"]
+
+
+@pytest.mark.parametrize("name", ["healthy", "pcie-saturated", "fragmented", "low-occupancy",
+                                  "gpu-lost", "old-driver"])
+def test_every_scenario_runs_through_pynvml(name, clock):
+    scenario = build(name)
+    fake_nvml.install(scenario.nvml(clock=clock, throughput_blocking=False))
+    try:
+        source = open_source(clock)
+        uuids = [d.uuid for d in source.devices()]
+        assert len(uuids) == len(scenario.gpus)
+        assert all("Simulated" in d.name for d in source.devices())
+        source.read(uuids)
+        clock.advance(5.0)
+        readings = source.read(uuids)
+        alive = [r for r in readings.values() if r is not None]
+        assert len(alive) == len(uuids) - (1 if name == "gpu-lost" else 0)
+        for r in alive:
+            assert r.memory.used_bytes and r.io.pcie_rx_bytes_per_second
+        source.close()
+    finally:
+        fake_nvml.uninstall()
+
+
+@pytest.mark.skipif(ctypes.util.find_library("nvidia-ml") is not None,
+                    reason="this machine has a real NVML library")
+def test_missing_nvml_library_is_a_clear_error_that_says_what_to_set():
+    fake_nvml.uninstall()
+    with pytest.raises(NvmlUnavailable) as err:
+        NvmlSource().open()
+    text = str(err.value)
+    assert "libnvidia-ml.so.1" in text
+    assert "NVIDIA_VISIBLE_DEVICES" in text and "NVIDIA_DRIVER_CAPABILITIES=utility" in text
+    assert "--no-nvml" in text
+
+
+def test_fake_answers_unknown_functions_like_an_old_library():
+    fake = FakeNvml([gpu()], missing={"nvmlDeviceGetMemoryInfo_v2"})
+    with pytest.raises(AttributeError):
+        fake.nvmlDeviceGetMemoryInfo_v2  # noqa: B018
