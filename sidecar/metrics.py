@@ -93,10 +93,10 @@ METRICS: tuple[MetricSpec, ...] = (
        "NVML field 94, else nvmlDeviceGetPcieReplayCounter",
        "PCIe replays: link errors that also cost bandwidth."),
     _m("gpu_nvlink_tx_bytes_per_second", "gauge", "bytes/s", "io",
-       "NVML fields 138 (KiB, per link) deltas summed, else GPM NVLINK_TOTAL_TX",
+       "GPM NVLINK_TOTAL_TX, else NVML field 138 (KiB, per link) deltas summed",
        "NVLink data sent, summed over links."),
     _m("gpu_nvlink_rx_bytes_per_second", "gauge", "bytes/s", "io",
-       "NVML fields 139 (KiB, per link) deltas summed, else GPM NVLINK_TOTAL_RX",
+       "GPM NVLINK_TOTAL_RX, else NVML field 139 (KiB, per link) deltas summed",
        "NVLink data received, summed over links."),
     # app
     _m("inference_request_duration_seconds", "histogram", "seconds", "app",

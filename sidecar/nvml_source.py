@@ -23,6 +23,7 @@ from typing import Any
 import pynvml
 import structlog
 
+from sidecar.nvml_calls import PreparedCalls, address_of
 from sidecar.pcie import counter_rate, link_max_bytes_per_second
 from sidecar.samples import ComputeLayer, GpuIdentity, IoLayer, MemoryLayer
 
@@ -151,9 +152,11 @@ class _Device:
     prev_pcie: tuple[float, int, int, int, int] | None = None  # t, tx, tx_bits, rx, rx_bits
     prev_nvlink: tuple[float, int, int] | None = None  # t, tx KiB, rx KiB
     gpm_samples: list[Any] = field(default_factory=list)
+    gpm_addresses: list[int] = field(default_factory=list)
     gpm_prev_t: float | None = None
-    gpm_get: Any = None
     gpm_ids: dict[int, tuple[str, float]] = field(default_factory=dict)
+    gpm_slots: dict[int, tuple[int, int, float]] = field(default_factory=dict)
+    calls: PreparedCalls | None = None
     lost_since: float | None = None
     retry_at: float = 0.0
     failing: set[str] = field(default_factory=set)
@@ -245,6 +248,7 @@ class NvmlSource:
         )
         dev = _Device(identity=identity, handle=handle)
         self._detect(dev)
+        self._prepare(dev)
         devices = [dev]
         mig_mode = _try(lambda: pynvml.nvmlDeviceGetMigMode(handle), [0, 0])
         if mig_mode[0] == 1:
@@ -284,6 +288,7 @@ class NvmlSource:
             if not dev.gpm:
                 for name in GPM_METRIC_NAMES.values():
                     dev.absent[name] = parent.absent.get(name, "no GPM")
+            self._prepare(dev)
             self._report(dev)
             out.append(dev)
         return out
@@ -360,7 +365,11 @@ class NvmlSource:
             dev.absent["gpu_pcie_replay_errors_total"] = "not supported"
         links = probe.get(FI_LINKS)
         dev.nvlink_links = links[0] if links else 0
-        if dev.nvlink_links:
+        # GPM's all-link totals cost one entry in a call made anyway; per-link counters cost two
+        # field values per link (36 on an H200) every cycle, so they are the fallback
+        if dev.nvlink_links and dev.gpm:
+            dev.nvlink = "gpm"
+        elif dev.nvlink_links:
             try:
                 check = pynvml.nvmlDeviceGetFieldValues(h, [(FI_NVL_TX, 0), (FI_NVL_RX, 0)])
                 if all(field_value(v) for v in check):
@@ -368,8 +377,6 @@ class NvmlSource:
             except pynvml.NVMLError as exc:
                 if error_code(exc) not in _UNSUPPORTED_CODES:
                     raise
-        if dev.nvlink is None and dev.gpm and dev.nvlink_links:
-            dev.nvlink = "gpm"
         if dev.nvlink is None:
             why = "no NVLink on this GPU" if not dev.nvlink_links else "NVLink counters unsupported"
             dev.absent["gpu_nvlink_tx_bytes_per_second"] = why
@@ -396,13 +403,14 @@ class NvmlSource:
 
     def _gpm_setup(self, dev: _Device, metrics: dict[int, tuple[str, float]]) -> None:
         dev.gpm_samples = [pynvml.nvmlGpmSampleAlloc(), pynvml.nvmlGpmSampleAlloc()]
-        get = pynvml.c_nvmlGpmMetricsGet_t()
-        get.version = pynvml.NVML_GPM_METRICS_GET_VERSION
-        get.numMetrics = len(metrics)
-        for i, metric_id in enumerate(metrics):
-            get.metrics[i].metricId = metric_id
-        dev.gpm_get = get
+        dev.gpm_addresses = [address_of(s) for s in dev.gpm_samples]
         dev.gpm_ids = metrics
+        dev.gpm_slots = {metric_id: (*_slot(name), scale)
+                         for metric_id, (name, scale) in metrics.items()}
+
+    def _prepare(self, dev: _Device) -> None:
+        dev.calls = PreparedCalls(dev.handle, memory=dev.memory, fields=dev.fields,
+                                  gpm_metrics=list(dev.gpm_ids))
 
     def _report(self, dev: _Device) -> None:
         if dev.absent:
@@ -435,7 +443,7 @@ class NvmlSource:
                     pool.submit(pynvml.nvmlDeviceGetPcieThroughput, dev.handle,
                                 pynvml.NVML_PCIE_UTIL_RX_BYTES),
                 )
-        parts: dict[str, tuple[dict[str, Any], dict[str, Any], dict[str, Any]]] = {}
+        parts: dict[str, tuple[list[Any], list[Any], list[Any]]] = {}
         for dev in live:
             try:
                 parts[dev.identity.uuid] = self._read_serial(dev, now)
@@ -457,10 +465,10 @@ class NvmlSource:
                 continue
             self._recovered(dev, "pcie_throughput")
             if uuid in parts:
-                parts[uuid][2]["pcie_tx_bytes_per_second"] = float(tx * KIB)
-                parts[uuid][2]["pcie_rx_bytes_per_second"] = float(rx * KIB)
+                parts[uuid][2][0] = float(tx * KIB)
+                parts[uuid][2][1] = float(rx * KIB)
         for uuid, (c, m, io) in parts.items():
-            result[uuid] = NvmlReading(ComputeLayer(**c), MemoryLayer(**m), IoLayer(**io))
+            result[uuid] = NvmlReading(ComputeLayer(*c), MemoryLayer(*m), IoLayer(*io))
         return result
 
     def _executor(self, n: int) -> ThreadPoolExecutor:
@@ -518,75 +526,98 @@ class NvmlSource:
             dev.retry_at = now + self.lost_retry_s
             return False
         dev.handle = handle
+        self._prepare(dev)
         log.info("gpu_recovered", gpu_uuid=dev.identity.uuid,
                  lost_for_s=round(now - (dev.lost_since or now), 3))
         dev.lost_since = None
         return True
 
-    def _read_serial(
-        self, dev: _Device, now: float
-    ) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
-        h = dev.handle
-        compute: dict[str, Any] = {}
-        memory: dict[str, Any] = {}
-        io: dict[str, Any] = {
-            "pcie_link_max_bytes_per_second": dev.link_max,
-            "pcie_link_generation": dev.link_generation,
-            "pcie_link_width": dev.link_width,
-        }
-        if dev.memory == "v2":
-            mem = self._call(dev, "memory", pynvml.nvmlDeviceGetMemoryInfo, h, pynvml.nvmlMemory_v2)
-            if mem is not None:
-                memory.update(used_bytes=mem.used, total_bytes=mem.total,
-                              reserved_bytes=mem.reserved)
-        elif dev.memory == "v1":
-            mem = self._call(dev, "memory", pynvml.nvmlDeviceGetMemoryInfo, h)
-            if mem is not None:
-                memory.update(used_bytes=mem.used, total_bytes=mem.total)
+    def _error(self, dev: _Device, what: str, exc: pynvml.NVMLError) -> None:
+        """A hot-path call failed: a lost GPU ends this GPU's reading, anything else drops only
+        that figure for this cycle."""
+        if error_code(exc) in _LOST_CODES:
+            raise GpuLost from exc
+        self._failed(dev, what, exc)
+
+    def _read_serial(self, dev: _Device, now: float) -> tuple[list[Any], list[Any], list[Any]]:
+        """The layers as positional lists (ComputeLayer, MemoryLayer, IoLayer field order).
+
+        Written flat, with one ``try`` per call and no per-call helper, because this runs for
+        every GPU on every cycle and its cost is the agent's cost."""
+        compute: list[Any] = [None, None, None, None]
+        memory: list[Any] = [None, None, None, None, None]
+        io: list[Any] = [None, None, dev.link_max, dev.link_generation, dev.link_width, None,
+                         None, None]
+        calls = dev.calls
+        assert calls is not None
+        failing = dev.failing
+        if dev.memory:
+            try:
+                mem = calls.memory()
+                memory[2] = mem.used
+                memory[3] = mem.total
+                if dev.memory == "v2":
+                    memory[4] = mem.reserved  # type: ignore[union-attr]
+                if failing:
+                    self._recovered(dev, "memory")
+            except pynvml.NVMLError as exc:
+                self._error(dev, "memory", exc)
         if dev.utilization:
-            util = self._call(dev, "utilization", pynvml.nvmlDeviceGetUtilizationRates, h)
-            if util is not None:
-                compute["utilization_ratio"] = util.gpu / 100.0
-                memory["controller_busy_ratio"] = util.memory / 100.0
+            try:
+                util = calls.utilization()
+                compute[3] = util.gpu / 100.0
+                memory[1] = util.memory / 100.0
+                if failing:
+                    self._recovered(dev, "utilization")
+            except pynvml.NVMLError as exc:
+                self._error(dev, "utilization", exc)
         if dev.fields:
-            values = self._call(dev, "field_values", pynvml.nvmlDeviceGetFieldValues, h,
-                                dev.fields)
-            if values is not None:
+            try:
+                values = calls.field_values()
+                if failing:
+                    self._recovered(dev, "field_values")
+            except pynvml.NVMLError as exc:
+                self._error(dev, "field_values", exc)
+            else:
                 self._counters(dev, values, now, io)
         if dev.replay == "call":
-            replay = self._call(dev, "replay", pynvml.nvmlDeviceGetPcieReplayCounter, h)
-            if replay is not None:
-                io["pcie_replay_errors"] = replay
+            try:
+                io[5] = pynvml.nvmlDeviceGetPcieReplayCounter(dev.handle)
+            except pynvml.NVMLError as exc:
+                self._error(dev, "replay", exc)
         if dev.gpm:
-            self._gpm(dev, now, compute, memory, io)
+            self._gpm(dev, now, (compute, memory, io))
         return compute, memory, io
 
-    def _counters(self, dev: _Device, values: Any, now: float, io: dict[str, Any]) -> None:
-        by_id: dict[int, tuple[int, int] | None] = {}
+    def _counters(self, dev: _Device, values: list[tuple[int, ...]], now: float,
+                  io: list[Any]) -> None:
+        counters: dict[int, tuple[int, int]] = {}
         nvl_tx = nvl_rx = 0
         nvl_ok = True
-        for v in values:
-            got = field_value(v)
-            if v.fieldId == FI_NVL_TX or v.fieldId == FI_NVL_RX:
-                if got is None:
+        for field_id, _scope, _ts, _lat, value_type, ret, raw in values:
+            bits = _VALUE_BITS.get(value_type)
+            ok = ret == pynvml.NVML_SUCCESS and bits is not None
+            value = (raw & 0xFFFFFFFF if bits == 32 else raw) if ok else 0
+            if field_id in (FI_NVL_TX, FI_NVL_RX):
+                if not ok:
                     nvl_ok = False
-                elif v.fieldId == FI_NVL_TX:
-                    nvl_tx += got[0]
+                elif field_id == FI_NVL_TX:
+                    nvl_tx += value
                 else:
-                    nvl_rx += got[0]
-            else:
-                by_id[v.fieldId] = got
-        replay = by_id.get(FI_REPLAY)
+                    nvl_rx += value
+            elif ok:
+                counters[field_id] = (value, bits)  # type: ignore[assignment]
+        replay = counters.get(FI_REPLAY)
         if replay is not None:
-            io["pcie_replay_errors"] = replay[0]
-        tx, rx = by_id.get(FI_TX), by_id.get(FI_RX)
+            io[5] = replay[0]
+        tx, rx = counters.get(FI_TX), counters.get(FI_RX)
         if dev.pcie == "counters" and tx and rx:
             ceiling = 4 * dev.link_max if dev.link_max else None
             prev = dev.prev_pcie
             if prev is not None:
                 dt = now - prev[0]
-                io["pcie_tx_bytes_per_second"] = counter_rate(prev[1], tx[0], dt, tx[1], ceiling)
-                io["pcie_rx_bytes_per_second"] = counter_rate(prev[3], rx[0], dt, rx[1], ceiling)
+                io[0] = counter_rate(prev[1], tx[0], dt, tx[1], ceiling)
+                io[1] = counter_rate(prev[3], rx[0], dt, rx[1], ceiling)
             dev.prev_pcie = (now, tx[0], tx[1], rx[0], rx[1])
         if dev.nvlink == "counters" and nvl_ok:
             prev_n = dev.prev_nvlink
@@ -594,14 +625,11 @@ class NvmlSource:
                 dt = now - prev_n[0]
                 tx_rate = counter_rate(prev_n[1], nvl_tx, dt, 64)
                 rx_rate = counter_rate(prev_n[2], nvl_rx, dt, 64)
-                io["nvlink_tx_bytes_per_second"] = None if tx_rate is None else tx_rate * KIB
-                io["nvlink_rx_bytes_per_second"] = None if rx_rate is None else rx_rate * KIB
+                io[6] = None if tx_rate is None else tx_rate * KIB
+                io[7] = None if rx_rate is None else rx_rate * KIB
             dev.prev_nvlink = (now, nvl_tx, nvl_rx)
 
-    def _gpm(
-        self, dev: _Device, now: float, compute: dict[str, Any], memory: dict[str, Any],
-        io: dict[str, Any]
-    ) -> None:
+    def _gpm(self, dev: _Device, now: float, layers: tuple[list[Any], list[Any], list[Any]]) -> None:
         """Average of each GPM metric between the previous cycle's sample and this one."""
         prev_t = dev.gpm_prev_t
         if prev_t is not None and now - prev_t < GPM_MIN_INTERVAL_S:
@@ -611,33 +639,42 @@ class NvmlSource:
                             interval_s=round(now - prev_t, 4), minimum_s=GPM_MIN_INTERVAL_S,
                             effect="GPM figures skipped for this cycle; raise --interval")
             return
-        fresh, previous = dev.gpm_samples[1], dev.gpm_samples[0]
-        if dev.is_mig:
-            got = self._call(dev, "gpm_sample", pynvml.nvmlGpmMigSampleGet, dev.parent_handle,
-                             dev.gpu_instance_id, fresh)
-        else:
-            got = self._call(dev, "gpm_sample", pynvml.nvmlGpmSampleGet, dev.handle, fresh)
-        if got is None:
+        calls = dev.calls
+        assert calls is not None
+        try:
+            if dev.is_mig:
+                calls.gpm_sample(dev.gpm_samples[1], dev.parent_handle, dev.gpu_instance_id)
+            else:
+                calls.gpm_sample(dev.gpm_samples[1])
+        except pynvml.NVMLError as exc:
+            self._error(dev, "gpm_sample", exc)
             dev.gpm_prev_t = None
             return
         if prev_t is not None:
-            get = dev.gpm_get
-            get.sample1, get.sample2 = previous, fresh
-            if self._call(dev, "gpm_metrics", pynvml.nvmlGpmMetricsGet, get) is not None:
-                for i in range(get.numMetrics):
-                    metric = get.metrics[i]
-                    if metric.nvmlReturn != pynvml.NVML_SUCCESS:
-                        continue
-                    name, scale = dev.gpm_ids[metric.metricId]
-                    value = metric.value * scale
-                    if name in ComputeLayer.__slots__:
-                        compute[name] = value
-                    elif name in MemoryLayer.__slots__:
-                        memory[name] = value
-                    else:
-                        io[name] = value
+            try:
+                metrics = calls.gpm_metrics(dev.gpm_addresses[0], dev.gpm_addresses[1])
+            except pynvml.NVMLError as exc:
+                self._error(dev, "gpm_metrics", exc)
+                metrics = []
+            slots = dev.gpm_slots
+            for metric_id, ret, value in metrics:
+                if ret == 0:
+                    layer, position, scale = slots[metric_id]
+                    layers[layer][position] = value * scale
+        if dev.failing:
+            self._recovered(dev, "gpm_sample")
+            self._recovered(dev, "gpm_metrics")
+        dev.gpm_addresses.reverse()
         dev.gpm_samples.reverse()
         dev.gpm_prev_t = now
+
+
+def _slot(name: str) -> tuple[int, int]:
+    """(layer, position) of a layer field in the positional lists of ``_read_serial``."""
+    for layer, cls in enumerate((ComputeLayer, MemoryLayer, IoLayer)):
+        if name in cls.__slots__:
+            return layer, cls.__slots__.index(name)
+    raise KeyError(name)
 
 
 def _try(fn: Callable[[], Any], default: Any) -> Any:

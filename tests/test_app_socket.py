@@ -7,6 +7,7 @@ import os
 import socket
 import stat
 import time
+from pathlib import Path
 
 import pytest
 
@@ -220,4 +221,4 @@ def test_regular_file_at_the_socket_path_is_an_error_not_deleted(sock_path):
         f.write("precious")
     with pytest.raises(SocketInUse, match="not a socket"):
         bind_datagram(sock_path)
-    assert open(sock_path).read() == "precious"
+    assert Path(sock_path).read_text() == "precious"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ctypes
 import ctypes.util
 import math
 from dataclasses import replace
@@ -70,7 +71,7 @@ def test_gpm_figure_is_the_average_over_the_interval_not_a_point_value(install_f
     install_fake([gpu(sm_occupancy=Signal(40, 0.5, 20))], clock=clock)
     source = open_source(clock)
     uuid = source.devices()[0].uuid
-    fake = pynvml.nvmlLib
+    fake = pynvml.nvmlLib.fake
     clock.advance(-fake.now())  # put the fake's t at exactly 0 for the first sample
     source.read([uuid])
     clock.advance(5.0)
@@ -85,7 +86,7 @@ def test_gpm_interval_under_100ms_is_refused_and_the_next_cycle_spans_the_whole_
     install_fake([gpu(sm_occupancy=Signal(40, 0.5, 2))], clock=clock)
     source = open_source(clock)
     uuid = source.devices()[0].uuid
-    fake = pynvml.nvmlLib
+    fake = pynvml.nvmlLib.fake
     source.read([uuid])
     t0 = fake.now()
     clock.advance(0.05)
@@ -153,7 +154,7 @@ def test_blocking_throughput_calls_run_concurrently_across_gpus(install_fake):
 def test_lost_gpu_is_set_aside_retried_later_and_never_stops_the_others(install_fake, clock):
     gpus = [gpu(i) for i in range(4)]
     gpus[2] = replace(gpus[2], lost_between=(2.0, 8.0))
-    fake = install_fake(gpus, clock=clock)
+    fake = install_fake(gpus, clock=clock, record_calls=True)
     source = open_source(clock, lost_retry_s=3.0)
     uuids = [d.uuid for d in source.devices()]
     assert all(source.read(uuids).values())
@@ -174,7 +175,7 @@ def test_lost_gpu_is_set_aside_retried_later_and_never_stops_the_others(install_
 
 
 def test_transient_error_drops_only_that_figure_for_that_cycle(install_fake, clock):
-    fake = install_fake([gpu()], clock=clock)
+    fake = install_fake([gpu()], clock=clock, record_calls=True)
     source = open_source(clock)
     uuid = source.devices()[0].uuid
     real = fake._fns["nvmlDeviceGetUtilizationRates"]._impl
@@ -249,4 +250,21 @@ def test_missing_nvml_library_is_a_clear_error_that_says_what_to_set():
 def test_fake_answers_unknown_functions_like_an_old_library():
     fake = FakeNvml([gpu()], missing={"nvmlDeviceGetMemoryInfo_v2"})
     with pytest.raises(AttributeError):
-        fake.nvmlDeviceGetMemoryInfo_v2  # noqa: B018
+        fake.library.nvmlDeviceGetMemoryInfo_v2  # noqa: B018
+    assert fake.library.nvmlDeviceGetMemoryInfo(None, None) == pynvml.NVML_ERROR_INVALID_ARGUMENT
+
+
+@pytest.mark.parametrize(("mine", "theirs"), [
+    ("MemoryV2", pynvml.c_nvmlMemory_v2_t), ("MemoryV1", pynvml.c_nvmlMemory_t),
+    ("Utilization", pynvml.c_nvmlUtilization_t), ("FieldValue", pynvml.c_nvmlFieldValue_t),
+    ("GpmMetric", pynvml.c_nvmlGpmMetric_t), ("GpmMetricsGet", pynvml.c_nvmlGpmMetricsGet_t),
+])
+def test_prepared_call_structures_have_pynvml_layout(mine, theirs):
+    from sidecar import nvml_calls
+
+    ours = getattr(nvml_calls, mine)
+    assert ctypes.sizeof(ours) == ctypes.sizeof(theirs)
+    assert [f[0] for f in ours._fields_] == [f[0] for f in theirs._fields_]
+    for name, *_ in theirs._fields_:
+        assert getattr(ours, name).offset == getattr(theirs, name).offset, name
+        assert getattr(ours, name).size == getattr(theirs, name).size, name

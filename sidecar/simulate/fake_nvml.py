@@ -150,7 +150,19 @@ def _set_pointer(ref: object, value: int) -> None:
 
 
 def _pointer_value(ptr: object) -> int:
+    if type(ptr) is int:
+        return ptr
+    if ptr is None:
+        return 0
+    if isinstance(ptr, ctypes._Pointer):
+        return ctypes.c_void_p.from_buffer(ptr).value or 0
     return ctypes.cast(ptr, ctypes.c_void_p).value or 0  # type: ignore[arg-type]
+
+
+class _Library:
+    def __init__(self, fns: dict[str, Callable[..., object]]) -> None:
+        self.__dict__.update(fns)
+        self.fake: FakeNvml | None = None
 
 
 _HANDLE_BASE = 0x5EED0000
@@ -167,6 +179,8 @@ class FakeNvml:
         driver_version: str = "550.54.15",
         missing: Iterable[str] = (),
         throughput_blocking: bool = True,
+        record_calls: bool = False,
+        account_cpu: bool = False,
     ) -> None:
         self.gpus = list(gpus)
         self.clock = clock
@@ -176,25 +190,43 @@ class FakeNvml:
         self.calls: Counter[str] = Counter()
         self._lock = threading.Lock()
         self._inflight = 0
+        self._spent: list[float] = []
+        self._devices: dict[int, tuple[int, FakeGpu, FakeMig | None]] = {}
+        self._gpm_tables: dict[tuple[int, int | None], dict[int, tuple[Signal, float]]] = {}
         self.max_concurrent_throughput = 0
         self._gpm: dict[int, _GpmSample] = {}
         self._next_gpm = 0x6F000000
-        self._fns: dict[str, _Fn] = {}
+        self._fns: dict[str, Callable[..., object]] = {}
         missing = set(missing)
-        for attr in dir(self):
+        for attr in dir(type(self)):
             if attr.startswith("nvml") and attr not in missing:
-                self._fns[attr] = _Fn(attr, object.__getattribute__(self, attr), self.calls)
+                # a C function pointer takes attributes (restype); a bound method does not
+                wrap = record_calls or attr == "nvmlErrorString"
+                impl = getattr(self, attr)
+                if account_cpu:
+                    impl = self._accounted(impl)
+                self._fns[attr] = _Fn(attr, impl, self.calls) if wrap else impl
+        # what pynvml sees as the loaded library: the C symbols and nothing else, so a symbol an
+        # old driver lacks is an AttributeError (pynvml's FunctionNotFound), as with dlsym
+        self.library = _Library(self._fns)
 
-    def __getattribute__(self, name: str) -> object:
-        # pynvml looks C symbols up by name: answer from the table (counted, and without the
-        # symbols an old driver lacks) rather than with the plain bound methods
-        if name.startswith("nvml"):
-            fns = object.__getattribute__(self, "__dict__").get("_fns")
-            if fns is not None:
-                if name in fns:
-                    return fns[name]
-                raise AttributeError(name)
-        return object.__getattribute__(self, name)
+    def _accounted(self, impl: Callable[..., int]) -> Callable[..., int]:
+        """Count the CPU time spent inside the stand-in, which emulates C code in Python, so a
+        benchmark can tell it apart from the CPU time of the code under test."""
+        thread_time = time.thread_time
+        spent = self._spent
+
+        def timed(*args: object) -> int:
+            start = thread_time()
+            result = impl(*args)
+            spent.append(thread_time() - start)  # list.append is atomic across threads
+            return result
+
+        return timed
+
+    @property
+    def cpu_seconds(self) -> float:
+        return sum(self._spent)
 
     # -- helpers -----------------------------------------------------------------------------
 
@@ -223,14 +255,18 @@ class FakeNvml:
 
     def _device(self, handle: object) -> tuple[int, FakeGpu, FakeMig | None] | int:
         """The addressed device, or an NVML error code."""
-        key = self._resolve(handle)
-        if key is None:
-            return INVALID_ARGUMENT
-        index, mig = key
-        if self.is_lost(index):
+        found = self._devices.get(_pointer_value(handle))
+        if found is None:
+            key = self._resolve(handle)
+            if key is None:
+                return INVALID_ARGUMENT
+            index, mig = key
+            gpu = self.gpus[index]
+            found = self._devices[_pointer_value(handle)] = (
+                index, gpu, gpu.mig[mig] if mig is not None else None)
+        if found[1].lost_between is not None and self.is_lost(found[0]):
             return GPU_IS_LOST
-        gpu = self.gpus[index]
-        return index, gpu, (gpu.mig[mig] if mig is not None else None)
+        return found
 
     # -- library -----------------------------------------------------------------------------
 
@@ -535,15 +571,7 @@ class FakeNvml:
                 return self._take(sample, (index, m))
         return NOT_FOUND
 
-    def nvmlGpmMetricsGet(self, ref: object) -> int:
-        mg = _out(ref)
-        if mg.version != pynvml.NVML_GPM_METRICS_GET_VERSION:
-            return pynvml.NVML_ERROR_ARGUMENT_VERSION_MISMATCH
-        s1 = self._gpm.get(_pointer_value(mg.sample1))
-        s2 = self._gpm.get(_pointer_value(mg.sample2))
-        if s1 is None or s2 is None or s1.key is None or s1.key != s2.key or s2.t <= s1.t:
-            return INVALID_ARGUMENT
-        index, mig_index = s1.key
+    def _gpm_table(self, index: int, mig_index: int | None) -> dict[int, tuple[Signal, float]]:
         gpu = self.gpus[index]
         source: FakeGpu | FakeMig = gpu if mig_index is None else gpu.mig[mig_index]
         signals: dict[int, tuple[Signal, float]] = {
@@ -560,6 +588,19 @@ class FakeNvml:
                 pynvml.NVML_GPM_METRIC_NVLINK_TOTAL_TX_PER_SEC: (gpu.nvlink_tx, mib),
                 pynvml.NVML_GPM_METRIC_NVLINK_TOTAL_RX_PER_SEC: (gpu.nvlink_rx, mib),
             }
+        return signals
+
+    def nvmlGpmMetricsGet(self, ref: object) -> int:
+        mg = _out(ref)
+        if mg.version != pynvml.NVML_GPM_METRICS_GET_VERSION:
+            return pynvml.NVML_ERROR_ARGUMENT_VERSION_MISMATCH
+        s1 = self._gpm.get(_pointer_value(mg.sample1))
+        s2 = self._gpm.get(_pointer_value(mg.sample2))
+        if s1 is None or s2 is None or s1.key is None or s1.key != s2.key or s2.t <= s1.t:
+            return INVALID_ARGUMENT
+        signals = self._gpm_tables.get(s1.key)
+        if signals is None:
+            signals = self._gpm_tables[s1.key] = self._gpm_table(*s1.key)
         for i in range(mg.numMetrics):
             metric = mg.metrics[i]
             found = signals.get(metric.metricId)
@@ -567,7 +608,7 @@ class FakeNvml:
                 metric.nvmlReturn = NOT_SUPPORTED
                 continue
             signal, scale = found
-            metric.value = signal.mean(s1.t, s2.t) * scale
+            metric.value = (signal.integral(s2.t) - signal.integral(s1.t)) / (s2.t - s1.t) * scale
             metric.nvmlReturn = SUCCESS
         return SUCCESS
 
@@ -578,7 +619,8 @@ _install_lock = threading.Lock()
 def install(fake: FakeNvml) -> FakeNvml:
     """Put ``fake`` where pynvml keeps the loaded library; pynvml's own code then talks to it."""
     with _install_lock:
-        pynvml.nvmlLib = fake
+        fake.library.fake = fake
+        pynvml.nvmlLib = fake.library
         pynvml._nvmlGetFunctionPointer_cache.clear()
     return fake
 
