@@ -24,16 +24,14 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import pynvml
 
-import pynvml  # noqa: E402
-
-from sidecar.agent import Agent  # noqa: E402
-from sidecar.app_socket import AppState  # noqa: E402
-from sidecar.config import Config  # noqa: E402
-from sidecar.nvml_source import NvmlSource  # noqa: E402
-from sidecar.simulate import fake_nvml  # noqa: E402
-from sidecar.simulate.scenarios import build  # noqa: E402
+from sidecar.agent import Agent
+from sidecar.app_socket import AppState
+from sidecar.config import Config
+from sidecar.nvml_source import NvmlSource
+from sidecar.simulate import fake_nvml
+from sidecar.simulate.scenarios import build
 
 GPUS = 8
 WINDOW_S = fake_nvml.THROUGHPUT_WINDOW_S
