@@ -38,11 +38,19 @@ WINDOW_S = fake_nvml.THROUGHPUT_WINDOW_S
 
 
 class NullSink:
+    name = "null"
+
+    def start(self) -> None:
+        pass
+
     def emit(self, series) -> None:
         pass
 
-    def close(self) -> None:
-        pass
+    def close(self, deadline: float) -> bool:
+        return True
+
+    def telemetry(self, ts, labels) -> list:
+        return []
 
 
 def naive_loop_factory():
@@ -85,7 +93,7 @@ def agent_for(scenario: str, blocking: bool, clock=time.monotonic) -> Agent:
     fake_nvml.install(sc.nvml(throughput_blocking=blocking, clock=clock, account_cpu=True))
     source = NvmlSource(clock=clock)
     source.open()
-    return Agent(Config(gpus="visible"), source=source, app=AppState(clock=clock), sink=NullSink(),
+    return Agent(Config(gpus="visible"), source=source, app=AppState(clock=clock), sinks=NullSink(),
                  clock=clock)
 
 
@@ -179,9 +187,12 @@ fake_nvml.install(sc.nvml(clock=clock, throughput_blocking=False))
 source = NvmlSource(clock=clock); source.open()
 state = AppState(clock=clock)
 class TextSink:
+    name = "text"
+    def start(self): pass
     def emit(self, series): self.last = len(prometheus_text(series))
-    def close(self): pass
-agent = Agent(Config(gpus="visible", interval=1.0), source=source, app=state, sink=TextSink(),
+    def close(self, deadline): return True
+    def telemetry(self, ts, labels): return []
+agent = Agent(Config(gpus="visible", interval=1.0), source=source, app=state, sinks=TextSink(),
               clock=clock, wall=lambda: 1.7e9 + clock())
 points = []
 for i in range(3600):

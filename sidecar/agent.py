@@ -34,7 +34,7 @@ class Agent:
         *,
         source: NvmlSource | None,
         app: AppState,
-        sink: Sink,
+        sinks: Sink | list[Sink],
         clock: Callable[[], float] = time.monotonic,
         wall: Callable[[], float] = time.time,
         mode: str = "nvml",
@@ -42,7 +42,7 @@ class Agent:
         self.config = config
         self.source = source
         self.app = app
-        self.sink = sink
+        self.sinks: list[Sink] = sinks if isinstance(sinks, list) else [sinks]
         self.clock = clock
         self.wall = wall
         self.mode = mode
@@ -123,7 +123,8 @@ class Agent:
         ts = samples[0].timestamp_ms if samples else int(self.wall() * 1000)
         self.last_cycle_s = self.clock() - started
         series.extend(self.self_series(ts, available))
-        self.sink.emit(series)
+        for sink in self.sinks:
+            sink.emit(series)
         return series
 
     def self_series(self, ts: int, available: dict[str, bool]) -> list[Series]:
@@ -151,6 +152,8 @@ class Agent:
         for uuid, ok in available.items():
             labels = gpu_labels(self.identity(uuid), self.pod)
             out.append(Series("gpu_sidecar_gpu_available", labels, 1.0 if ok else 0.0, ts))
+        for sink in self.sinks:
+            out.extend(sink.telemetry(ts, pl))
         return out
 
     # -- schedule ------------------------------------------------------------------------------

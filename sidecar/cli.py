@@ -21,6 +21,8 @@ from sidecar.app_socket import AppSocket, AppState, SocketInUse
 from sidecar.log import configure
 from sidecar.nvml_source import NvmlReading, NvmlSource, NvmlUnavailable
 from sidecar.samples import GpuIdentity, ratio
+from sidecar.sinks import Sink
+from sidecar.spool import SpoolError
 
 if TYPE_CHECKING:
     from sidecar.simulate.scenarios import Scenario
@@ -77,6 +79,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         log.error("app_socket_unavailable", error=str(exc))
         print(f"gpu-sidecar: {exc}", file=sys.stderr)
         return 4
+    except SpoolError as exc:
+        log.error("spool_unavailable", error=str(exc))
+        print(f"gpu-sidecar: {exc}", file=sys.stderr)
+        return 5
 
 
 @contextlib.contextmanager
@@ -106,15 +112,53 @@ def _nvml(cfg: config.Config) -> Iterator[tuple[NvmlSource | None, Scenario | No
             fake_nvml.uninstall()
 
 
-def run(cfg: config.Config) -> int:
+def _sinks(cfg: config.Config, spool_root: str) -> list[Sink]:
+    """The configured receivers, or stdout when there are none."""
     from sidecar.sinks.stdout import StdoutSink
 
+    if not cfg.has_receivers:
+        return [StdoutSink(cfg.output)]
+    from sidecar.sinks.delivery import HttpOptions
+
+    http = HttpOptions(
+        timeout_s=cfg.push_timeout, bearer_token_file=cfg.bearer_token_file,
+        basic_auth_user=cfg.basic_auth_user, basic_auth_password_file=cfg.basic_auth_password_file,
+        ca_file=cfg.ca_file, cert_file=cfg.cert_file, key_file=cfg.key_file,
+        insecure_skip_verify=cfg.insecure_skip_verify, headers=cfg.header,
+        max_backoff_s=cfg.retry_max_backoff)
+    sinks: list[Sink] = []
+    if cfg.remote_write_url:
+        from sidecar.sinks.remote_write import RemoteWriteSink, sink_name
+        from sidecar.spool import Spool
+
+        for url in cfg.remote_write_url:
+            directory = os.path.join(spool_root, sink_name(url).replace(":", "_"))
+            sinks.append(RemoteWriteSink(url, Spool(directory, cfg.spool_max_bytes), http,
+                                         push_interval_s=cfg.push_interval,
+                                         max_batch_samples=cfg.batch_max_samples))
+    if cfg.pushgateway_url:
+        from sidecar.sinks.pushgateway import PushgatewaySink
+
+        grouping = {k: v for k, v in (("namespace", cfg.pod_namespace), ("pod", cfg.pod_name)) if v}
+        sinks.append(PushgatewaySink(cfg.pushgateway_url, http, job=cfg.pushgateway_job,
+                                     grouping=grouping, push_interval_s=cfg.push_interval,
+                                     delete_on_exit=cfg.pushgateway_delete_on_exit))
+    if cfg.stdout:
+        sinks.append(StdoutSink(cfg.output))
+    return sinks
+
+
+def run(cfg: config.Config) -> int:
     log.info("starting", version=__version__, config=config.describe(cfg))
     with contextlib.ExitStack() as stack, _nvml(cfg) as (source, scenario):
         socket_path = cfg.socket
         if scenario is not None and socket_path == protocol.DEFAULT_SOCKET_PATH:
             socket_path = os.path.join(
                 stack.enter_context(tempfile.TemporaryDirectory(prefix="gpu-sidecar-")), "app.sock")
+        spool_root = cfg.spool_dir
+        if scenario is not None and spool_root == config.Config.spool_dir:
+            spool_root = stack.enter_context(tempfile.TemporaryDirectory(prefix="gpu-sidecar-spool-"))
+        sinks = _sinks(cfg, spool_root)
         known = None
         if source is not None:
             visible = {i.uuid for i in source.devices()}
@@ -132,17 +176,26 @@ def run(cfg: config.Config) -> int:
             stack.callback(sim.stop)
             _wait_for(lambda: bool(state.announced()), 2.0)
         mode = "simulated" if scenario is not None else ("nvml" if source else "app-only")
-        agent = Agent(cfg, source=source, app=state, sink=StdoutSink(cfg.output), mode=mode)
+        agent = Agent(cfg, source=source, app=state, sinks=sinks, mode=mode)
         stop = threading.Event()
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, lambda signum, frame: stop.set())
+        for sink in sinks:
+            sink.start()
         if cfg.once:
             agent.prime()
             time.sleep(PRIME_WINDOW_S)
             agent.cycle()
         else:
             agent.run(stop)
-        log.info("stopped", samples_collected=agent.collected, overruns=agent.overruns)
+        # SIGTERM/SIGINT: a last sample, then flush what the shutdown timeout allows
+        deadline = time.monotonic() + cfg.shutdown_timeout
+        if not cfg.once:
+            agent.cycle()
+        delivered = all([sink.close(deadline) for sink in sinks])
+        log.info("stopped", samples_collected=agent.collected, overruns=agent.overruns,
+                 all_delivered=delivered, shutdown_s=round(time.monotonic() - deadline
+                                                           + cfg.shutdown_timeout, 3))
     return 0
 
 

@@ -14,10 +14,14 @@ import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, fields
 from typing import Any
+from urllib.parse import urlsplit, urlunsplit
 
 from sidecar import __version__, protocol
 
 ENV_PREFIX = "GPU_SIDECAR_"
+RESERVED_LABELS = frozenset({"gpu_uuid", "gpu_name", "gpu_index", "namespace", "pod", "container",
+                             "node", "pid", "le", "sink", "reason", "job", "instance", "version",
+                             "mode"})
 SCENARIOS = ("healthy", "pcie-saturated", "fragmented", "low-occupancy", "gpu-lost", "old-driver")
 
 
@@ -35,6 +39,7 @@ class Config:
     gpu_retry_interval: float = 30.0
     no_nvml: bool = False
     output: str = "prometheus"
+    stdout: bool = False
     once: bool = False
     simulate: str | None = None
     simulate_gpus: int | None = None
@@ -44,6 +49,30 @@ class Config:
     pod_name: str = ""
     pod_container: str = ""
     node_name: str = ""
+    remote_write_url: tuple[str, ...] = ()
+    pushgateway_url: str | None = None
+    pushgateway_job: str = "gpu-sidecar"
+    pushgateway_delete_on_exit: bool = False
+    push_interval: float = 15.0
+    batch_max_samples: int = 20_000
+    spool_dir: str = "/var/lib/gpu-sidecar/spool"
+    spool_max_bytes: int = 256 * 1024 * 1024
+    shutdown_timeout: float = 5.0
+    push_timeout: float = 10.0
+    retry_max_backoff: float = 30.0
+    bearer_token_file: str | None = None
+    basic_auth_user: str | None = None
+    basic_auth_password_file: str | None = None
+    ca_file: str | None = None
+    cert_file: str | None = None
+    key_file: str | None = None
+    insecure_skip_verify: bool = False
+    header: tuple[tuple[str, str], ...] = ()
+    extra_label: tuple[tuple[str, str], ...] = ()
+
+    @property
+    def has_receivers(self) -> bool:
+        return bool(self.remote_write_url or self.pushgateway_url)
 
     def gpu_list(self) -> tuple[str, ...]:
         """Explicit UUIDs, or () for the ``announced`` and ``visible`` modes."""
@@ -52,9 +81,12 @@ class Config:
         return tuple(u.strip() for u in self.gpus.split(",") if u.strip())
 
     def pod_labels(self) -> dict[str, str]:
+        """Labels on every series: pod identity, then --extra-label."""
         pairs = {"namespace": self.pod_namespace, "pod": self.pod_name,
                  "container": self.pod_container, "node": self.node_name}
-        return {k: v for k, v in pairs.items() if v}
+        out = {k: v for k, v in pairs.items() if v}
+        out.update(self.extra_label)
+        return out
 
 
 @dataclass(frozen=True)
@@ -64,6 +96,7 @@ class Option:
     parse: Callable[[str], Any] = str
     flag_only: bool = False  # boolean switch
     commands: tuple[str, ...] = ("run", "probe")
+    repeatable: bool = False  # the flag may be given several times; the variable is comma-separated
 
     @property
     def flag(self) -> str:
@@ -121,6 +154,12 @@ def _socket_path(text: str) -> str:
     return text
 
 
+def _socket_path_like(text: str) -> str:
+    if not text.startswith("/"):
+        raise ValueError("must be an absolute path")
+    return text
+
+
 def _gpu_count(text: str) -> int:
     value = int(text)
     if not 1 <= value <= 16:
@@ -135,6 +174,64 @@ def _bool(text: str) -> bool:
     if low in ("0", "false", "no", "off", ""):
         return False
     raise ValueError("must be true or false")
+
+
+def _urls(text: str) -> tuple[str, ...]:
+    urls = tuple(u.strip() for u in text.split(",") if u.strip())
+    for u in urls:
+        _url(u)
+    if not urls:
+        raise ValueError("give at least one URL")
+    return urls
+
+
+def _url(text: str) -> str:
+    parts = urlsplit(text)
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ValueError(f"{redact_url(text)!r} is not an http:// or https:// URL")
+    return text
+
+
+def redact_url(text: str) -> str:
+    parts = urlsplit(text)
+    if parts.password or parts.username:
+        return urlunsplit(parts._replace(netloc=parts.hostname or ""))
+    return text
+
+
+def _readable_file(text: str) -> str:
+    if not os.path.isfile(text) or not os.access(text, os.R_OK):
+        raise ValueError("is not a readable file")
+    return text
+
+
+def _pairs(kind: str, check_key: Callable[[str], bool]) -> Callable[[str], tuple[tuple[str, str], ...]]:
+    def parse(text: str) -> tuple[tuple[str, str], ...]:
+        out = []
+        for item in (i.strip() for i in text.split(",")):
+            if not item:
+                continue
+            key, sep, value = item.partition("=")
+            if not sep or not check_key(key.strip()):
+                raise ValueError(f"{item!r} is not a {kind} NAME=VALUE pair")
+            out.append((key.strip(), value.strip()))
+        return tuple(out)
+
+    return parse
+
+
+def _positive_int(low: int, high: int) -> Callable[[str], int]:
+    def parse(text: str) -> int:
+        value = int(text)
+        if not low <= value <= high:
+            raise ValueError(f"must be between {low} and {high}")
+        return value
+
+    return parse
+
+
+_LABEL_NAME = re.compile(r"^[a-zA-Z_][a-zA-Z0-9_]*$")
+_HEADER_NAME = re.compile(r"^[A-Za-z0-9!#$%&'*+.^_`|~-]+$")
 
 
 def _label(text: str) -> str:
@@ -163,6 +260,8 @@ OPTIONS: tuple[Option, ...] = (
            _bool, flag_only=True),
     Option("output", "stdout format: 'prometheus' (text exposition with timestamps, default) or "
            "'json' (one series per line).", _choice("prometheus", "json"), commands=("run",)),
+    Option("stdout", "Also write every series to stdout (in --output format) when receivers are "
+           "configured, e.g. to watch what is pushed.", _bool, flag_only=True, commands=("run",)),
     Option("once", "Take one sample cycle, print it and exit.", _bool, flag_only=True,
            commands=("run",)),
     Option("simulate", "Use a built-in simulated GPU node instead of NVML: "
@@ -178,6 +277,55 @@ OPTIONS: tuple[Option, ...] = (
     Option("pod_name", "Label 'pod' on every series (downward API: metadata.name).", _label),
     Option("pod_container", "Label 'container': the app container whose GPUs these are.", _label),
     Option("node_name", "Label 'node' on every series (downward API: spec.nodeName).", _label),
+    Option("remote_write_url", "Prometheus remote-write receiver URL (VictoriaMetrics, vmagent, "
+           "Prometheus with --web.enable-remote-write-receiver, Mimir, Thanos); repeat the flag "
+           "or separate with commas for several. Without any receiver: stdout.", _urls,
+           commands=("run",), repeatable=True),
+    Option("pushgateway_url", "Pushgateway base URL. Latest values only, no timestamps and no "
+           "history: prefer remote-write.", _url, commands=("run",)),
+    Option("pushgateway_job", "Pushgateway 'job' of the grouping key (default gpu-sidecar); the "
+           "key adds namespace and pod (or instance=hostname).", _label, commands=("run",)),
+    Option("pushgateway_delete_on_exit", "Delete this pod's Pushgateway group at shutdown.",
+           _bool, flag_only=True, commands=("run",)),
+    Option("push_interval", "Seconds between pushes; samples are batched in between "
+           "(default 15).", _seconds(0.1, 3600), commands=("run",)),
+    Option("batch_max_samples", "A batch is flushed early when it holds this many samples "
+           "(default 20000).", _positive_int(100, 10_000_000), commands=("run",)),
+    Option("spool_dir", "Directory of the disk spool (an emptyDir in Kubernetes; default "
+           "/var/lib/gpu-sidecar/spool; with --simulate and no path, a temporary one).",
+           _socket_path_like, commands=("run",)),
+    Option("spool_max_bytes", "Bound of the spool in bytes per remote-write receiver; beyond it "
+           "the oldest batches are dropped and counted (default 268435456 = 256 MiB).",
+           _positive_int(4096, 1 << 40), commands=("run",)),
+    Option("shutdown_timeout", "Seconds allowed at SIGTERM for the last sample and flush "
+           "(default 5); what is not sent stays in the spool.", _seconds(0, 600),
+           commands=("run",)),
+    Option("push_timeout", "Seconds before one push request times out (default 10).",
+           _seconds(0.1, 600), commands=("run",)),
+    Option("retry_max_backoff", "Cap in seconds of the exponential backoff between retries "
+           "(default 30); Retry-After from the receiver is honoured up to 300.",
+           _seconds(0.1, 3600), commands=("run",)),
+    Option("bearer_token_file", "File holding a bearer token for the receivers; re-read when "
+           "it changes (rotated Secrets).", _readable_file, commands=("run",)),
+    Option("basic_auth_user", "Basic-auth user name for the receivers.", str, commands=("run",)),
+    Option("basic_auth_password_file", "File holding the basic-auth password.", _readable_file,
+           commands=("run",)),
+    Option("ca_file", "PEM file of the CA that signed the receivers' certificates.",
+           _readable_file, commands=("run",)),
+    Option("cert_file", "Client certificate (PEM) for mutual TLS.", _readable_file,
+           commands=("run",)),
+    Option("key_file", "Private key (PEM) of the client certificate.", _readable_file,
+           commands=("run",)),
+    Option("insecure_skip_verify", "Do not verify the receivers' TLS certificates (testing "
+           "only).", _bool, flag_only=True, commands=("run",)),
+    Option("header", "Extra HTTP header NAME=VALUE on every push (e.g. X-Scope-OrgID=tenant for "
+           "Mimir); repeatable, or comma-separated.",
+           _pairs("header", lambda k: bool(_HEADER_NAME.match(k))), commands=("run",),
+           repeatable=True),
+    Option("extra_label", "Extra label NAME=VALUE on every pushed series (e.g. cluster=prod); "
+           "repeatable, or comma-separated.",
+           _pairs("label", lambda k: bool(_LABEL_NAME.match(k)) and not k.startswith("__")),
+           commands=("run",), repeatable=True),
 )
 OPTION_BY_NAME = {o.name: o for o in OPTIONS}
 assert set(OPTION_BY_NAME) == {f.name for f in fields(Config)}
@@ -188,7 +336,10 @@ def add_arguments(parser: argparse.ArgumentParser, command: str) -> None:
         if command not in opt.commands:
             continue
         text = f"{opt.help} [env {opt.env}]"
-        if opt.flag_only:
+        if opt.repeatable:
+            parser.add_argument(opt.flag, dest=opt.name, action="append", default=None,
+                                metavar=opt.name.upper(), help=text)
+        elif opt.flag_only:
             parser.add_argument(opt.flag, dest=opt.name, action="store_const", const="true",
                                 default=None, help=text)
         else:
@@ -203,6 +354,8 @@ def build(command: str, args: argparse.Namespace, env: Mapping[str, str] = os.en
         if command not in opt.commands:
             continue
         raw = getattr(args, opt.name, None)
+        if isinstance(raw, list):
+            raw = ",".join(raw)
         origin = opt.flag
         if raw is None and opt.env in env:
             raw, origin = env[opt.env], opt.env
@@ -230,12 +383,33 @@ def build(command: str, args: argparse.Namespace, env: Mapping[str, str] = os.en
         raise ConfigError("--gpus visible needs NVML; with --no-nvml use 'announced' or UUIDs")
     if config.simulate_gpus is not None and not config.simulate:
         raise ConfigError("--simulate-gpus only applies with --simulate SCENARIO")
+    if config.key_file and not config.cert_file:
+        raise ConfigError("--key-file needs --cert-file (the client certificate it belongs to)")
+    if config.insecure_skip_verify and config.ca_file:
+        raise ConfigError("--insecure-skip-verify and --ca-file contradict each other: pick one")
+    if config.basic_auth_password_file and not config.basic_auth_user:
+        raise ConfigError("--basic-auth-password-file needs --basic-auth-user")
+    if config.bearer_token_file and config.basic_auth_user:
+        raise ConfigError("give either a bearer token or basic auth, not both")
+    if config.pushgateway_delete_on_exit and not config.pushgateway_url:
+        raise ConfigError("--pushgateway-delete-on-exit needs --pushgateway-url")
+    clash = sorted({k for k, _ in config.extra_label} & RESERVED_LABELS)
+    if clash:
+        raise ConfigError(f"--extra-label may not set {', '.join(clash)}: the agent sets those")
+    if config.once and config.has_receivers:
+        raise ConfigError("--once prints to stdout; it does not combine with receivers")
     return config
 
 
 def describe(config: Config) -> dict[str, Any]:
-    """The effective configuration for the start-up log line."""
-    return {f.name: getattr(config, f.name) for f in fields(config)}
+    """The effective configuration for the start-up log line: file paths, never their content;
+    URLs without user-info; header values hidden (they may carry tenants or keys)."""
+    out = {f.name: getattr(config, f.name) for f in fields(config)}
+    out["remote_write_url"] = [redact_url(u) for u in config.remote_write_url]
+    if config.pushgateway_url:
+        out["pushgateway_url"] = redact_url(config.pushgateway_url)
+    out["header"] = [k for k, _ in config.header]
+    return out
 
 
 def version_line() -> str:

@@ -24,8 +24,16 @@ class ListSink:
                 self.clock.advance(self.cost.pop(0))  # this cycle "took" that long
         self.batches.append(series)
 
-    def close(self):
+    name = "list"
+
+    def start(self):
         pass
+
+    def close(self, deadline):
+        return True
+
+    def telemetry(self, ts, labels):
+        return []
 
 
 class ClockStop:
@@ -48,7 +56,7 @@ def make_agent(clock, sink, config=None, scenario="healthy", install_fake=None):
     source.open()
     app = AppState(clock=clock, known_gpu={d.uuid for d in source.devices()}.__contains__)
     cfg = config or Config(interval=5.0, gpus="visible")
-    return Agent(cfg, source=source, app=app, sink=sink, clock=clock,
+    return Agent(cfg, source=source, app=app, sinks=sink, clock=clock,
                  wall=lambda: clock() + 1.7e9), source, app
 
 
@@ -96,7 +104,7 @@ def test_explicit_gpu_list_wins_and_an_invisible_uuid_is_reported_unavailable(cl
     source.open()
     first = source.devices()[0].uuid
     agent = Agent(Config(gpus=f"{first},{missing}"), source=source, app=AppState(clock=clock),
-                  sink=sink, clock=clock)
+                  sinks=sink, clock=clock)
     series = agent.cycle()
     avail = {dict(s.labels)["gpu_uuid"]: s.value for s in series
              if s.name == "gpu_sidecar_gpu_available"}
@@ -106,7 +114,7 @@ def test_explicit_gpu_list_wins_and_an_invisible_uuid_is_reported_unavailable(cl
 def test_app_only_mode_exports_allocator_figures_without_nvml(clock):
     sink = ListSink()
     app = AppState(clock=clock)
-    agent = Agent(Config(no_nvml=True), source=None, app=app, sink=sink, clock=clock,
+    agent = Agent(Config(no_nvml=True), source=None, app=app, sinks=sink, clock=clock,
                   mode="app-only")
     app.feed(raw(alloc(pid=9)))
     series = agent.cycle()

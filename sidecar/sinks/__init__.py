@@ -7,10 +7,18 @@ from __future__ import annotations
 
 from typing import Protocol
 
-from sidecar.samples import Series
+from sidecar.samples import Labels, Series
 
 
 class Sink(Protocol):
+    name: str
+
+    def start(self) -> None: ...
+
     def emit(self, series: list[Series]) -> None: ...
 
-    def close(self) -> None: ...
+    def close(self, deadline: float) -> bool:
+        """Deliver what the time until ``deadline`` (monotonic) allows; True when all was."""
+        ...
+
+    def telemetry(self, ts: int, labels: Labels) -> list[Series]: ...

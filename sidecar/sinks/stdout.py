@@ -8,7 +8,7 @@ import sys
 from typing import TextIO
 
 from sidecar.metrics import BY_NAME
-from sidecar.samples import Series
+from sidecar.samples import Labels, Series
 
 _HIST_SUFFIXES = ("_bucket", "_sum", "_count")
 
@@ -60,6 +60,8 @@ def json_lines(series: list[Series]) -> str:
 
 
 class StdoutSink:
+    name = "stdout"
+
     def __init__(self, fmt: str = "prometheus", stream: TextIO | None = None) -> None:
         self.render = prometheus_text if fmt == "prometheus" else json_lines
         self.stream = stream or sys.stdout
@@ -73,5 +75,11 @@ class StdoutSink:
         except BrokenPipeError:  # `gpu-sidecar run | head`: the reader left
             raise SystemExit(0) from None
 
-    def close(self) -> None:
+    def start(self) -> None:
         pass
+
+    def close(self, deadline: float) -> bool:
+        return True
+
+    def telemetry(self, ts: int, labels: Labels) -> list[Series]:
+        return []

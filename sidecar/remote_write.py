@@ -1,0 +1,113 @@
+"""Prometheus remote-write 1.0 bodies: a protobuf ``WriteRequest``, snappy block-compressed.
+
+The message is four nested types (WriteRequest > TimeSeries > Label, Sample), so it is written
+directly in protobuf wire format rather than through generated classes: the label block of a
+series is the same every cycle and is encoded once, and every sample of a cycle shares one
+timestamp varint. The tests decode the output with the real protobuf runtime, and the benchmark
+compares it against building the same message with protobuf.
+
+Rules from the spec followed here: labels sorted by name with ``__name__`` among them, names
+unique per series, samples of a series in timestamp order, timestamps in milliseconds.
+"""
+
+from __future__ import annotations
+
+import struct
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+import cramjam
+
+from sidecar.samples import Labels, Series
+
+_DOUBLE = struct.Struct("<d")
+CONTENT_HEADERS = {
+    "Content-Encoding": "snappy",
+    "Content-Type": "application/x-protobuf",
+    "X-Prometheus-Remote-Write-Version": "0.1.0",
+}
+
+
+def varint(value: int) -> bytes:
+    if value < 0:
+        value += 1 << 64  # int64 in two's complement, as protobuf does
+    out = bytearray()
+    while value > 0x7F:
+        out.append((value & 0x7F) | 0x80)
+        value >>= 7
+    out.append(value)
+    return bytes(out)
+
+
+def _field(tag: int, payload: bytes) -> bytes:
+    return bytes((tag,)) + varint(len(payload)) + payload
+
+
+def _string(tag: int, text: str) -> bytes:
+    return _field(tag, text.encode())
+
+
+def encode_labels(name: str, labels: Labels) -> bytes:
+    """The repeated ``labels`` fields of one TimeSeries, ``__name__`` included, sorted."""
+    pairs = sorted((("__name__", name), *labels))
+    return b"".join(_field(0x0A, _string(0x0A, k) + _string(0x12, v)) for k, v in pairs)
+
+
+SeriesKey = tuple[str, Labels]
+
+
+@dataclass
+class Batch:
+    """Samples accumulated between flushes, grouped by series, in arrival order."""
+
+    series: dict[SeriesKey, list[tuple[int, float]]] = field(default_factory=dict)
+    samples: int = 0
+
+    def add(self, items: Iterable[Series]) -> None:
+        for s in items:
+            self.series.setdefault((s.name, s.labels), []).append((s.timestamp_ms, s.value))
+            self.samples += 1
+
+    def __len__(self) -> int:
+        return self.samples
+
+
+class Encoder:
+    """Encodes batches; remembers the label block of each series it has seen."""
+
+    def __init__(self, max_cached_series: int = 50_000) -> None:
+        self._labels: dict[SeriesKey, bytes] = {}
+        self._max = max_cached_series
+
+    def write_request(self, series: dict[SeriesKey, list[tuple[int, float]]]) -> bytes:
+        if len(self._labels) > self._max:
+            self._labels.clear()
+        pack = _DOUBLE.pack
+        ts_cache: dict[int, bytes] = {}
+        parts: list[bytes] = []
+        for key, points in series.items():
+            label_block = self._labels.get(key)
+            if label_block is None:
+                label_block = self._labels[key] = encode_labels(*key)
+            if any(points[i][0] > points[i + 1][0] for i in range(len(points) - 1)):
+                points = sorted(points, key=lambda p: p[0])
+            chunks = [label_block]
+            for ts, value in points:
+                tsb = ts_cache.get(ts)
+                if tsb is None:
+                    tsb = ts_cache[ts] = b"\x10" + varint(ts)
+                sample = b"\x09" + pack(value) + tsb
+                chunks.append(b"\x12" + bytes((len(sample),)) + sample)
+            body = b"".join(chunks)
+            parts.append(b"\x0a" + varint(len(body)) + body)
+        return b"".join(parts)
+
+
+def compress(payload: bytes) -> bytes:
+    """Snappy *block* format, as remote-write requires (not the framed stream format)."""
+    return bytes(cramjam.snappy.compress_raw(payload))
+
+
+def decompress(body: bytes) -> bytes:
+    return bytes(cramjam.snappy.decompress_raw(body))
+

@@ -1,0 +1,187 @@
+"""HTTP delivery shared by the push sinks: session, credentials, outcome of a response, backoff.
+
+Rules (DESIGN.md, "Reliability promises"): 5xx, 429 and network errors are retried with
+exponential backoff and jitter, honouring ``Retry-After``; any other 4xx is final for that
+request. Secrets are read from files (re-read when the file changes, so rotated tokens work) and
+never appear in a log line or an error: URLs are logged without their user-info part.
+"""
+
+from __future__ import annotations
+
+import email.utils
+import os
+import time
+from dataclasses import dataclass
+from typing import Any
+from urllib.parse import urlsplit, urlunsplit
+
+import requests
+import tenacity
+
+from sidecar import __version__
+
+USER_AGENT = f"gpu-sidecar/{__version__}"
+RETRY_AFTER_CAP_S = 300.0
+
+
+@dataclass(frozen=True)
+class HttpOptions:
+    timeout_s: float = 10.0
+    bearer_token_file: str | None = None
+    basic_auth_user: str | None = None
+    basic_auth_password_file: str | None = None
+    ca_file: str | None = None
+    cert_file: str | None = None
+    key_file: str | None = None
+    insecure_skip_verify: bool = False
+    headers: tuple[tuple[str, str], ...] = ()
+    initial_backoff_s: float = 0.5
+    max_backoff_s: float = 30.0
+
+
+class SecretFile:
+    """A secret kept in a file (a mounted Kubernetes Secret); re-read when the file changes."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self._stamp: tuple[float, int] | None = None
+        self._value = ""
+
+    def value(self) -> str:
+        st = os.stat(self.path)
+        stamp = (st.st_mtime, st.st_size)
+        if stamp != self._stamp:
+            with open(self.path, encoding="utf-8") as f:
+                self._value = f.read().strip()
+            self._stamp = stamp
+        return self._value
+
+
+class Retryable(Exception):
+    def __init__(self, reason: str, detail: str, retry_after: float | None = None) -> None:
+        super().__init__(detail)
+        self.reason = reason
+        self.retry_after = retry_after
+
+
+class Refused(Exception):
+    def __init__(self, status: int, detail: str, hint: str) -> None:
+        super().__init__(detail)
+        self.status = status
+        self.hint = hint
+
+
+def redact(url: str) -> str:
+    parts = urlsplit(url)
+    if parts.username or parts.password:
+        host = parts.hostname or ""
+        if parts.port:
+            host = f"{host}:{parts.port}"
+        parts = parts._replace(netloc=host)
+    return urlunsplit(parts)
+
+
+class Http:
+    """A requests session with the configured TLS and credentials."""
+
+    def __init__(self, options: HttpOptions) -> None:
+        self.options = options
+        self.session = requests.Session()
+        if options.insecure_skip_verify:
+            self.session.verify = False
+        elif options.ca_file:
+            self.session.verify = options.ca_file
+        if options.cert_file:
+            self.session.cert = (options.cert_file, options.key_file) if options.key_file else \
+                options.cert_file
+        self._token = SecretFile(options.bearer_token_file) if options.bearer_token_file else None
+        self._password = (SecretFile(options.basic_auth_password_file)
+                          if options.basic_auth_password_file else None)
+
+    def headers(self) -> dict[str, str]:
+        out = {"User-Agent": USER_AGENT, **dict(self.options.headers)}
+        if self._token is not None:
+            out["Authorization"] = f"Bearer {self._token.value()}"
+        return out
+
+    def auth(self) -> tuple[str, str] | None:
+        if self.options.basic_auth_user is None:
+            return None
+        return (self.options.basic_auth_user, self._password.value() if self._password else "")
+
+    def request(self, method: str, url: str, *, data: bytes | None = None,
+                headers: dict[str, str] | None = None) -> requests.Response:
+        try:
+            return self.session.request(
+                method, url, data=data, headers={**self.headers(), **(headers or {})},
+                auth=self.auth(), timeout=self.options.timeout_s)
+        except requests.exceptions.SSLError as exc:
+            raise Retryable("tls", f"TLS handshake with {redact(url)} failed: "
+                            f"{type(exc).__name__}; give its CA with --remote-write-ca-file") from None
+        except requests.RequestException as exc:
+            raise Retryable("network", f"{type(exc).__name__} talking to {redact(url)}") from None
+        except OSError as exc:  # an unreadable secret file
+            raise Retryable("credentials", f"cannot read a credentials file: {exc.strerror}") from None
+
+
+def parse_retry_after(value: str | None) -> float | None:
+    if not value:
+        return None
+    value = value.strip()
+    if value.isdigit():
+        return float(value)
+    try:
+        when = email.utils.parsedate_to_datetime(value)
+    except (TypeError, ValueError):
+        return None
+    return max(0.0, when.timestamp() - time.time())
+
+
+HINTS = {
+    400: "the receiver refused the data itself; the batch is set aside in the spool's rejected/",
+    401: "authentication failed: check the bearer token or basic-auth files",
+    403: "not authorised: check the token's permissions or the tenant header",
+    404: "no remote-write endpoint at this URL: Prometheus needs "
+         "--web.enable-remote-write-receiver and the path /api/v1/write; VictoriaMetrics and "
+         "vmagent take /api/v1/write; Mimir /api/v1/push",
+    405: "wrong method for this URL: is it the remote-write path?",
+    413: "batch too large for the receiver: lower --batch-max-samples",
+}
+
+
+def check(response: requests.Response) -> None:
+    """Raise ``Retryable`` or ``Refused`` unless the receiver accepted the request."""
+    status = response.status_code
+    if 200 <= status < 300:
+        return
+    detail = f"HTTP {status}: {response.text[:300].strip()}"
+    if status == 429:
+        raise Retryable("http_429", detail, parse_retry_after(response.headers.get("Retry-After")))
+    if status >= 500:
+        raise Retryable(f"http_{status // 100}xx", detail,
+                        parse_retry_after(response.headers.get("Retry-After")))
+    raise Refused(status, detail, HINTS.get(status, "the receiver refused the request"))
+
+
+class Backoff(tenacity.wait.wait_base):
+    """Exponential backoff with jitter, or the receiver's ``Retry-After`` when it gave one."""
+
+    def __init__(self, initial: float, maximum: float) -> None:
+        self.exponential = tenacity.wait_exponential_jitter(initial=initial, max=maximum)
+
+    def __call__(self, retry_state: tenacity.RetryCallState) -> float:
+        outcome = retry_state.outcome
+        exc = outcome.exception() if outcome is not None else None
+        if isinstance(exc, Retryable) and exc.retry_after is not None:
+            return min(exc.retry_after, RETRY_AFTER_CAP_S)
+        return float(self.exponential(retry_state))
+
+
+def retrying(options: HttpOptions, *, stop: Any, sleep: Any) -> tenacity.Retrying:
+    return tenacity.Retrying(
+        retry=tenacity.retry_if_exception_type(Retryable),
+        wait=Backoff(options.initial_backoff_s, options.max_backoff_s),
+        stop=stop,
+        sleep=sleep,
+        reraise=True,
+    )

@@ -1,0 +1,206 @@
+"""Pushgateway sink: the latest value of every series, grouped by job and pod.
+
+The Pushgateway refuses timestamps and keeps only the last push of a group, so this sink has no
+history and no spool: each push replaces the group with the newest cycle. For history (and for
+nothing lost during an outage) use remote-write. It never forgets a group by itself, so
+``--pushgateway-delete-on-exit`` deletes this pod's group at shutdown.
+"""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import structlog
+from prometheus_client import CollectorRegistry, delete_from_gateway, push_to_gateway
+from prometheus_client.metrics_core import Metric
+
+from sidecar.metrics import BY_NAME
+from sidecar.samples import Labels, Series
+from sidecar.sinks.delivery import Http, HttpOptions, Refused, Retryable, check, redact, retrying
+
+log = structlog.get_logger("sidecar.pushgateway")
+
+_SUFFIXES = ("_bucket", "_sum", "_count")
+
+
+def family_of(name: str) -> tuple[str, str]:
+    """(family name, type) for a series name, as prometheus_client wants them."""
+    for suffix in _SUFFIXES:
+        base = name.removesuffix(suffix)
+        if base != name and base in BY_NAME and BY_NAME[base].kind == "histogram":
+            return base, "histogram"
+    spec = BY_NAME.get(name)
+    if spec is None:
+        return name, "untyped"
+    if spec.kind == "counter":
+        return name.removesuffix("_total"), "counter"
+    return name, spec.kind
+
+
+class _Latest:
+    """A collector that exposes one cycle's series (without timestamps)."""
+
+    def __init__(self) -> None:
+        self.series: list[Series] = []
+
+    def collect(self) -> Iterator[Metric]:
+        families: dict[str, Metric] = {}
+        for s in self.series:
+            family, kind = family_of(s.name)
+            metric = families.get(family)
+            if metric is None:
+                spec = BY_NAME.get(family) or BY_NAME.get(s.name)
+                metric = families[family] = Metric(family, spec.help if spec else s.name, kind)
+            metric.add_sample(s.name, dict(s.labels), s.value)
+        return iter(families.values())
+
+
+class PushgatewaySink:
+    def __init__(
+        self,
+        url: str,
+        http: HttpOptions,
+        *,
+        job: str = "gpu-sidecar",
+        grouping: dict[str, str] | None = None,
+        push_interval_s: float = 15.0,
+        delete_on_exit: bool = False,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.url = url.rstrip("/")
+        self.name = "pushgateway"
+        self.job = job
+        self.grouping = dict(grouping or {}) or {"instance": socket.gethostname()}
+        self.options = http
+        self.http = Http(http)
+        self.push_interval_s = push_interval_s
+        self.delete_on_exit = delete_on_exit
+        self.clock = clock
+        self.pushes = 0
+        self.failures: Counter[str] = Counter()
+        self.last_success_time = 0.0
+        self.last_push_seconds = 0.0
+        self._latest = _Latest()
+        self._registry = CollectorRegistry(auto_describe=False)
+        self._registry.register(self._latest)  # type: ignore[arg-type]
+        self._pending: list[Series] | None = None
+        self._last_emit = -1e18
+        self._lock = threading.Lock()
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._failing = False
+        self._thread = threading.Thread(target=self._run, name="sender-pushgateway", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def emit(self, series: list[Series]) -> None:
+        now = self.clock()
+        with self._lock:
+            self._pending = series
+            due = now - self._last_emit >= self.push_interval_s
+            if due:
+                self._last_emit = now
+        if due:
+            self._wake.set()
+
+    def _handler(self, url: str, method: str, timeout: float | None, headers: list[tuple[str, str]],
+                 data: bytes) -> Callable[[], None]:
+        def send() -> None:
+            response = self.http.request(method, url, data=data, headers=dict(headers))
+            check(response)
+        return send
+
+    def _push_latest(self, stop: Callable[[Any], bool]) -> None:
+        with self._lock:
+            series, self._pending = self._pending, None
+        if series is None:
+            return
+        self._latest.series = series
+        started = time.monotonic()
+        try:
+            for attempt in retrying(self.options, stop=stop, sleep=self._stop.wait):
+                with attempt:
+                    try:
+                        push_to_gateway(self.url, job=self.job, registry=self._registry,
+                                        grouping_key=self.grouping, handler=self._handler)
+                    except Retryable as exc:
+                        self.failures[exc.reason] += 1
+                        if not self._failing:
+                            self._failing = True
+                            log.warning("pushgateway_failing", url=redact(self.url),
+                                        detail=str(exc), effect="retrying with the newest values")
+                        with self._lock:  # newer values arrived meanwhile: push those instead
+                            if self._pending is not None:
+                                self._latest.series, self._pending = self._pending, None
+                        raise
+        except Refused as exc:
+            self.failures[f"http_{exc.status}"] += 1
+            log.error("pushgateway_refused", url=redact(self.url), receiver_said=str(exc),
+                      hint="a label may clash with the grouping key, or the body is invalid")
+            return
+        except Retryable:
+            return
+        finally:
+            self.last_push_seconds = time.monotonic() - started
+        self.pushes += 1
+        self.last_success_time = time.time()
+        if self._failing:
+            self._failing = False
+            log.info("pushgateway_recovered", url=redact(self.url))
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self._wake.wait(1.0)
+            self._wake.clear()
+            if self._stop.is_set():
+                return
+            # a new cycle supersedes a push still retrying: give up on the older values then
+            self._push_latest(lambda _s: self._stop.is_set() or self._wake.is_set())
+
+    def close(self, deadline: float) -> bool:
+        self._stop.set()
+        self._wake.set()
+        self._thread.join(timeout=max(0.0, deadline - time.monotonic()))
+        done = threading.Event()
+
+        def final() -> None:
+            self._stop.clear()
+            self._push_latest(lambda _s: time.monotonic() >= deadline)
+            if self.delete_on_exit:
+                self._delete(deadline)
+            done.set()
+
+        worker = threading.Thread(target=final, daemon=True)
+        worker.start()
+        worker.join(timeout=max(0.1, deadline - time.monotonic()))
+        self._stop.set()
+        return done.is_set()
+
+    def _delete(self, deadline: float) -> None:
+        try:
+            for attempt in retrying(self.options, stop=lambda _s: time.monotonic() >= deadline,
+                                    sleep=time.sleep):
+                with attempt:
+                    delete_from_gateway(self.url, job=self.job, grouping_key=self.grouping,
+                                        handler=self._handler)
+            log.info("pushgateway_group_deleted", job=self.job, grouping=self.grouping)
+        except (Retryable, Refused) as exc:
+            log.error("pushgateway_delete_failed", detail=str(exc),
+                      effect="the group stays on the Pushgateway until deleted by hand")
+
+    def telemetry(self, ts: int, labels: Labels) -> list[Series]:
+        base = tuple(sorted((*labels, ("sink", self.name))))
+        out = [Series("gpu_sidecar_push_duration_seconds", base, self.last_push_seconds, ts)]
+        if self.last_success_time:
+            out.append(Series("gpu_sidecar_last_push_success_timestamp_seconds", base,
+                              self.last_success_time, ts))
+        for reason, n in sorted(self.failures.items()):
+            out.append(Series("gpu_sidecar_push_failures_total",
+                              tuple(sorted((*base, ("reason", reason)))), float(n), ts))
+        return out

@@ -1,0 +1,308 @@
+"""Delivery to real receivers, compared sample by sample with what the agent sampled.
+
+The agent runs as a subprocess with ``--stdout --output json``: its stdout is the record of every
+series it produced, and what VictoriaMetrics, Prometheus or the Pushgateway stored is read back
+and compared with it: same series, labels, values and timestamps, nothing missing, nothing twice.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import signal
+import time
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+from sidecar.prompb import WriteRequest
+from sidecar.remote_write import decompress
+from tests.receivers import (
+    Agent,
+    FaultProxy,
+    Prometheus,
+    Pushgateway,
+    VictoriaMetrics,
+    VmAgent,
+    running,
+)
+
+Key = tuple[str, tuple, int]
+
+
+def push_args(url: str, spool: Path, *extra: str) -> list[str]:
+    return ["--simulate", "healthy", "--interval", "0.2", "--push-interval", "0.5",
+            "--remote-write-url", url, "--spool-dir", str(spool), "--retry-max-backoff", "0.5",
+            "--shutdown-timeout", "8", *extra]
+
+
+def as_map(rows: list[tuple[str, tuple, int, float]]) -> dict[Key, float]:
+    counts = Counter((n, labels, ts) for n, labels, ts, _ in rows)
+    twice = [k for k, c in counts.items() if c > 1]
+    assert not twice, f"{len(twice)} samples stored more than once, e.g. {twice[:2]}"
+    return {(n, labels, ts): v for n, labels, ts, v in rows}
+
+
+def assert_same(stored: dict[Key, float], sampled: dict[Key, float], rel: float = 0.0) -> None:
+    missing = set(sampled) - set(stored)
+    extra = set(stored) - set(sampled)
+    assert not missing, f"{len(missing)} sampled but not stored, e.g. {sorted(missing)[:3]}"
+    assert not extra, f"{len(extra)} stored but never sampled, e.g. {sorted(extra)[:3]}"
+    for key, value in sampled.items():
+        assert math.isclose(stored[key], value, rel_tol=rel, abs_tol=0.0), (key, stored[key], value)
+
+
+def wait_for(condition, timeout: float = 15.0, step: float = 0.2) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if condition():
+            return True
+        time.sleep(step)
+    return condition()
+
+
+def run_for(agent: Agent, seconds: float) -> None:
+    agent.start()
+    time.sleep(seconds)
+    assert agent.stop() == 0, "".join(agent.err)[-3000:]
+
+
+# VictoriaMetrics keeps float64 values with up to 15-16 significant decimal digits
+VM_REL = 1e-12
+
+
+def test_victoriametrics_stores_exactly_what_was_sampled(tmp_path):
+    vm = VictoriaMetrics(tmp_path).start()
+    with running(vm):
+        agent = Agent(push_args(vm.write_url, tmp_path / "spool"))
+        run_for(agent, 3.0)
+        sampled = as_map(agent.sampled())
+        assert len({k[2] for k in sampled}) >= 10  # cycles
+        assert_same(as_map(vm.settled(len(sampled))), sampled, VM_REL)
+        names = {k[0] for k in sampled}
+        assert {"gpu_sm_occupancy_ratio", "gpu_memory_fragmentation_ratio",
+                "inference_request_duration_seconds_bucket", "gpu_sidecar_samples_pushed_total",
+                "gpu_sidecar_spool_bytes"} <= names
+    assert not list((tmp_path / "spool").rglob("*.batch"))
+
+
+def test_vmagent_relay_to_victoriametrics(tmp_path):
+    vm = VictoriaMetrics(tmp_path).start()
+    relay = VmAgent(tmp_path, vm.write_url).start()
+    with running(vm, relay):
+        agent = Agent(push_args(relay.write_url, tmp_path / "spool"))
+        run_for(agent, 2.5)
+        sampled = as_map(agent.sampled())
+        assert_same(as_map(vm.settled(len(sampled))), sampled, VM_REL)
+
+
+def test_prometheus_remote_write_receiver_stores_exactly_what_was_sampled(tmp_path):
+    prom = Prometheus(tmp_path).start()
+    with running(prom):
+        agent = Agent(push_args(prom.write_url, tmp_path / "spool"))
+        run_for(agent, 2.5)
+        sampled = as_map(agent.sampled())
+        stored = as_map(prom.samples('{__name__=~".+"}', at=time.time() + 1))
+        assert_same(stored, sampled)  # Prometheus keeps float64 bit for bit
+
+
+def test_pushgateway_holds_the_latest_values_and_the_group_is_deleted_when_asked(tmp_path):
+    pgw = Pushgateway(tmp_path).start()
+    with running(pgw):
+        base = ["--simulate", "healthy", "--interval", "0.2", "--push-interval", "0.2",
+                "--pushgateway-url", pgw.base, "--pod-namespace", "ml", "--pod-name", "llm-0",
+                "--shutdown-timeout", "5"]
+        agent = Agent(base)
+        run_for(agent, 2.0)
+        rows = agent.sampled()
+        last_ts = max(ts for _, _, ts, _ in rows)
+        latest = {(n, labels): v for n, labels, ts, v in rows if ts == last_ts}
+        groups = pgw.groups()
+        assert len(groups) == 1
+        group = groups[0]
+        assert group["labels"] == {"job": "gpu-sidecar", "namespace": "ml", "pod": "llm-0"}
+        stored: dict[tuple[str, tuple], float] = {}
+        for name, family in group.items():
+            if not isinstance(family, dict) or name in (
+                    "labels", "push_time_seconds", "push_failure_time_seconds"):
+                continue  # the Pushgateway's own bookkeeping
+            for m in family["metrics"]:
+                labels = {k: v for k, v in m["labels"].items() if k not in ("job", "instance")}
+                key = tuple(sorted(labels.items()))
+                if "value" in m:
+                    stored[(name, key)] = float(m["value"])
+                else:  # histogram
+                    for le, count in m["buckets"].items():
+                        le = "+Inf" if le == "+Inf" else repr(float(le))
+                        stored[(f"{name}_bucket", tuple(sorted((*key, ("le", le)))))] = float(count)
+                    stored[(f"{name}_sum", key)] = float(m["sum"])
+                    stored[(f"{name}_count", key)] = float(m["count"])
+        assert set(stored) == set(latest)
+        for key, value in latest.items():
+            assert stored[key] == pytest.approx(value, rel=1e-12), key
+
+        agent = Agent([*base, "--pushgateway-delete-on-exit"])
+        run_for(agent, 1.5)
+        assert pgw.groups() == []
+        assert any(e.get("event") == "pushgateway_group_deleted" for e in agent.events())
+
+
+def test_receiver_down_for_a_while_then_back_nothing_is_lost(tmp_path):
+    vm = VictoriaMetrics(tmp_path).start()
+    with running(vm):
+        agent = Agent(push_args(vm.write_url, tmp_path / "spool"))
+        agent.start()
+        time.sleep(1.5)
+        vm.stop()
+        time.sleep(3.0)
+        vm.start()
+        time.sleep(2.5)
+        assert agent.stop() == 0
+        sampled = as_map(agent.sampled())
+        assert_same(as_map(vm.settled(len(sampled))), sampled, VM_REL)
+        events = [e["event"] for e in agent.events()]
+        assert events.count("push_failing") == 1 and events.count("receiver_recovered") == 1
+
+
+def decoded_span(body: bytes) -> tuple[int, int]:
+    wr = WriteRequest()
+    wr.ParseFromString(decompress(body))
+    stamps = [s.timestamp for ts in wr.timeseries for s in ts.samples]
+    return min(stamps), max(stamps)
+
+
+def test_500s_are_retried_and_batches_arrive_in_order(tmp_path):
+    vm = VictoriaMetrics(tmp_path).start()
+    proxy = FaultProxy(vm.write_url,
+                       lambda n, body: (500, {}, b"overloaded") if n in (1, 2, 3) else None)
+    with running(vm, proxy):
+        agent = Agent(push_args(proxy.url, tmp_path / "spool"))
+        run_for(agent, 3.0)
+        sampled = as_map(agent.sampled())
+        assert_same(as_map(vm.settled(len(sampled))), sampled, VM_REL)
+        statuses = [status for _, status, _ in proxy.log]
+        assert statuses[1:4] == [500, 500, 500] and statuses[4] == 204
+        assert proxy.log[1][2] == proxy.log[4][2]  # the same batch, retried
+        accepted = [decoded_span(body) for _, status, body in proxy.log if status < 300]
+        assert all(a[1] < b[0] for a, b in itertools.pairwise(accepted)), \
+            "batches must arrive oldest first"
+        final = {n: v for n, labels, _, v in agent.sampled()
+                 if n == "gpu_sidecar_push_failures_total" and ("reason", "http_5xx") in labels}
+        assert final["gpu_sidecar_push_failures_total"] == 3
+
+
+def test_429_retry_after_is_honoured(tmp_path):
+    vm = VictoriaMetrics(tmp_path).start()
+    proxy = FaultProxy(vm.write_url, lambda n, body: (429, {"Retry-After": "2"}, b"slow down")
+                       if n == 1 else None)
+    with running(vm, proxy):
+        agent = Agent(push_args(proxy.url, tmp_path / "spool"))
+        run_for(agent, 4.0)
+        sampled = as_map(agent.sampled())
+        assert_same(as_map(vm.settled(len(sampled))), sampled, VM_REL)
+        (t429, s429, _), (t_next, _, _) = proxy.log[1], proxy.log[2]
+        assert s429 == 429
+        assert t_next - t429 >= 1.9  # waited as told, not the 0.5 s backoff cap
+
+
+def test_400_sets_one_batch_aside_and_later_batches_flow(tmp_path):
+    vm = VictoriaMetrics(tmp_path).start()
+    proxy = FaultProxy(vm.write_url, lambda n, body: (400, {}, b"bad label set")
+                       if n == 2 else None)
+    with running(vm, proxy):
+        agent = Agent(push_args(proxy.url, tmp_path / "spool"))
+        run_for(agent, 3.0)
+        refused_body = proxy.log[2][2]
+        wr = WriteRequest()
+        wr.ParseFromString(decompress(refused_body))
+        refused = {(dict((lab.name, lab.value) for lab in ts.labels)["__name__"],
+                    tuple(sorted((lab.name, lab.value) for lab in ts.labels
+                                 if lab.name != "__name__")), s.timestamp)
+                   for ts in wr.timeseries for s in ts.samples}
+        sampled = as_map(agent.sampled())
+        expected = {k: v for k, v in sampled.items() if k not in refused}
+        assert_same(as_map(vm.settled(len(expected))), expected, VM_REL)
+        aside = list((tmp_path / "spool").rglob("rejected/*.batch"))
+        assert len(aside) == 1
+        refused_events = [e for e in agent.events() if e.get("event") == "batch_refused"]
+        assert len(refused_events) == 1 and "bad label set" in refused_events[0]["receiver_said"]
+        dropped = [v for n, labels, _, v in agent.sampled()
+                   if n == "gpu_sidecar_samples_dropped_total" and ("reason", "rejected") in labels]
+        assert dropped[-1] == len(refused)
+        assert len(proxy.log) > 4  # later batches kept flowing
+
+
+def test_sigkill_then_restart_on_the_same_spool_loses_at_most_one_push_interval(tmp_path):
+    vm = VictoriaMetrics(tmp_path)  # not started: the first agent can only spool
+    spool = tmp_path / "spool"
+    first = Agent(push_args(vm.write_url, spool, "--push-interval", "0.6"))
+    first.start()
+    time.sleep(3.0)
+    first.signal(signal.SIGKILL)
+    first.wait()
+    assert list(spool.rglob("*.batch"))
+    vm.start()
+    with running(vm):
+        second = Agent(push_args(vm.write_url, spool))
+        run_for(second, 2.5)
+        stored = as_map(vm.settled())  # raises on any duplicate
+        before = as_map(first.sampled())
+        after = as_map(second.sampled())
+        assert_same({k: v for k, v in stored.items() if k in after}, after, VM_REL)
+        lost = set(before) - set(stored)
+        last = max(k[2] for k in before)
+        # only the open batch at the kill is lost: the last push interval (+ one cycle)
+        assert all(last - k[2] <= 800 for k in lost), sorted({last - k[2] for k in lost})
+        assert len({k[2] for k in before} - {k[2] for k in lost}) >= 8  # the spool was replayed
+        for key in set(before) & set(stored):
+            assert math.isclose(stored[key], before[key], rel_tol=VM_REL)
+
+
+def test_sigterm_takes_a_last_sample_and_flushes_within_the_timeout(tmp_path):
+    vm = VictoriaMetrics(tmp_path).start()
+    with running(vm):
+        agent = Agent(push_args(vm.write_url, tmp_path / "spool", "--push-interval", "60",
+                                "--shutdown-timeout", "3"))
+        agent.start()
+        time.sleep(2.0)
+        signalled = time.time()
+        agent.signal(signal.SIGTERM)
+        started = time.monotonic()
+        assert agent.wait() == 0
+        assert time.monotonic() - started < 3.0
+        sampled = as_map(agent.sampled())
+        assert max(k[2] for k in sampled) >= signalled * 1000 - 50  # the last sample
+        # nothing was pushed before SIGTERM: all of it went in the shutdown flush
+        assert_same(as_map(vm.settled(len(sampled))), sampled, VM_REL)
+
+
+def test_spool_full_drops_the_oldest_counts_them_and_keeps_running(tmp_path):
+    vm = VictoriaMetrics(tmp_path)  # down at first
+    agent = Agent(push_args(vm.write_url, tmp_path / "spool", "--push-interval", "0.4",
+                            "--spool-max-bytes", "12000"))
+    agent.start()
+    try:
+        time.sleep(4.0)
+        assert agent.proc.poll() is None  # still running
+        vm.start()
+        with running(vm):
+            time.sleep(2.5)
+            assert agent.stop() == 0
+            events = [e for e in agent.events() if e.get("event") == "spool_full_dropped_oldest"]
+            assert events
+            dropped = [v for n, labels, _, v in agent.sampled()
+                       if n == "gpu_sidecar_samples_dropped_total"
+                       and ("reason", "spool_full") in labels]
+            # a batch dropped while in flight and then accepted is not counted as lost
+            assert dropped and 0 < dropped[-1] <= sum(e["samples"] for e in events)
+            sampled = as_map(agent.sampled())
+            stored = as_map(vm.settled())
+            first_ts = min(k[2] for k in sampled)
+            last_ts = max(k[2] for k in sampled)
+            assert not any(k[2] == first_ts for k in stored)  # the oldest went
+            assert any(k[2] == last_ts for k in stored)  # the newest arrived
+            lost = len(set(sampled) - set(stored))
+            assert lost == dropped[-1]  # every lost sample is counted
+    finally:
+        agent.stop()
