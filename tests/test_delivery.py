@@ -1,0 +1,142 @@
+"""HTTP delivery rules: retry or not, Retry-After, credentials from files, nothing secret logged."""
+
+from __future__ import annotations
+
+import email.utils
+import http.server
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from typing import ClassVar
+
+import pytest
+import requests
+
+from sidecar.sinks.delivery import (
+    Http,
+    HttpOptions,
+    Refused,
+    Retryable,
+    check,
+    parse_retry_after,
+    redact,
+)
+from tests.conftest import ROOT, run_cli
+from tests.receivers import FaultProxy
+
+
+def response(status: int, text: str = "", headers: dict | None = None) -> requests.Response:
+    r = requests.Response()
+    r.status_code = status
+    r._content = text.encode()
+    r.headers.update(headers or {})
+    return r
+
+
+@pytest.mark.parametrize(("status", "kind", "reason"), [
+    (500, Retryable, "http_5xx"), (503, Retryable, "http_5xx"), (429, Retryable, "http_429"),
+    (400, Refused, None), (401, Refused, None), (404, Refused, None), (413, Refused, None),
+])
+def test_which_answers_are_retried(status, kind, reason):
+    with pytest.raises(kind) as err:
+        check(response(status, "receiver text"))
+    assert "receiver text" in str(err.value)
+    if reason:
+        assert err.value.reason == reason
+    check(response(204))
+    check(response(200))
+
+
+def test_404_explains_the_remote_write_receiver_flag():
+    with pytest.raises(Refused) as err:
+        check(response(404, "404 page not found"))
+    assert "--web.enable-remote-write-receiver" in err.value.hint
+
+
+def test_retry_after_in_seconds_or_as_a_date():
+    assert parse_retry_after("7") == 7.0
+    future = email.utils.formatdate(time.time() + 30, usegmt=True)
+    assert 25 < parse_retry_after(future) <= 30
+    assert parse_retry_after("soon") is None and parse_retry_after(None) is None
+    with pytest.raises(Retryable) as err:
+        check(response(429, headers={"Retry-After": "3"}))
+    assert err.value.retry_after == 3.0
+
+
+def test_urls_are_logged_without_credentials():
+    assert redact("https://alice:s3cret@vm.example:8428/api/v1/write") == \
+        "https://vm.example:8428/api/v1/write"
+    assert redact("http://vm:8428/api/v1/write") == "http://vm:8428/api/v1/write"
+
+
+class Recorder(http.server.BaseHTTPRequestHandler):
+    seen: ClassVar[list[dict]] = []
+
+    def do_POST(self) -> None:
+        self.rfile.read(int(self.headers.get("Content-Length", 0)))
+        Recorder.seen.append(dict(self.headers))
+        self.send_response(204)
+        self.end_headers()
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+def test_rotated_bearer_token_is_picked_up_without_restart(tmp_path):
+    token = tmp_path / "token"
+    token.write_text("first-token\n")
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Recorder)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        url = f"http://127.0.0.1:{server.server_address[1]}/api/v1/write"
+        client = Http(HttpOptions(bearer_token_file=str(token), headers=(("X-Scope-OrgID", "t1"),)))
+        client.request("POST", url, data=b"x")
+        token.write_text("second-token-longer\n")  # the kubelet swapped the Secret
+        client.request("POST", url, data=b"x")
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert [h["Authorization"] for h in Recorder.seen[-2:]] == [
+        "Bearer first-token", "Bearer second-token-longer"]
+    assert Recorder.seen[-1]["X-Scope-OrgID"] == "t1"
+    assert Recorder.seen[-1]["User-Agent"].startswith("gpu-sidecar/")
+
+
+def test_secrets_never_appear_in_logs_errors_or_help(tmp_path):
+    token = tmp_path / "token"
+    token.write_text("tok-9f8e7d6c5b4a")
+    password = tmp_path / "password"
+    password.write_text("pw-1a2b3c4d")
+    proxy = FaultProxy("http://127.0.0.1:9/", lambda n, body: (401, {}, b"who are you?"))
+    try:
+        for auth in (["--bearer-token-file", str(token)],
+                     ["--basic-auth-user", "alice", "--basic-auth-password-file", str(password)]):
+            url = proxy.url.replace("http://", "http://bob:url-secret@")
+            text = _run_briefly(url, tmp_path, auth)
+            assert "batch_refused" in text and "authentication failed" in text
+            for secret in ("tok-9f8e7d6c5b4a", "pw-1a2b3c4d", "url-secret", "hdr-secret-77"):
+                assert secret not in text
+    finally:
+        proxy.stop()
+    help_text = run_cli("run", "--help").stdout
+    assert "tok-9f8e7d6c5b4a" not in help_text
+
+
+def _run_briefly(url: str, tmp_path, auth: list[str]) -> str:
+    """All output (stdout and stderr) of a two-second run."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("GPU_SIDECAR_")}
+    env["GPU_SIDECAR_HEADER"] = "X-Api-Key=hdr-secret-77"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "sidecar", "run", "--simulate", "healthy", "--interval", "0.2",
+         "--push-interval", "0.2", "--remote-write-url", url, "--spool-dir",
+         str(tmp_path / "spool"), "--shutdown-timeout", "1", "--stdout", *auth],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT, env=env)
+    timer = threading.Timer(2.0, proc.send_signal, args=(signal.SIGTERM,))
+    timer.start()
+    out, _ = proc.communicate(timeout=30)
+    timer.cancel()
+    assert proc.returncode == 0, out[-2000:]
+    return out

@@ -1,0 +1,81 @@
+"""The disk spool: durable, ordered, bounded, and never crashed by a bad file."""
+
+from __future__ import annotations
+
+import pytest
+
+from sidecar.spool import HEADER, Spool, SpoolError
+
+
+def test_batches_come_back_oldest_first_and_survive_a_restart(tmp_path):
+    spool = Spool(tmp_path, max_bytes=1 << 20)
+    for i in range(3):
+        spool.put(f"body-{i}".encode(), samples=10 + i)
+    first = spool.oldest()
+    assert first.body == b"body-0" and first.samples == 10
+    spool.remove(first)
+    (tmp_path / "00000000000000000099.tmp").write_bytes(b"half-written")  # a crash mid-write
+    again = Spool(tmp_path, max_bytes=1 << 20)  # the agent restarted
+    assert not list(tmp_path.glob("*.tmp"))
+    assert [again.oldest().body] == [b"body-1"]
+    assert len(again) == 2
+    batch = again.put(b"body-3", samples=1)
+    assert batch.seq == 4  # numbering continues after the replayed batches
+
+
+def test_size_bound_drops_the_oldest_and_counts_their_samples(tmp_path):
+    body = b"x" * 1000
+    size = HEADER.size + len(body)
+    spool = Spool(tmp_path, max_bytes=3 * size)
+    for i in range(5):
+        spool.put(body, samples=100 + i)
+    assert len(spool) == 3
+    assert spool.bytes() == 3 * size
+    assert spool.dropped_samples["spool_full"] == 100 + 101
+    assert spool.oldest().samples == 102
+
+
+def test_a_batch_larger_than_the_whole_spool_is_dropped_and_counted(tmp_path):
+    spool = Spool(tmp_path, max_bytes=5000)
+    assert spool.put(b"y" * 6000, samples=7) is None
+    assert spool.dropped_samples["spool_full"] == 7 and len(spool) == 0
+
+
+@pytest.mark.parametrize("damage", ["garbage", "truncated", "flipped"])
+def test_corrupt_or_truncated_file_is_moved_aside_and_counted_never_a_crash(tmp_path, damage):
+    spool = Spool(tmp_path, max_bytes=1 << 20)
+    bad = spool.put(b"A" * 100, samples=5)
+    spool.put(b"B" * 100, samples=6)
+    data = bad.path.read_bytes()
+    if damage == "garbage":
+        bad.path.write_bytes(b"not a batch at all")
+    elif damage == "truncated":
+        bad.path.write_bytes(data[:-30])
+    else:
+        bad.path.write_bytes(data[:-1] + bytes([data[-1] ^ 0xFF]))
+    reopened = Spool(tmp_path, max_bytes=1 << 20)
+    good = reopened.oldest()
+    assert good.body == b"B" * 100
+    assert reopened.dropped_batches["corrupt"] == 1
+    assert (tmp_path / "corrupt" / bad.path.name).exists()
+
+
+def test_rejected_batch_is_set_aside_for_a_person_to_inspect(tmp_path):
+    spool = Spool(tmp_path, max_bytes=1 << 20)
+    batch = spool.put(b"refused", samples=3)
+    target = spool.set_aside(batch)
+    assert target.read_bytes().endswith(b"refused")
+    assert spool.oldest() is None and spool.dropped_samples["rejected"] == 3
+
+
+def test_unusable_spool_directory_is_a_clear_start_up_error(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    with pytest.raises(SpoolError, match=r"not writable.*--spool-dir"):
+        Spool(blocker / "spool", max_bytes=1 << 20)
+
+
+def test_spool_directory_is_private(tmp_path):
+    spool = Spool(tmp_path / "s", max_bytes=1 << 20)
+    spool.put(b"z", samples=1)
+    assert (tmp_path / "s").stat().st_mode & 0o077 == 0
