@@ -83,7 +83,8 @@ class Encoder:
         if len(self._labels) > self._max:
             self._labels.clear()
         pack = _DOUBLE.pack
-        ts_cache: dict[int, bytes] = {}
+        # every series of a cycle shares its timestamp: encode the parts around the value once
+        framing: dict[int, tuple[bytes, bytes]] = {}
         parts: list[bytes] = []
         for key, points in series.items():
             label_block = self._labels.get(key)
@@ -93,11 +94,12 @@ class Encoder:
                 points = sorted(points, key=lambda p: p[0])
             chunks = [label_block]
             for ts, value in points:
-                tsb = ts_cache.get(ts)
-                if tsb is None:
-                    tsb = ts_cache[ts] = b"\x10" + varint(ts)
-                sample = b"\x09" + pack(value) + tsb
-                chunks.append(b"\x12" + bytes((len(sample),)) + sample)
+                frame = framing.get(ts)
+                if frame is None:
+                    tail = b"\x10" + varint(ts)
+                    # Sample = 0x09 double (9 bytes) + 0x10 varint; one length byte suffices
+                    frame = framing[ts] = (b"\x12" + bytes((9 + len(tail),)) + b"\x09", tail)
+                chunks.append(frame[0] + pack(value) + frame[1])
             body = b"".join(chunks)
             parts.append(b"\x0a" + varint(len(body)) + body)
         return b"".join(parts)
