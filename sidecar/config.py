@@ -14,9 +14,10 @@ import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, fields
 from typing import Any
-from urllib.parse import urlsplit, urlunsplit
+from urllib.parse import urlsplit
 
 from sidecar import __version__, protocol
+from sidecar.sinks import redact_url
 
 ENV_PREFIX = "GPU_SIDECAR_"
 RESERVED_LABELS = frozenset({"gpu_uuid", "gpu_name", "gpu_index", "namespace", "pod", "container",
@@ -189,13 +190,6 @@ def _url(text: str) -> str:
     parts = urlsplit(text)
     if parts.scheme not in ("http", "https") or not parts.hostname:
         raise ValueError(f"{redact_url(text)!r} is not an http:// or https:// URL")
-    return text
-
-
-def redact_url(text: str) -> str:
-    parts = urlsplit(text)
-    if parts.password or parts.username:
-        return urlunsplit(parts._replace(netloc=parts.hostname or ""))
     return text
 
 

@@ -6,8 +6,20 @@ A sink takes the series of one cycle, already named and labelled, and owns what 
 from __future__ import annotations
 
 from typing import Protocol
+from urllib.parse import urlsplit, urlunsplit
 
 from sidecar.samples import Labels, Series
+
+
+def redact_url(url: str) -> str:
+    """``url`` without its user-info part, for logs and errors."""
+    parts = urlsplit(url)
+    if parts.username or parts.password:
+        host = parts.hostname or ""
+        if parts.port:
+            host = f"{host}:{parts.port}"
+        return urlunsplit(parts._replace(netloc=host))
+    return url
 
 
 class Sink(Protocol):

@@ -13,12 +13,12 @@ import os
 import time
 from dataclasses import dataclass
 from typing import Any
-from urllib.parse import urlsplit, urlunsplit
 
 import requests
 import tenacity
 
 from sidecar import __version__
+from sidecar.sinks import redact_url as redact
 
 USER_AGENT = f"gpu-sidecar/{__version__}"
 RETRY_AFTER_CAP_S = 300.0
@@ -69,16 +69,6 @@ class Refused(Exception):
         super().__init__(detail)
         self.status = status
         self.hint = hint
-
-
-def redact(url: str) -> str:
-    parts = urlsplit(url)
-    if parts.username or parts.password:
-        host = parts.hostname or ""
-        if parts.port:
-            host = f"{host}:{parts.port}"
-        parts = parts._replace(netloc=host)
-    return urlunsplit(parts)
 
 
 class Http:
