@@ -167,7 +167,7 @@ def run(cfg: config.Config) -> int:
         app_socket = AppSocket(socket_path, state)
         app_socket.start()
         stack.callback(app_socket.stop)
-        if scenario is not None and source is not None:
+        if scenario is not None and source is not None and not cfg.no_simulated_app:
             from sidecar.simulate.app import SimulatedApp
 
             sim = SimulatedApp(socket_path, [g.uuid for g in scenario.gpus], scenario.app,

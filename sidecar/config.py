@@ -44,6 +44,7 @@ class Config:
     once: bool = False
     simulate: str | None = None
     simulate_gpus: int | None = None
+    no_simulated_app: bool = False
     log_format: str = "auto"
     log_level: str = "info"
     pod_namespace: str = ""
@@ -262,6 +263,9 @@ OPTIONS: tuple[Option, ...] = (
            + ", ".join(SCENARIOS) + ". Every series says 'Simulated' in gpu_name.",
            _choice(*SCENARIOS)),
     Option("simulate_gpus", "Number of simulated GPUs (1..16; default per scenario).", _gpu_count),
+    Option("no_simulated_app", "With --simulate: do not start the simulated model server, so "
+           "that a real app (sidecar.client) is the only publisher on the socket.", _bool,
+           flag_only=True, commands=("run",)),
     Option("log_format", "Log format on stderr: 'auto' (JSON unless stderr is a terminal), "
            "'json' or 'console'.", _choice("auto", "json", "console")),
     Option("log_level", "Log level: debug, info, warning or error (default info).",
@@ -375,6 +379,8 @@ def build(command: str, args: argparse.Namespace, env: Mapping[str, str] = os.en
         raise ConfigError("--no-nvml and --simulate exclude each other: pick one")
     if config.no_nvml and config.gpus == "visible":
         raise ConfigError("--gpus visible needs NVML; with --no-nvml use 'announced' or UUIDs")
+    if config.no_simulated_app and not config.simulate:
+        raise ConfigError("--no-simulated-app only applies with --simulate SCENARIO")
     if config.simulate_gpus is not None and not config.simulate:
         raise ConfigError("--simulate-gpus only applies with --simulate SCENARIO")
     if config.key_file and not config.cert_file:

@@ -1,0 +1,515 @@
+"""App-side publisher: tells the gpu-sidecar what only the model server's process can know.
+
+Standard library only (torch is used when the app already imported it), safe to import anywhere,
+and built never to hurt the app: sends are non-blocking datagrams, dropped and counted when the
+sidecar is absent, restarting or slow; no exception ever reaches the caller; nothing is printed.
+
+    from sidecar import client
+    client.start()                      # torch apps: allocator figures of every used CUDA device
+    with client.timer():                # or client.observe(seconds), or @client.timed
+        handle(request)
+
+For apps without torch (JAX, TensorRT, custom allocators)::
+
+    pub = client.start(gpus=["GPU-5e0a..."], use_torch=False)
+    pub.send_allocator("GPU-5e0a...", reserved_bytes=r, allocated_bytes=a)
+
+The socket path is ``GPU_SIDECAR_SOCKET`` or ``/run/gpu-sidecar/app.sock``, as on the sidecar.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import functools
+import os
+import socket
+import sys
+import threading
+import time
+import weakref
+from bisect import bisect_left
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any, TypeVar
+
+from sidecar import protocol
+
+__all__ = ["Histogram", "Publisher", "allocator_figures", "observe", "snapshot_figures", "start",
+           "stop", "timed", "timer"]
+
+F = TypeVar("F", bound=Callable[..., Any])
+_INF = float("inf")
+
+
+class Histogram:
+    """Fixed-bucket latency histogram; ``observe`` is cheap, lock-free and thread-safe.
+
+    Each thread counts into its own list (no lock, no contention, no allocation beyond the
+    integers), and a reader sums the lists. A finished thread's counts are folded into a shared
+    total the next time the histogram is read, so a thread-per-request server does not grow it.
+    """
+
+    def __init__(self, bounds: Sequence[float] = protocol.DEFAULT_LATENCY_BOUNDS) -> None:
+        bounds = tuple(float(b) for b in bounds)
+        if not bounds or list(bounds) != sorted(set(bounds)) or bounds[0] <= 0:
+            raise ValueError("bounds must be strictly increasing positive seconds")
+        if len(bounds) > protocol.MAX_BUCKETS:
+            raise ValueError(f"at most {protocol.MAX_BUCKETS} bounds")
+        self.bounds = bounds
+        self._lock = threading.Lock()
+        self._reset()
+
+    def _reset(self) -> None:
+        self._local = threading.local()
+        self._threads: list[tuple[weakref.ref[threading.Thread], list[float]]] = []
+        self._retired = [0.0] * (len(self.bounds) + 2)  # buckets, +Inf, sum
+        self.observe = self._make_observe()
+
+    def _make_observe(self) -> Callable[[float], None]:
+        bounds, local, register = self.bounds, self._local, self._register
+
+        def observe(seconds: float) -> None:
+            """Record one request of ``seconds``; negative, infinite or NaN values are ignored."""
+            if not 0.0 <= seconds < _INF:
+                return
+            try:
+                counts = local.counts
+            except AttributeError:
+                counts = register()
+            counts[bisect_left(bounds, seconds)] += 1
+            counts[-1] += seconds
+
+        return observe
+
+    def _register(self) -> list[float]:
+        counts = [0] * (len(self.bounds) + 1) + [0.0]
+        self._local.counts = counts
+        with self._lock:
+            self._threads.append((weakref.ref(threading.current_thread()), counts))
+        return counts
+
+    def snapshot(self) -> tuple[tuple[int, ...], float]:
+        """(cumulative counts, one per bound and one for +Inf; sum of seconds)."""
+        with self._lock:
+            live = []
+            for ref, counts in self._threads:
+                thread = ref()
+                if thread is None or not thread.is_alive():
+                    self._retired = [a + b for a, b in zip(self._retired, counts, strict=True)]
+                else:
+                    live.append((ref, counts))
+            self._threads = live
+            total = list(self._retired)
+            for _, counts in live:
+                for i, value in enumerate(counts):
+                    total[i] += value
+        cumulative, running = [], 0
+        for c in total[:-1]:
+            running += int(c)
+            cumulative.append(running)
+        return tuple(cumulative), float(total[-1])
+
+
+def allocator_figures(stats: Mapping[str, Any]) -> dict[str, int]:
+    """The figures the sidecar wants, from ``torch.cuda.memory_stats(device)``."""
+
+    def get(key: str) -> int:
+        return int(stats.get(key, 0) or 0)
+
+    return {
+        "reserved_bytes": get("reserved_bytes.all.current"),
+        "allocated_bytes": get("allocated_bytes.all.current"),
+        "active_bytes": get("active_bytes.all.current"),
+        "inactive_split_bytes": get("inactive_split_bytes.all.current"),
+        "alloc_retries": get("num_alloc_retries"),
+        "ooms": get("num_ooms"),
+    }
+
+
+def snapshot_figures(segments: Sequence[Mapping[str, Any]]) -> dict[int, dict[str, int]]:
+    """Per device, from ``torch.cuda.memory_snapshot()``: the largest inactive block (the
+    biggest request the cache can serve without cudaMalloc) and the bytes held by private pools
+    (CUDA graphs; ``segment_pool_id`` other than (0, 0))."""
+    out: dict[int, dict[str, int]] = {}
+    for seg in segments:
+        fig = out.setdefault(int(seg.get("device", 0)),
+                             {"largest_free_block_bytes": 0, "private_pool_bytes": 0})
+        pool = tuple(seg.get("segment_pool_id") or (0, 0))
+        if pool != (0, 0):
+            fig["private_pool_bytes"] += int(seg.get("total_size", 0))
+        for block in seg.get("blocks", ()):
+            if block.get("state") == "inactive":
+                size = int(block.get("size", 0))
+                if size > fig["largest_free_block_bytes"]:
+                    fig["largest_free_block_bytes"] = size
+    return out
+
+
+def _uuid_text(raw: object) -> str:
+    text = str(raw)
+    return text if text.startswith(("GPU-", "MIG-")) else f"GPU-{text}"
+
+
+class _TorchReader:
+    """Reads the caching allocator of the CUDA devices this process uses, never initialising
+    CUDA itself (a publisher must not create contexts on GPUs the app does not use)."""
+
+    def __init__(self) -> None:
+        self._uuids: dict[int, str] = {}
+
+    @staticmethod
+    def torch() -> Any:
+        torch = sys.modules.get("torch")  # only if the app imported it: never import it here
+        if torch is None or not torch.cuda.is_available() or not torch.cuda.is_initialized():
+            return None
+        return torch
+
+    def devices(self, torch: Any) -> dict[int, tuple[str, dict[str, int]]]:
+        out = {}
+        current = torch.cuda.current_device()
+        for index in range(torch.cuda.device_count()):
+            figures = allocator_figures(torch.cuda.memory_stats(index))
+            if figures["reserved_bytes"] == 0 and index != current:
+                continue  # a device this process never allocated on
+            uuid = self._uuids.get(index)
+            if uuid is None:
+                uuid = self._uuids[index] = _uuid_text(
+                    torch.cuda.get_device_properties(index).uuid)
+            out[index] = (uuid, figures)
+        return out
+
+    @staticmethod
+    def snapshot(torch: Any) -> dict[int, dict[str, int]]:
+        try:
+            segments = torch.cuda.memory_snapshot(include_traces=False)
+        except TypeError:  # older torch: no include_traces argument
+            segments = torch.cuda.memory_snapshot()
+        return snapshot_figures(segments)
+
+
+class _Sender:
+    """A non-blocking datagram socket connected to the sidecar, re-connected when it comes back."""
+
+    RECONNECT_EVERY_S = 1.0
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self.sent = 0
+        self.dropped = 0
+        self._sock: socket.socket | None = None
+        self._next_try = 0.0
+
+    def _connect(self) -> socket.socket | None:
+        now = time.monotonic()
+        if now < self._next_try:
+            return None
+        self._next_try = now + self.RECONNECT_EVERY_S
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        sock.setblocking(False)
+        try:
+            sock.connect(self.path)
+        except OSError:
+            sock.close()
+            return None
+        self._sock = sock
+        return sock
+
+    def send(self, data: bytes, patience: int = 0) -> bool:
+        """Send without ever blocking. ``patience`` > 0 (the publisher thread only, never the
+        app's threads) retries a full queue that many times, 2 ms apart: the kernel queues only
+        ``net.unix.max_dgram_qlen`` (10 by default) datagrams per receiver."""
+        sock = self._sock or self._connect()
+        if sock is None:
+            self.dropped += 1
+            return False
+        try:
+            sock.send(data)
+        except BlockingIOError:  # the sidecar is slow: its receive queue is full
+            if patience > 0:
+                time.sleep(0.002)
+                return self.send(data, patience - 1)
+            self.dropped += 1
+            return False
+        except OSError:  # the sidecar went away or restarted: reconnect later
+            self.close()
+            self.dropped += 1
+            return False
+        self.sent += 1
+        return True
+
+    def close(self) -> None:
+        if self._sock is not None:
+            with contextlib.suppress(OSError):
+                self._sock.close()
+            self._sock = None
+
+
+class Publisher:
+    """Publishes allocator figures, latency and the process's GPUs on a daemon thread."""
+
+    def __init__(
+        self,
+        socket_path: str | None = None,
+        *,
+        interval_s: float = 5.0,
+        snapshot_interval_s: float = 60.0,
+        gpus: Sequence[str] = (),
+        bounds: Sequence[float] = protocol.DEFAULT_LATENCY_BOUNDS,
+        use_torch: bool = True,
+    ) -> None:
+        self.socket_path = socket_path or os.environ.get(protocol.SOCKET_ENV) or \
+            protocol.DEFAULT_SOCKET_PATH
+        self.interval_s = interval_s
+        self.snapshot_interval_s = snapshot_interval_s
+        self.gpus = list(gpus)
+        self.histogram = Histogram(bounds)
+        self.observe = self.histogram.observe
+        self.use_torch = use_torch
+        self.errors = 0
+        self._torch = _TorchReader()
+        self._sender = _Sender(self.socket_path)
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._running = False
+        self._last_snapshot = -1e18
+        self._last_retries: dict[int, int] = {}
+        self._snap: dict[int, dict[str, int]] = {}
+        self._pid = os.getpid()
+        ref = weakref.ref(self)
+        os.register_at_fork(after_in_child=lambda: _after_fork(ref))
+
+    # -- counters the app may read ---------------------------------------------------------
+
+    @property
+    def sent(self) -> int:
+        return self._sender.sent
+
+    @property
+    def dropped(self) -> int:
+        return self._sender.dropped
+
+    # -- latency ---------------------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def timer(self) -> Iterator[None]:
+        """Times the block as one request, also when it raises."""
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.observe(time.perf_counter() - start)
+
+    def timed(self, fn: F) -> F:
+        @functools.wraps(fn)
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            start = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.observe(time.perf_counter() - start)
+
+        return wrapper  # type: ignore[return-value]
+
+    # -- sending ---------------------------------------------------------------------------
+
+    def send_allocator(self, gpu: str, *, reserved_bytes: int, allocated_bytes: int,
+                       active_bytes: int | None = None, inactive_split_bytes: int = 0,
+                       alloc_retries: int = 0, ooms: int = 0,
+                       largest_free_block_bytes: int | None = None,
+                       private_pool_bytes: int | None = None) -> bool:
+        """Send one allocator message now; False (and counted) when it could not be sent."""
+        try:
+            if not protocol.UUID_RE.match(gpu):
+                self.errors += 1
+                return False
+            if gpu not in self.gpus:
+                self.gpus.append(gpu)
+            return self._sender.send(encode_allocator(
+                self._pid, gpu, reserved_bytes, allocated_bytes,
+                allocated_bytes if active_bytes is None else active_bytes, inactive_split_bytes,
+                alloc_retries, ooms, largest_free_block_bytes, private_pool_bytes))
+        except Exception:  # never into the app
+            self.errors += 1
+            return False
+
+    def publish(self) -> None:
+        """One round: hello, each device's allocator figures, the latency histogram."""
+        try:
+            with self._lock:
+                self._publish()
+        except Exception:
+            self.errors += 1
+
+    def _publish(self) -> None:
+        devices: dict[int, tuple[str, dict[str, int]]] = {}
+        torch = self._torch.torch() if self.use_torch else None
+        if torch is not None:
+            devices = self._torch.devices(torch)
+            now = time.monotonic()
+            retries_moved = any(fig["alloc_retries"] != self._last_retries.get(i, 0)
+                                for i, (_, fig) in devices.items())
+            if devices and (retries_moved or now - self._last_snapshot >= self.snapshot_interval_s):
+                self._snap = self._torch.snapshot(torch)
+                self._last_snapshot = now
+            self._last_retries = {i: fig["alloc_retries"] for i, (_, fig) in devices.items()}
+        gpus = list(dict.fromkeys([*self.gpus, *(uuid for uuid, _ in devices.values())]))
+        if not gpus:
+            return
+        def send(data: bytes) -> bool:
+            return self._sender.send(data, patience=3)
+
+        send(protocol.encode(protocol.Hello(self._pid, tuple(gpus[: protocol.MAX_GPUS]))))
+        for index, (uuid, fig) in devices.items():
+            snap = self._snap.get(index, {})
+            send(encode_allocator(self._pid, uuid, fig["reserved_bytes"], fig["allocated_bytes"],
+                                  fig["active_bytes"], fig["inactive_split_bytes"],
+                                  fig["alloc_retries"], fig["ooms"],
+                                  snap.get("largest_free_block_bytes"),
+                                  snap.get("private_pool_bytes")))
+        counts, total = self.histogram.snapshot()
+        if counts[-1]:
+            send(encode_latency(self._pid, gpus[0], self.histogram.bounds, counts, total))
+
+    # -- life cycle ------------------------------------------------------------------------
+
+    def configure(self, socket_path: str | None = None, *, interval_s: float | None = None,
+                  snapshot_interval_s: float | None = None, gpus: Sequence[str] | None = None,
+                  use_torch: bool | None = None) -> Publisher:
+        """Change settings of a publisher (the latency buckets are fixed at creation)."""
+        with self._lock:
+            if socket_path and socket_path != self.socket_path:
+                self.socket_path = socket_path
+                self._sender.close()
+                self._sender = _Sender(socket_path)
+            if interval_s is not None:
+                self.interval_s = interval_s
+            if snapshot_interval_s is not None:
+                self.snapshot_interval_s = snapshot_interval_s
+            if gpus is not None:
+                self.gpus = list(gpus)
+            if use_torch is not None:
+                self.use_torch = use_torch
+        return self
+
+    def start(self) -> Publisher:
+        with self._lock:
+            if self._running:
+                return self
+            self._running = True
+            self._stop.clear()
+            self._thread = threading.Thread(target=self._loop, name="gpu-sidecar-publisher",
+                                            daemon=True)
+            self._thread.start()
+        return self
+
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            self.publish()
+            self._stop.wait(self.interval_s)
+
+    def stop(self) -> None:
+        """Stop the thread after a last publish; safe to call twice and at exit."""
+        thread = self._thread
+        with self._lock:
+            if self._stop.is_set() and thread is None:
+                return
+            self._running = False
+            self._stop.set()
+            self._thread = None
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(timeout=2)
+        self.publish()
+        self._sender.close()
+
+    def _after_fork_in_child(self) -> None:
+        """A pre-fork worker: its own pid, socket, histogram and (if the parent ran one) thread."""
+        was_running = self._running
+        self._lock = threading.Lock()
+        self._pid = os.getpid()
+        self._sender = _Sender(self.socket_path)
+        self.histogram._lock = threading.Lock()
+        self.histogram._reset()
+        self.observe = self.histogram.observe
+        self._stop = threading.Event()
+        self._thread = None
+        self._running = False
+        if was_running:
+            self.start()
+
+
+def _after_fork(ref: weakref.ref[Publisher]) -> None:
+    pub = ref()
+    if pub is not None:
+        with contextlib.suppress(Exception):
+            pub._after_fork_in_child()
+
+
+def encode_allocator(pid: int, gpu: str, reserved: int, allocated: int, active: int,
+                     inactive_split: int, retries: int, ooms: int, largest: int | None,
+                     private: int | None) -> bytes:
+    """The allocator message, formatted directly (a publish costs about one send)."""
+    text = (f'{{"v":1,"kind":"allocator","pid":{pid},"gpu":"{gpu}","reserved_bytes":'
+            f'{int(reserved)},"allocated_bytes":{int(allocated)},"active_bytes":{int(active)},'
+            f'"inactive_split_bytes":{int(inactive_split)},"alloc_retries":{int(retries)},'
+            f'"ooms":{int(ooms)}')
+    if largest is not None:
+        text += f',"largest_free_block_bytes":{int(largest)}'
+    if private is not None:
+        text += f',"private_pool_bytes":{int(private)}'
+    return (text + "}").encode()
+
+
+def encode_latency(pid: int, gpu: str, bounds: Sequence[float], counts: Sequence[int],
+                   total: float) -> bytes:
+    return (f'{{"v":1,"kind":"latency","pid":{pid},"gpu":"{gpu}","bounds":['
+            f'{",".join(map(repr, bounds))}],"counts":[{",".join(map(str, counts))}],'
+            f'"sum":{total!r}}}').encode()
+
+
+# -- the process-wide default publisher ----------------------------------------------------
+
+_default: Publisher | None = None
+_default_lock = threading.Lock()
+
+
+def _get() -> Publisher:
+    global _default
+    if _default is None:
+        with _default_lock:
+            if _default is None:
+                _default = Publisher()
+                atexit.register(_default.stop)
+    return _default
+
+
+def start(socket_path: str | None = None, **kwargs: Any) -> Publisher:
+    """Start the process-wide publisher (idempotent); keyword arguments as for ``Publisher``
+    (``bounds`` only before the first ``observe``)."""
+    global _default
+    with _default_lock:
+        if _default is None:
+            _default = Publisher(socket_path, **kwargs)
+            atexit.register(_default.stop)
+            return _default.start()
+    kwargs.pop("bounds", None)
+    return _default.configure(socket_path, **kwargs).start()
+
+
+def stop() -> None:
+    if _default is not None:
+        _default.stop()
+
+
+def observe(seconds: float) -> None:
+    """Record one request's latency in the process-wide histogram."""
+    _get().observe(seconds)
+
+
+def timer() -> contextlib.AbstractContextManager[None]:
+    return _get().timer()
+
+
+def timed(fn: F) -> F:
+    """Decorator: time every call as one request."""
+    return _get().timed(fn)

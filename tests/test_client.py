@@ -1,0 +1,253 @@
+"""sidecar.client: the figures it derives, its histogram, and that it never hurts the app."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+
+from sidecar import client, protocol
+from sidecar.client import Histogram, Publisher, allocator_figures, snapshot_figures
+from tests.conftest import ROOT
+
+GPU = "GPU-0c4b24ac-fb68-413f-6f0c-54be2b5a94c7"
+MiB, GiB = 1 << 20, 1 << 30
+
+
+def memory_stats(**over: int) -> dict[str, int]:
+    """Shaped like torch.cuda.memory_stats(): flat 'name.pool.metric' keys plus counters."""
+    stats: dict[str, int] = {}
+    for name, current in (("allocated_bytes", 4 * GiB), ("reserved_bytes", 10 * GiB),
+                          ("active_bytes", 5 * GiB), ("inactive_split_bytes", 1 * GiB),
+                          ("requested_bytes", 4 * GiB - 3 * MiB)):
+        for pool in ("all", "large_pool", "small_pool"):
+            share = current if pool == "all" else current // 2
+            stats[f"{name}.{pool}.current"] = share
+            stats[f"{name}.{pool}.peak"] = share + MiB
+            stats[f"{name}.{pool}.allocated"] = share * 3
+            stats[f"{name}.{pool}.freed"] = share * 2
+    stats.update({"num_alloc_retries": 3, "num_ooms": 1, "num_sync_all_streams": 0,
+                  "num_device_alloc": 12, "num_device_free": 2, "max_split_size": -1})
+    stats.update(over)
+    return stats
+
+
+def block(size: int, state: str) -> dict:
+    return {"size": size, "requested_size": size, "address": 0, "state": state, "frames": []}
+
+
+def segment(device: int, blocks: list[dict], pool: tuple[int, int] = (0, 0),
+            expandable: bool = False) -> dict:
+    total = sum(b["size"] for b in blocks)
+    seg = {"device": device, "address": 0x7F0000000000, "total_size": total, "stream": 0,
+           "segment_type": "large", "segment_pool_id": pool,
+           "allocated_size": sum(b["size"] for b in blocks if b["state"] == "active_allocated"),
+           "active_size": sum(b["size"] for b in blocks if b["state"] != "inactive"),
+           "requested_size": 0, "blocks": blocks}
+    if expandable:
+        seg["is_expandable"] = True
+    return seg
+
+
+def test_allocator_figures_come_from_the_all_pool_current_values():
+    assert allocator_figures(memory_stats()) == {
+        "reserved_bytes": 10 * GiB, "allocated_bytes": 4 * GiB, "active_bytes": 5 * GiB,
+        "inactive_split_bytes": 1 * GiB, "alloc_retries": 3, "ooms": 1}
+    assert allocator_figures({})["reserved_bytes"] == 0  # CUDA not initialised: torch gives {}
+
+
+def test_snapshot_gives_the_largest_inactive_block_per_device():
+    segments = [
+        segment(0, [block(20 * MiB, "active_allocated"), block(6 * MiB, "inactive"),
+                    block(2 * MiB, "active_awaiting_free"), block(8 * MiB, "inactive")]),
+        segment(0, [block(64 * MiB, "active_allocated")]),
+        segment(1, [block(1 * MiB, "inactive")]),
+    ]
+    figs = snapshot_figures(segments)
+    assert figs[0]["largest_free_block_bytes"] == 8 * MiB  # awaiting-free is not free yet
+    assert figs[1]["largest_free_block_bytes"] == 1 * MiB
+    assert figs[0]["private_pool_bytes"] == 0
+
+
+def test_private_pools_of_cuda_graphs_are_counted_apart():
+    segments = [segment(0, [block(32 * MiB, "active_allocated")], pool=(1, 0)),
+                segment(0, [block(16 * MiB, "inactive")], pool=(2, 1)),
+                segment(0, [block(4 * MiB, "inactive")])]
+    figs = snapshot_figures(segments)
+    assert figs[0]["private_pool_bytes"] == 48 * MiB
+    # a free block inside a graph's private pool only serves that graph, but it is still cached
+    # memory the process holds; the figure is the largest free block of the whole cache
+    assert figs[0]["largest_free_block_bytes"] == 16 * MiB
+
+
+def test_expandable_segments_are_read_like_any_other_segment():
+    # with expandable_segments:True there is one growing segment per stream; its free tail is
+    # an inactive block until empty_cache() unmaps it
+    segments = [segment(0, [block(100 * MiB, "active_allocated"), block(2 * MiB, "inactive"),
+                            block(50 * MiB, "active_allocated"), block(40 * MiB, "inactive")],
+                        expandable=True)]
+    figs = snapshot_figures(segments)
+    assert figs[0]["largest_free_block_bytes"] == 40 * MiB
+
+
+def test_histogram_buckets_are_upper_inclusive_cumulative_and_ignore_nonsense():
+    h = Histogram((0.1, 0.2, 0.5))
+    for v in (0.05, 0.1, 0.15, 0.2, 0.3, 9.0, -1.0, float("nan"), float("inf")):
+        h.observe(v)
+    counts, total = h.snapshot()
+    assert counts == (2, 4, 5, 6)  # <=0.1, <=0.2, <=0.5, +Inf
+    assert total == pytest.approx(0.05 + 0.1 + 0.15 + 0.2 + 0.3 + 9.0)
+
+
+def test_histogram_is_exact_under_concurrent_observers_and_keeps_finished_threads():
+    h = Histogram((0.001, 1.0))
+    def work() -> None:
+        for _ in range(20_000):
+            h.observe(0.5)
+
+    threads = [threading.Thread(target=work) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    counts, total = h.snapshot()
+    assert counts == (0, 160_000, 160_000)
+    assert total == pytest.approx(80_000)
+    assert h._threads == []  # the finished threads were folded in, not kept
+    assert h.snapshot()[0] == (0, 160_000, 160_000)
+
+
+def test_bad_bounds_are_refused():
+    for bounds in ((), (0.2, 0.1), (0.0, 1.0), tuple(range(1, 70))):
+        with pytest.raises(ValueError):
+            Histogram(bounds)
+
+
+def test_client_messages_are_valid_protocol_messages(tmp_path):
+    received = bind(tmp_path / "s.sock")
+    pub = Publisher(str(tmp_path / "s.sock"), gpus=[GPU], use_torch=False)
+    pub.observe(0.08)
+    pub.observe(0.3)
+    assert pub.send_allocator(GPU, reserved_bytes=10, allocated_bytes=4, inactive_split_bytes=1,
+                              alloc_retries=2, largest_free_block_bytes=3, private_pool_bytes=5)
+    pub.publish()
+    messages = [protocol.decode(m) for m in drain(received)]
+    pid = os.getpid()
+    assert messages[0] == protocol.Allocator(pid, GPU, 10, 4, 4, 1, 2, 0, 3, 5)
+    assert messages[1] == protocol.Hello(pid, (GPU,))
+    latency = messages[2]
+    assert isinstance(latency, protocol.Latency) and latency.counts[-1] == 2
+    assert latency.bounds == protocol.DEFAULT_LATENCY_BOUNDS and latency.sum == pytest.approx(0.38)
+    assert not pub.send_allocator('GPU-x"}', reserved_bytes=1, allocated_bytes=1)  # no raise
+
+
+def bind(path) -> socket.socket:
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    s.bind(str(path))
+    s.settimeout(2)
+    return s
+
+
+def drain(sock: socket.socket, timeout: float = 0.3) -> list[bytes]:
+    out = []
+    sock.settimeout(timeout)
+    while True:
+        try:
+            out.append(sock.recv(protocol.MAX_MESSAGE_BYTES + 1))
+        except (TimeoutError, BlockingIOError):
+            return out
+
+
+def test_with_no_sidecar_messages_are_dropped_and_counted_never_raised(tmp_path):
+    pub = Publisher(str(tmp_path / "nobody-here.sock"), gpus=[GPU], use_torch=False)
+    worst = 0.0
+    for _ in range(200):
+        t = time.perf_counter()
+        assert pub.send_allocator(GPU, reserved_bytes=1, allocated_bytes=1) is False
+        pub.observe(0.1)
+        worst = max(worst, time.perf_counter() - t)
+    assert pub.dropped == 200 and pub.sent == 0 and pub.errors == 0
+    assert worst < 0.05  # never waits for anything
+
+
+def test_a_sidecar_that_stops_reading_makes_sends_drop_not_block(tmp_path):
+    stalled = bind(tmp_path / "s.sock")  # bound, never read
+    pub = Publisher(str(tmp_path / "s.sock"), gpus=[GPU], use_torch=False)
+    worst = 0.0
+    for _ in range(20_000):
+        t = time.perf_counter()
+        pub.send_allocator(GPU, reserved_bytes=1, allocated_bytes=1)
+        worst = max(worst, time.perf_counter() - t)
+    assert pub.sent > 0 and pub.dropped > 0
+    assert pub.sent + pub.dropped == 20_000
+    assert worst < 0.05
+    stalled.close()
+
+
+def test_the_publisher_reconnects_when_the_sidecar_comes_back(tmp_path, monkeypatch):
+    monkeypatch.setattr(client._Sender, "RECONNECT_EVERY_S", 0.05)
+    path = tmp_path / "s.sock"
+    pub = Publisher(str(path), gpus=[GPU], use_torch=False)
+    assert not pub.send_allocator(GPU, reserved_bytes=1, allocated_bytes=1)
+    first = bind(path)
+    time.sleep(0.06)
+    assert pub.send_allocator(GPU, reserved_bytes=2, allocated_bytes=1)
+    first.close()
+    path.unlink()  # the sidecar restarts: a new socket at the same path
+    second = bind(path)
+    pub.send_allocator(GPU, reserved_bytes=3, allocated_bytes=1)  # fails on the stale socket
+    time.sleep(0.06)
+    assert pub.send_allocator(GPU, reserved_bytes=4, allocated_bytes=1)
+    got = [protocol.decode(m).reserved_bytes for m in drain(second)]
+    assert got[-1] == 4
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
+def test_a_forked_worker_publishes_with_its_own_pid_socket_histogram_and_thread(tmp_path):
+    received = bind(tmp_path / "s.sock")
+    pub = Publisher(str(tmp_path / "s.sock"), gpus=[GPU], use_torch=False, interval_s=0.05)
+    for _ in range(5):
+        pub.observe(0.01)
+    pub.start()
+    time.sleep(0.1)
+    child = os.fork()
+    if child == 0:  # the worker: observe its own requests, let its thread publish, leave
+        try:
+            for _ in range(3):
+                pub.observe(0.2)
+            time.sleep(0.3)
+        finally:
+            os._exit(0)
+    os.waitpid(child, 0)
+    pub.stop()
+    latest: dict[int, protocol.Latency] = {}
+    for m in drain(received):
+        msg = protocol.decode(m)
+        if isinstance(msg, protocol.Latency):
+            latest[msg.pid] = msg
+    assert latest[child].counts[-1] == 3  # its own requests, not the parent's five
+    assert latest[os.getpid()].counts[-1] == 5
+
+
+def test_importing_and_using_the_client_prints_nothing_and_needs_no_gpu(tmp_path):
+    code = (
+        "from sidecar import client\n"
+        "pub = client.start(gpus=['" + GPU + "'], interval_s=0.05)\n"
+        "client.observe(0.1)\n"
+        "with client.timer():\n    pass\n"
+        "@client.timed\ndef f():\n    return 1\n"
+        "f()\n"
+        "import time; time.sleep(0.2)\n"
+        "import sys; assert 'pynvml' not in sys.modules and 'structlog' not in sys.modules\n"
+        "assert pub.histogram.snapshot()[0][-1] == 3, pub.histogram.snapshot()\n"
+    )
+    env = {**os.environ, "GPU_SIDECAR_SOCKET": str(tmp_path / "absent.sock")}
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT,
+                          env=env, timeout=30)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout == "" and proc.stderr == ""
