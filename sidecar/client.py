@@ -29,6 +29,7 @@ import threading
 import time
 import weakref
 from bisect import bisect_left
+from collections import deque
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, TypeVar
 
@@ -39,15 +40,20 @@ __all__ = ["Histogram", "Publisher", "allocator_figures", "observe", "snapshot_f
 
 F = TypeVar("F", bound=Callable[..., Any])
 _INF = float("inf")
+DRAIN_EVERY_S = 0.25
 
 
 class Histogram:
-    """Fixed-bucket latency histogram; ``observe`` is cheap, lock-free and thread-safe.
+    """Fixed-bucket latency histogram whose ``observe`` costs the app one C-level call.
 
-    Each thread counts into its own list (no lock, no contention, no allocation beyond the
-    integers), and a reader sums the lists. A finished thread's counts are folded into a shared
-    total the next time the histogram is read, so a thread-per-request server does not grow it.
+    ``observe`` is ``deque.append`` of a bounded deque: atomic (thread-safe without a lock),
+    never blocking, no per-call allocation beyond the float the caller already has. The bucket
+    counting happens when the histogram is read: the publisher thread drains the deque every
+    quarter second, off the request path. If nothing drains it, the newest ``PENDING_MAX``
+    observations are kept and ``overflowed`` says that older ones were lost.
     """
+
+    PENDING_MAX = 1 << 17
 
     def __init__(self, bounds: Sequence[float] = protocol.DEFAULT_LATENCY_BOUNDS) -> None:
         bounds = tuple(float(b) for b in bounds)
@@ -56,58 +62,46 @@ class Histogram:
         if len(bounds) > protocol.MAX_BUCKETS:
             raise ValueError(f"at most {protocol.MAX_BUCKETS} bounds")
         self.bounds = bounds
-        self._lock = threading.Lock()
         self._reset()
 
     def _reset(self) -> None:
-        self._local = threading.local()
-        self._threads: list[tuple[weakref.ref[threading.Thread], list[float]]] = []
-        self._retired = [0.0] * (len(self.bounds) + 2)  # buckets, +Inf, sum
-        self.observe = self._make_observe()
+        self._lock = threading.Lock()
+        self._counts = [0] * (len(self.bounds) + 1)  # per bucket, the last one is +Inf
+        self._sum = 0.0
+        self.ignored = 0  # negative, infinite, NaN or non-numeric observations
+        self.overflowed = False
+        self._pending: deque[float] = deque(maxlen=self.PENDING_MAX)
+        #: Record one request of ``seconds`` (bad values are ignored when counted).
+        self.observe: Callable[[float], None] = self._pending.append
 
-    def _make_observe(self) -> Callable[[float], None]:
-        bounds, local, register = self.bounds, self._local, self._register
-
-        def observe(seconds: float) -> None:
-            """Record one request of ``seconds``; negative, infinite or NaN values are ignored."""
-            if not 0.0 <= seconds < _INF:
-                return
-            try:
-                counts = local.counts
-            except AttributeError:
-                counts = register()
-            counts[bisect_left(bounds, seconds)] += 1
-            counts[-1] += seconds
-
-        return observe
-
-    def _register(self) -> list[float]:
-        counts = [0] * (len(self.bounds) + 1) + [0.0]
-        self._local.counts = counts
+    def drain(self) -> None:
+        """Count the pending observations into the buckets."""
         with self._lock:
-            self._threads.append((weakref.ref(threading.current_thread()), counts))
-        return counts
+            pending, bounds, counts = self._pending, self.bounds, self._counts
+            if len(pending) == pending.maxlen:
+                self.overflowed = True
+            popleft, total = pending.popleft, 0.0
+            while pending:
+                value = popleft()
+                try:
+                    if 0.0 <= value < _INF:
+                        counts[bisect_left(bounds, value)] += 1
+                        total += value
+                        continue
+                except TypeError:
+                    pass
+                self.ignored += 1
+            self._sum += total
 
     def snapshot(self) -> tuple[tuple[int, ...], float]:
         """(cumulative counts, one per bound and one for +Inf; sum of seconds)."""
+        self.drain()
         with self._lock:
-            live = []
-            for ref, counts in self._threads:
-                thread = ref()
-                if thread is None or not thread.is_alive():
-                    self._retired = [a + b for a, b in zip(self._retired, counts, strict=True)]
-                else:
-                    live.append((ref, counts))
-            self._threads = live
-            total = list(self._retired)
-            for _, counts in live:
-                for i, value in enumerate(counts):
-                    total[i] += value
-        cumulative, running = [], 0
-        for c in total[:-1]:
-            running += int(c)
-            cumulative.append(running)
-        return tuple(cumulative), float(total[-1])
+            cumulative, running = [], 0
+            for c in self._counts:
+                running += c
+                cumulative.append(running)
+            return tuple(cumulative), self._sum
 
 
 def allocator_figures(stats: Mapping[str, Any]) -> dict[str, int]:
@@ -262,6 +256,7 @@ class Publisher:
         self.interval_s = interval_s
         self.snapshot_interval_s = snapshot_interval_s
         self.gpus = list(gpus)
+        self._known: set[str] = set()
         self.histogram = Histogram(bounds)
         self.observe = self.histogram.observe
         self.use_torch = use_torch
@@ -320,18 +315,18 @@ class Publisher:
                        private_pool_bytes: int | None = None) -> bool:
         """Send one allocator message now; False (and counted) when it could not be sent."""
         try:
-            if not protocol.UUID_RE.match(gpu):
-                self.errors += 1
-                return False
-            if gpu not in self.gpus:
-                self.gpus.append(gpu)
-            return self._sender.send(encode_allocator(
+            data = encode_allocator(
                 self._pid, gpu, reserved_bytes, allocated_bytes,
                 allocated_bytes if active_bytes is None else active_bytes, inactive_split_bytes,
-                alloc_retries, ooms, largest_free_block_bytes, private_pool_bytes))
-        except Exception:  # never into the app
+                alloc_retries, ooms, largest_free_block_bytes, private_pool_bytes)
+        except Exception:  # a malformed UUID or figure: never into the app
             self.errors += 1
             return False
+        if gpu not in self._known:
+            self._known.add(gpu)
+            if gpu not in self.gpus:
+                self.gpus.append(gpu)
+        return self._sender.send(data)
 
     def publish(self) -> None:
         """One round: hello, each device's allocator figures, the latency histogram."""
@@ -404,9 +399,15 @@ class Publisher:
         return self
 
     def _loop(self) -> None:
+        next_publish = 0.0
         while not self._stop.is_set():
-            self.publish()
-            self._stop.wait(self.interval_s)
+            now = time.monotonic()
+            if now >= next_publish:
+                self.publish()
+                next_publish = now + self.interval_s
+            else:
+                self.histogram.drain()
+            self._stop.wait(min(DRAIN_EVERY_S, max(0.0, next_publish - time.monotonic())))
 
     def stop(self) -> None:
         """Stop the thread after a last publish; safe to call twice and at exit."""
@@ -428,7 +429,6 @@ class Publisher:
         self._lock = threading.Lock()
         self._pid = os.getpid()
         self._sender = _Sender(self.socket_path)
-        self.histogram._lock = threading.Lock()
         self.histogram._reset()
         self.observe = self.histogram.observe
         self._stop = threading.Event()
@@ -445,19 +445,31 @@ def _after_fork(ref: weakref.ref[Publisher]) -> None:
             pub._after_fork_in_child()
 
 
+_ALLOC_TAIL = (b',"reserved_bytes":%d,"allocated_bytes":%d,"active_bytes":%d,'
+               b'"inactive_split_bytes":%d,"alloc_retries":%d,"ooms":%d')
+
+
+@functools.lru_cache(maxsize=256)
+def _allocator_head(pid: int, gpu: str) -> bytes | None:
+    if not protocol.UUID_RE.match(gpu):
+        return None
+    return b'{"v":1,"kind":"allocator","pid":%d,"gpu":"%s"' % (pid, gpu.encode())
+
+
 def encode_allocator(pid: int, gpu: str, reserved: int, allocated: int, active: int,
                      inactive_split: int, retries: int, ooms: int, largest: int | None,
                      private: int | None) -> bytes:
-    """The allocator message, formatted directly (a publish costs about one send)."""
-    text = (f'{{"v":1,"kind":"allocator","pid":{pid},"gpu":"{gpu}","reserved_bytes":'
-            f'{int(reserved)},"allocated_bytes":{int(allocated)},"active_bytes":{int(active)},'
-            f'"inactive_split_bytes":{int(inactive_split)},"alloc_retries":{int(retries)},'
-            f'"ooms":{int(ooms)}')
+    """The allocator message, formatted directly (a publish costs about one send); raises
+    ValueError for a malformed GPU UUID."""
+    head = _allocator_head(pid, gpu)
+    if head is None:
+        raise ValueError(f"{gpu!r} is not a GPU or MIG UUID")
+    data = head + _ALLOC_TAIL % (reserved, allocated, active, inactive_split, retries, ooms)
     if largest is not None:
-        text += f',"largest_free_block_bytes":{int(largest)}'
+        data += b',"largest_free_block_bytes":%d' % largest
     if private is not None:
-        text += f',"private_pool_bytes":{int(private)}'
-    return (text + "}").encode()
+        data += b',"private_pool_bytes":%d' % private
+    return data + b"}"
 
 
 def encode_latency(pid: int, gpu: str, bounds: Sequence[float], counts: Sequence[int],

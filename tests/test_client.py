@@ -102,24 +102,47 @@ def test_histogram_buckets_are_upper_inclusive_cumulative_and_ignore_nonsense():
     counts, total = h.snapshot()
     assert counts == (2, 4, 5, 6)  # <=0.1, <=0.2, <=0.5, +Inf
     assert total == pytest.approx(0.05 + 0.1 + 0.15 + 0.2 + 0.3 + 9.0)
+    assert h.ignored == 3
 
 
-def test_histogram_is_exact_under_concurrent_observers_and_keeps_finished_threads():
+def test_histogram_is_exact_under_concurrent_observers_while_it_is_drained():
     h = Histogram((0.001, 1.0))
+    done = threading.Event()
+
     def work() -> None:
-        for _ in range(20_000):
+        for _ in range(40_000):
             h.observe(0.5)
 
+    def drainer() -> None:  # what the publisher thread does every quarter second
+        while not done.is_set():
+            h.drain()
+            time.sleep(0.001)
+
+    d = threading.Thread(target=drainer)
+    d.start()
     threads = [threading.Thread(target=work) for _ in range(8)]
     for t in threads:
         t.start()
     for t in threads:
         t.join()
+    done.set()
+    d.join()
     counts, total = h.snapshot()
-    assert counts == (0, 160_000, 160_000)
-    assert total == pytest.approx(80_000)
-    assert h._threads == []  # the finished threads were folded in, not kept
-    assert h.snapshot()[0] == (0, 160_000, 160_000)
+    assert counts == (0, 320_000, 320_000)
+    assert total == pytest.approx(160_000)
+    assert not h.overflowed and h.ignored == 0
+
+
+def test_undrained_observations_are_bounded_and_the_loss_is_flagged():
+    h = Histogram((1.0,))
+    for _ in range(Histogram.PENDING_MAX + 10):
+        h.observe(0.5)
+    counts, _ = h.snapshot()
+    assert counts == (Histogram.PENDING_MAX, Histogram.PENDING_MAX)
+    assert h.overflowed
+    h.observe("slow")  # a caller's bug is ignored and counted, never raised
+    h.observe(None)
+    assert h.snapshot()[0][-1] == Histogram.PENDING_MAX and h.ignored == 2
 
 
 def test_bad_bounds_are_refused():
