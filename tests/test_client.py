@@ -274,3 +274,75 @@ def test_importing_and_using_the_client_prints_nothing_and_needs_no_gpu(tmp_path
                           env=env, timeout=30)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout == "" and proc.stderr == ""
+
+
+class _Props:
+    def __init__(self, uuid: str) -> None:
+        self.uuid = uuid
+
+
+class _FakeCuda:
+    """Shaped like torch.cuda for two visible devices of which the process uses device 1."""
+
+    def __init__(self) -> None:
+        self.snapshots = 0
+        self.retries = 3
+
+    def is_available(self) -> bool:
+        return True
+
+    def is_initialized(self) -> bool:
+        return True
+
+    def current_device(self) -> int:
+        return 1
+
+    def device_count(self) -> int:
+        return 2
+
+    def memory_stats(self, index: int) -> dict:
+        if index == 0:
+            return memory_stats(**{"reserved_bytes.all.current": 0})  # never allocated on
+        return memory_stats(num_alloc_retries=self.retries)
+
+    def get_device_properties(self, index: int) -> _Props:
+        return _Props(f"0c4b24ac-fb68-413f-6f0c-54be2b5a94c{index}")
+
+    def memory_snapshot(self, include_traces: bool = True) -> list:
+        self.snapshots += 1
+        return [segment(1, [block(64 * MiB, "active_allocated"), block(8 * MiB, "inactive")]),
+                segment(1, [block(32 * MiB, "active_allocated")], pool=(3, 0))]
+
+
+def test_a_torch_process_reports_only_the_devices_it_uses_with_torchs_uuids(tmp_path,
+                                                                              monkeypatch):
+    fake_torch = type(sys)("torch")
+    fake_torch.cuda = _FakeCuda()
+    monkeypatch.setitem(sys.modules, "torch", fake_torch)
+    received = bind(tmp_path / "s.sock")
+    pub = Publisher(str(tmp_path / "s.sock"), snapshot_interval_s=60)
+    pub.publish()
+    messages = [protocol.decode(m) for m in drain(received)]
+    uuid = "GPU-0c4b24ac-fb68-413f-6f0c-54be2b5a94c1"
+    assert messages[0] == protocol.Hello(os.getpid(), (uuid,))
+    alloc = messages[1]
+    assert alloc.gpu == uuid and alloc.reserved_bytes == 10 * GiB and alloc.alloc_retries == 3
+    assert alloc.largest_free_block_bytes == 8 * MiB and alloc.private_pool_bytes == 32 * MiB
+    pub.publish()
+    assert fake_torch.cuda.snapshots == 1  # not again within the snapshot interval...
+    fake_torch.cuda.retries = 4
+    pub.publish()
+    assert fake_torch.cuda.snapshots == 2  # ...unless the retry counter moved
+
+
+def test_a_process_that_never_initialised_cuda_is_left_alone(tmp_path, monkeypatch):
+    cuda = _FakeCuda()
+    cuda.is_initialized = lambda: False  # type: ignore[method-assign]
+    cuda.memory_stats = None  # type: ignore[assignment]  # would fail if called
+    fake_torch = type(sys)("torch")
+    fake_torch.cuda = cuda
+    monkeypatch.setitem(sys.modules, "torch", fake_torch)
+    received = bind(tmp_path / "s.sock")
+    pub = Publisher(str(tmp_path / "s.sock"))
+    pub.publish()
+    assert drain(received) == [] and pub.errors == 0
