@@ -181,6 +181,7 @@ class NvmlSource:
         self.errors: Counter[str] = Counter()
         self._devices: dict[str, _Device] = {}
         self._pool: ThreadPoolExecutor | None = None
+        self._pool_size = 0
 
     # -- life cycle ----------------------------------------------------------------------------
 
@@ -472,9 +473,11 @@ class NvmlSource:
         return result
 
     def _executor(self, n: int) -> ThreadPoolExecutor:
-        if self._pool is None or self._pool._max_workers < 2 * n:
+        """A pool wide enough for every throughput call of a cycle to run at once."""
+        if self._pool is None or self._pool_size < 2 * n:
             if self._pool is not None:
                 self._pool.shutdown(wait=False)
+            self._pool_size = 2 * n
             self._pool = ThreadPoolExecutor(max_workers=2 * n, thread_name_prefix="pcie")
         return self._pool
 

@@ -35,6 +35,12 @@ MAX_COUNT = 1 << 53  # exact in a JSON double
 DEFAULT_SOCKET_PATH = "/run/gpu-sidecar/app.sock"
 SOCKET_ENV = "GPU_SIDECAR_SOCKET"
 
+# Latency buckets (seconds) shared by the client and the simulator: fine around the 50-300 ms
+# where the seed's latency went from 80 to 260 ms, coarse beyond.
+DEFAULT_LATENCY_BOUNDS: tuple[float, ...] = (
+    0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0,
+)
+
 UUID_RE = re.compile(r"^(GPU|MIG)-[0-9A-Za-z][0-9A-Za-z/\-]{3,95}$")
 
 ALLOCATOR_REQUIRED = (
@@ -206,9 +212,3 @@ def _uuid(value: Any) -> str:
     if not isinstance(value, str) or not UUID_RE.match(value):
         raise Rejected("bad_uuid", f"{str(value)[:48]!r} is not a GPU or MIG UUID")
     return value
-
-# Latency buckets (seconds) shared by the client and the simulator: fine around the 50-300 ms
-# where the seed's latency went from 80 to 260 ms, coarse beyond.
-DEFAULT_LATENCY_BOUNDS: tuple[float, ...] = (
-    0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0,
-)
