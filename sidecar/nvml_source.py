@@ -448,8 +448,8 @@ class NvmlSource:
         for dev in live:
             try:
                 parts[dev.identity.uuid] = self._read_serial(dev, now)
-            except GpuLost:
-                self._mark_lost(dev, now)
+            except GpuLost as exc:
+                self._mark_lost(dev, now, str(exc.__cause__ or exc))
                 result[dev.identity.uuid] = None
         for uuid, (ftx, frx) in pending.items():
             dev = self._devices[uuid]
@@ -458,7 +458,7 @@ class NvmlSource:
             except pynvml.NVMLError as exc:
                 if error_code(exc) in _LOST_CODES:
                     if uuid in parts:
-                        self._mark_lost(dev, now)
+                        self._mark_lost(dev, now, error_name(exc))
                         parts.pop(uuid)
                         result[uuid] = None
                 else:
@@ -506,13 +506,14 @@ class NvmlSource:
             dev.failing.discard(what)
             log.info("nvml_read_recovered", gpu_uuid=dev.identity.uuid, read=what)
 
-    def _mark_lost(self, dev: _Device, now: float) -> None:
+    def _mark_lost(self, dev: _Device, now: float, why: str = "GPU is lost") -> None:
         if dev.lost_since is None:
             dev.lost_since = now
             self.errors["gpu_lost"] += 1
             log.error("gpu_lost", gpu_uuid=dev.identity.uuid, gpu_name=dev.identity.name,
-                      retry_in_s=self.lost_retry_s,
+                      error=why, retry_in_s=self.lost_retry_s,
                       effect="its series stop; the other GPUs keep reporting")
+            dev.failing.clear()
         dev.retry_at = now + self.lost_retry_s
         dev.prev_pcie = dev.prev_nvlink = None
         dev.gpm_prev_t = None
@@ -529,6 +530,7 @@ class NvmlSource:
             dev.retry_at = now + self.lost_retry_s
             return False
         dev.handle = handle
+        dev.failing.clear()
         self._prepare(dev)
         log.info("gpu_recovered", gpu_uuid=dev.identity.uuid,
                  lost_for_s=round(now - (dev.lost_since or now), 3))
@@ -590,6 +592,11 @@ class NvmlSource:
                 self._error(dev, "replay", exc)
         if dev.gpm:
             self._gpm(dev, now, (compute, memory, io))
+        if len(dev.failing) >= 2 and all(v is None for v in (*compute, *memory)) and \
+                io[0] is None and io[5] is None:
+            # nothing at all could be read (the driver went away, NVML was unloaded): report the
+            # GPU unavailable and re-open it later, rather than export its static link figures
+            raise GpuLost("no reading succeeded: " + ", ".join(sorted(dev.failing)))
         return compute, memory, io
 
     def _counters(self, dev: _Device, values: list[tuple[int, ...]], now: float,

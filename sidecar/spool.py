@@ -50,6 +50,7 @@ class Spool:
         self.dropped_samples: Counter[str] = Counter()  # by reason: spool_full, corrupt, rejected
         self.dropped_batches: Counter[str] = Counter()
         self._lock = threading.Lock()
+        self._write_failing = False
         try:
             self.dir.mkdir(parents=True, exist_ok=True, mode=0o700)
             os.chmod(self.dir, 0o700)
@@ -116,7 +117,8 @@ class Spool:
         path = self.dir / f"{seq:020d}.batch"
         tmp = path.with_suffix(".tmp")
         try:
-            with tmp.open("wb") as f:
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)  # private to the agent
+            with os.fdopen(fd, "wb") as f:
                 f.write(data)
                 f.flush()
                 os.fsync(f.fileno())
@@ -125,9 +127,15 @@ class Spool:
             tmp.unlink(missing_ok=True)
             with self._lock:
                 self._count_drop("spool_write_failed", samples)
-            log.error("spool_write_failed", error=exc.strerror, directory=str(self.dir),
-                      samples=samples, hint="free space in the spool volume or raise its size")
+            if not self._write_failing:  # once per episode, not once per batch
+                self._write_failing = True
+                log.error("spool_write_failed", error=exc.strerror, directory=str(self.dir),
+                          samples=samples, hint="free space in the spool volume or raise its size",
+                          effect="batches are dropped and counted until a write succeeds")
             return None
+        if self._write_failing:
+            self._write_failing = False
+            log.info("spool_write_recovered", directory=str(self.dir))
         with self._lock:
             self._index[seq] = (path, len(data), samples)
         return SpooledBatch(seq, path, samples, body)

@@ -139,7 +139,8 @@ def test_old_driver_falls_back_and_reports_what_is_absent(install_fake, clock):
     assert r.io.pcie_link_max_bytes_per_second == pytest.approx(GEN5_X16 / 2)
 
 
-def test_blocking_throughput_calls_run_concurrently_across_gpus(install_fake):
+def test_blocking_throughput_calls_run_concurrently_across_gpus(install_fake, monkeypatch):
+    monkeypatch.setattr(fake_nvml, "THROUGHPUT_WINDOW_S", 0.3)  # long enough to overlap on a busy box
     fake = install_fake([gpu(i, has_pcie_counters=False, has_gpm=False) for i in range(8)],
                         throughput_blocking=True)
     source = open_source(fake_nvml.time.monotonic)
@@ -268,3 +269,24 @@ def test_prepared_call_structures_have_pynvml_layout(mine, theirs):
     for name, *_ in theirs._fields_:
         assert getattr(ours, name).offset == getattr(theirs, name).offset, name
         assert getattr(ours, name).size == getattr(theirs, name).size, name
+
+
+def test_nvml_disappearing_mid_run_makes_gpus_unavailable_then_they_come_back(install_fake, clock):
+    fake = install_fake([gpu(0), gpu(1)], clock=clock, record_calls=True)
+    source = open_source(clock, lost_retry_s=2.0)
+    uuids = [d.uuid for d in source.devices()]
+    assert all(source.read(uuids).values())
+    saved = {name: fn._impl for name, fn in fake._fns.items() if hasattr(fn, "_impl")}
+    for fn in fake._fns.values():  # the driver was unloaded under us
+        if hasattr(fn, "_impl"):
+            fn._impl = lambda *args: pynvml.NVML_ERROR_DRIVER_NOT_LOADED
+    clock.advance(1.0)
+    assert source.read(uuids) == {uuids[0]: None, uuids[1]: None}  # unavailable, not zeros
+    assert source.errors["gpu_lost"] == 2
+    clock.advance(3.0)
+    assert source.read(uuids) == {uuids[0]: None, uuids[1]: None}  # retried, still gone
+    for name, impl in saved.items():
+        fake._fns[name]._impl = impl
+    clock.advance(3.0)
+    back = source.read(uuids)
+    assert all(r is not None and r.memory.used_bytes for r in back.values())

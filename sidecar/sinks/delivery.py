@@ -77,10 +77,13 @@ class Http:
     def __init__(self, options: HttpOptions) -> None:
         self.options = options
         self.session = requests.Session()
+        # passed on every request: requests lets REQUESTS_CA_BUNDLE / CURL_CA_BUNDLE from the
+        # environment override a session-level setting, and --ca-file must win
+        self.verify: bool | str = True
         if options.insecure_skip_verify:
-            self.session.verify = False
+            self.verify = False
         elif options.ca_file:
-            self.session.verify = options.ca_file
+            self.verify = options.ca_file
         if options.cert_file:
             self.session.cert = (options.cert_file, options.key_file) if options.key_file else \
                 options.cert_file
@@ -104,10 +107,10 @@ class Http:
         try:
             return self.session.request(
                 method, url, data=data, headers={**self.headers(), **(headers or {})},
-                auth=self.auth(), timeout=self.options.timeout_s)
+                auth=self.auth(), timeout=self.options.timeout_s, verify=self.verify)
         except requests.exceptions.SSLError as exc:
             raise Retryable("tls", f"TLS handshake with {redact(url)} failed: "
-                            f"{type(exc).__name__}; give its CA with --remote-write-ca-file") from None
+                            f"{type(exc).__name__}; give its CA with --ca-file") from None
         except requests.RequestException as exc:
             raise Retryable("network", f"{type(exc).__name__} talking to {redact(url)}") from None
         except OSError as exc:  # an unreadable secret file

@@ -1,0 +1,288 @@
+"""What a production pod throws at the agent: TLS it must not trust, a full or unusable spool, a
+socket path already taken, clock jumps, a flooding app. And its own manners: no listening port,
+private files."""
+
+from __future__ import annotations
+
+import http.server
+import itertools
+import os
+import resource
+import signal
+import socket
+import ssl
+import stat
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from sidecar import protocol
+from sidecar.agent import Agent as SidecarAgent
+from sidecar.app_socket import AppState
+from sidecar.config import Config
+from sidecar.simulate.fake_nvml import ManualClock
+from tests.conftest import ROOT, run_cli
+from tests.receivers import Agent, VictoriaMetrics, running
+
+# -- TLS ---------------------------------------------------------------------------------------
+
+
+def make_ca_and_server_cert(tmp: Path) -> tuple[Path, Path, Path]:
+    def openssl(*args: str) -> None:
+        subprocess.run(["openssl", *args], check=True, capture_output=True, cwd=tmp, timeout=60)
+
+    openssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", "ca.key", "-out",
+            "ca.pem", "-days", "2", "-subj", "/CN=gpu-sidecar test CA")
+    openssl("req", "-newkey", "rsa:2048", "-nodes", "-keyout", "server.key", "-out", "server.csr",
+            "-subj", "/CN=127.0.0.1")
+    (tmp / "san.ext").write_text("subjectAltName=IP:127.0.0.1\n")
+    openssl("x509", "-req", "-in", "server.csr", "-CA", "ca.pem", "-CAkey", "ca.key",
+            "-CAcreateserial", "-out", "server.pem", "-days", "2", "-extfile", "san.ext")
+    return tmp / "ca.pem", tmp / "server.pem", tmp / "server.key"
+
+
+class TlsReceiver:
+    """A real local HTTPS remote-write endpoint with a certificate from a private CA."""
+
+    def __init__(self, cert: Path, key: Path) -> None:
+        self.requests = 0
+        receiver = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_POST(self) -> None:
+                self.rfile.read(int(self.headers.get("Content-Length", 0)))
+                receiver.requests += 1
+                self.send_response(204)
+                self.end_headers()
+
+            def log_message(self, *args: object) -> None:
+                pass
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+        context.load_cert_chain(cert, key)
+        self.server.socket = context.wrap_socket(self.server.socket, server_side=True)
+        self.url = f"https://127.0.0.1:{self.server.server_address[1]}/api/v1/write"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def stop(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+def brief_run(url: str, tmp: Path, *extra: str, seconds: float = 2.0) -> Agent:
+    agent = Agent(["--simulate", "healthy", "--interval", "0.2", "--push-interval", "0.3",
+                   "--remote-write-url", url, "--spool-dir", str(tmp / "spool"),
+                   "--retry-max-backoff", "0.3", "--shutdown-timeout", "1", *extra])
+    agent.start()
+    time.sleep(seconds)
+    assert agent.stop() == 0, "".join(agent.err)[-2000:]
+    return agent
+
+
+def test_tls_is_verified_by_default_and_a_private_ca_must_be_given(tmp_path):
+    ca, cert, key = make_ca_and_server_cert(tmp_path)
+    receiver = TlsReceiver(cert, key)
+    with running(receiver):
+        refused = brief_run(receiver.url, tmp_path / "a")
+        assert receiver.requests == 0
+        failing = [e for e in refused.events() if e.get("event") == "push_failing"]
+        assert failing and failing[0]["reason"] == "tls" and "--ca-file" in failing[0]["detail"]
+
+        brief_run(receiver.url, tmp_path / "b", "--ca-file", str(ca))
+        trusted = receiver.requests
+        assert trusted > 0
+
+        brief_run(receiver.url, tmp_path / "c", "--insecure-skip-verify")
+        assert receiver.requests > trusted  # only when explicitly asked
+
+
+# -- manners -----------------------------------------------------------------------------------
+
+
+def socket_inodes(pid: int) -> set[str]:
+    out = set()
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            target = os.readlink(f"/proc/{pid}/fd/{fd}")
+        except OSError:
+            continue
+        if target.startswith("socket:["):
+            out.add(target[8:-1])
+    return out
+
+
+def test_the_agent_opens_no_listening_network_port_and_keeps_its_files_private(tmp_path):
+    vm = VictoriaMetrics(tmp_path)  # down: batches stay in the spool where we can see them
+    sock = tmp_path / "run" / "app.sock"
+    agent = Agent(["--simulate", "healthy", "--interval", "0.2", "--push-interval", "0.3",
+                   "--remote-write-url", vm.write_url, "--spool-dir", str(tmp_path / "spool"),
+                   "--pushgateway-url", "http://127.0.0.1:9", "--socket", str(sock)])
+    agent.start()
+    try:
+        time.sleep(2.0)
+        pid = agent.proc.pid
+        inodes = socket_inodes(pid)
+        listening = []
+        for table in ("tcp", "tcp6", "udp", "udp6"):
+            for line in Path(f"/proc/{pid}/net/{table}").read_text().splitlines()[1:]:
+                fields = line.split()
+                state, inode = fields[3], fields[9]
+                if inode in inodes and (table.startswith("udp") or state == "0A"):
+                    listening.append((table, fields[1], state))
+        assert listening == []
+        assert stat.S_IMODE(sock.stat().st_mode) == 0o660
+        assert stat.S_IMODE(sock.parent.stat().st_mode) & 0o007 == 0
+        spool_dirs = [p for p in (tmp_path / "spool").iterdir() if p.is_dir()]
+        assert spool_dirs and all(stat.S_IMODE(d.stat().st_mode) == 0o700 for d in spool_dirs)
+        batches = list((tmp_path / "spool").rglob("*.batch"))
+        assert batches and all(stat.S_IMODE(b.stat().st_mode) == 0o600 for b in batches)
+    finally:
+        agent.stop()
+
+
+# -- configuration and environment faults -------------------------------------------------------
+
+
+def test_unusable_spool_directory_stops_the_agent_with_advice(tmp_path):
+    blocker = tmp_path / "not-a-dir"
+    blocker.write_text("")
+    proc = run_cli("run", "--simulate", "healthy", "--remote-write-url", "http://127.0.0.1:9/w",
+                   "--spool-dir", str(blocker / "spool"))
+    assert proc.returncode == 5
+    assert "--spool-dir" in proc.stderr and "not writable" in proc.stderr
+
+
+def test_a_full_spool_volume_drops_batches_counts_them_and_keeps_sampling(tmp_path):
+    def tiny_files() -> None:  # every write beyond 2 KB fails with EFBIG, like a full volume
+        resource.setrlimit(resource.RLIMIT_FSIZE, (2048, 2048))
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith("GPU_SIDECAR_")}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "sidecar", "run", "--simulate", "healthy", "--interval", "0.2",
+         "--push-interval", "0.3", "--remote-write-url", "http://127.0.0.1:9/api/v1/write",
+         "--spool-dir", str(tmp_path / "spool"), "--stdout", "--output", "json",
+         "--shutdown-timeout", "1"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
+        env={**env, "PYTHONUNBUFFERED": "1"}, preexec_fn=tiny_files)
+    timer = threading.Timer(3.0, proc.send_signal, args=(signal.SIGTERM,))
+    timer.start()
+    out, err = proc.communicate(timeout=30)
+    timer.cancel()
+    assert proc.returncode == 0, err[-2000:]
+    assert err.count('"spool_write_failed"') == 1  # logged once, not per batch
+    import json
+
+    rows = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+    cycles = {r["timestamp_ms"] for r in rows}
+    assert len(cycles) >= 10  # sampling went on
+    dropped = [r["value"] for r in rows if r["name"] == "gpu_sidecar_samples_dropped_total"
+               and r["labels"].get("reason") == "spool_write_failed"]
+    assert dropped and dropped[-1] > 0
+
+
+@pytest.mark.parametrize("occupant", ["live socket", "regular file"])
+def test_a_socket_path_already_taken_is_a_clear_error_not_a_takeover(tmp_path, occupant):
+    path = tmp_path / "app.sock"
+    holder = None
+    if occupant == "live socket":
+        holder = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        holder.bind(str(path))
+    else:
+        path.write_text("someone's file")
+    try:
+        proc = run_cli("run", "--simulate", "healthy", "--once", "--socket", str(path))
+    finally:
+        if holder is not None:
+            holder.close()
+    assert proc.returncode == 4
+    assert ("another process is listening" if holder else "is not a socket") in proc.stderr
+    if occupant == "regular file":
+        assert path.read_text() == "someone's file"
+
+
+def test_wall_clock_jumps_move_timestamps_but_never_the_schedule():
+    clock = ManualClock()
+    wall = [1_800_000_000.0]
+    stamps: list[int] = []
+    starts: list[float] = []
+
+    class Sink:
+        name = "probe"
+
+        def start(self) -> None: ...
+        def close(self, deadline: float) -> bool: return True
+        def telemetry(self, ts: int, labels: tuple) -> list: return []
+
+        def emit(self, series: list) -> None:
+            starts.append(clock())
+            stamps.append(series[0].timestamp_ms)
+            wall[0] += -3600.0 if len(stamps) == 2 else 1.0  # NTP steps the clock back an hour
+
+    class Stop:
+        def is_set(self) -> bool:
+            return len(stamps) >= 5
+
+        def wait(self, seconds: float) -> bool:
+            clock.advance(max(0.0, seconds))
+            wall[0] += max(0.0, seconds)
+            return self.is_set()
+
+    agent = SidecarAgent(Config(no_nvml=True, interval=1.0), source=None, app=AppState(clock=clock),
+                         sinks=[Sink()], clock=clock, wall=lambda: wall[0])
+    agent.run(Stop())
+    assert [round(t - starts[0], 6) for t in starts] == [0.0, 1.0, 2.0, 3.0, 4.0]
+    assert stamps[2] < stamps[1]  # timestamps follow the wall clock, as receivers expect
+    assert agent.overruns == 0
+
+
+def test_a_flooding_app_neither_blocks_nor_bloats_the_agent_nor_shifts_its_schedule(tmp_path):
+    sock = tmp_path / "run" / "app.sock"
+    agent = Agent(["--simulate", "healthy", "--no-simulated-app", "--interval", "0.25",
+                   "--socket", str(sock), "--remote-write-url", "http://127.0.0.1:9/w",
+                   "--spool-dir", str(tmp_path / "spool"), "--spool-max-bytes", "1000000"])
+    agent.start()
+    try:
+        deadline = time.monotonic() + 10
+        while not sock.exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        time.sleep(0.5)
+        rss_before = _rss_kib(agent.proc.pid)
+        flooder = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        flooder.setblocking(False)
+        flooder.connect(str(sock))
+        gpu = __import__("sidecar.simulate.scenarios", fromlist=["x"]).simulated_uuid("healthy", 0)
+        message = protocol.encode(protocol.Allocator(4242, gpu, 10, 5, 5, 1, 0, 0))
+        sent = refused = 0
+        worst = 0.0
+        end = time.monotonic() + 5.0
+        while time.monotonic() < end:
+            t = time.perf_counter()
+            try:
+                flooder.send(message)
+                sent += 1
+            except BlockingIOError:
+                refused += 1
+            worst = max(worst, time.perf_counter() - t)
+        flooder.close()
+        time.sleep(0.5)
+        rss_after = _rss_kib(agent.proc.pid)
+    finally:
+        assert agent.stop() == 0
+    assert sent > 10_000
+    assert worst < 0.05  # the sender never blocked
+    assert rss_after - rss_before < 10 * 1024  # bounded: state per (GPU, process), not per message
+    stamps = sorted({r[2] for r in agent.sampled()})
+    gaps = [b - a for a, b in itertools.pairwise(stamps)]
+    assert max(gaps[1:-1]) < 600  # 250 ms grid kept under the flood (< 2 slots)
+
+
+def _rss_kib(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1])
+    raise AssertionError("no VmRSS")
