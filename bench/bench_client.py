@@ -15,17 +15,19 @@ from __future__ import annotations
 import contextlib
 import os
 import socket
-import sys
 import tempfile
 import threading
 import time
 from bisect import bisect_left
+
+from _report import finish, heading
 
 from sidecar import protocol
 from sidecar.client import Publisher
 
 GPU = "GPU-0c4b24ac-fb68-413f-6f0c-54be2b5a94c7"
 N = 1_000_000
+
 
 
 def per_call(fn, n: int, repeat: int = 5) -> float:
@@ -137,8 +139,7 @@ def main() -> int:
     ok = obs["ratio"] <= 2 and pub["ratio"] <= 1.5 and absent["worst_observe_ms"] < 1 and \
         absent["worst_send_ms"] < 1 and absent["worst_round_ms"] < 1
     lines = [
-        f"## Client ({time.strftime('%Y-%m-%d')}, {os.cpu_count()} CPUs, Python "
-        f"{sys.version.split()[0]})",
+        heading("Client"),
         "",
         "| measure | client | baseline | ratio / limit |",
         "|---|---|---|---|",
@@ -154,12 +155,8 @@ def main() -> int:
         f"{absent['worst_send_ms']:.3f} ms, worst round {absent['worst_round_ms']:.3f} ms | - | "
         f"limit 1 ms; {absent['dropped']} messages dropped and counted, {absent['observed']} "
         f"observations counted |",
-        "",
-        f"All targets met: {'yes' if ok else 'NO'}",
-        "",
     ]
-    print("\n".join(lines))
-    return 0 if ok else 1
+    return finish(lines, ok)
 
 
 if __name__ == "__main__":

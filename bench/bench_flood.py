@@ -23,11 +23,14 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+from _report import finish, heading  # noqa: E402
+
 from sidecar import protocol  # noqa: E402
 from sidecar.simulate.scenarios import simulated_uuid  # noqa: E402
 
 SECONDS = 30.0
 INTERVAL = 0.25
+
 
 
 def rss_mib(pid: int) -> float:
@@ -101,7 +104,7 @@ def main() -> int:
     # saturated machine (2 cores, the agent busy on the other)
     ok = slow / calls < 1e-4 and peak - before < 16 and max(gaps) < 2 * INTERVAL * 1000
     lines = [
-        f"## Flood ({time.strftime('%Y-%m-%d')}, {SECONDS:g} s, {os.cpu_count()} CPUs)",
+        heading("Flood", f"{SECONDS:g} s"),
         "",
         f"- sender: {sent} datagrams sent, {refused} refused by the kernel (receive queue full: "
         f"dropped on the app side, as designed); calls over 1 ms: {slow} of {calls} "
@@ -111,14 +114,9 @@ def main() -> int:
         f"{before:.1f} MiB before, peak {peak:.1f} MiB, {after:.1f} MiB after",
         f"- schedule: {len(stamps)} cycles at {INTERVAL:g} s; largest gap between cycles "
         f"{max(gaps):.0f} ms",
-        "",
-        f"All targets met (under 1e-4 of sends over 1 ms, memory growth < 16 MiB, no skipped "
-        f"slot): "
-        f"{'yes' if ok else 'NO'}",
-        "",
     ]
-    print("\n".join(lines))
-    return 0 if ok else 1
+    return finish(lines, ok, "All targets met (under 1e-4 of sends over 1 ms, memory growth "
+                             "< 16 MiB, no skipped slot)")
 
 
 if __name__ == "__main__":

@@ -12,7 +12,6 @@
 
 from __future__ import annotations
 
-import os
 import statistics
 import sys
 import tempfile
@@ -36,6 +35,9 @@ from sidecar.sinks.remote_write import RemoteWriteSink
 from sidecar.spool import Spool
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from _report import finish, heading
+
 from tests.receivers import VictoriaMetrics
 
 
@@ -157,8 +159,7 @@ def main() -> int:
     ok = enc["ours_cold"] >= enc["protobuf"] and drain["seconds"] < 10 and \
         drain["stored"] == drain["samples"]
     lines = [
-        f"## Push ({time.strftime('%Y-%m-%d')}, {os.cpu_count()} CPUs, Python "
-        f"{sys.version.split()[0]})",
+        heading("Push"),
         "",
         "| measure | agent | baseline | ratio / limit |",
         "|---|---|---|---|",
@@ -171,12 +172,8 @@ def main() -> int:
         f"{drain['bytes'] / 2**20:.1f} MiB) into VictoriaMetrics | {drain['seconds']:.2f} s, "
         f"{drain['samples'] / drain['seconds'] / 1e6:.2f} M samples/s | - | limit 10 s; stored "
         f"{drain['stored']} of {drain['samples']} |",
-        "",
-        f"All targets met: {'yes' if ok else 'NO'}",
-        "",
     ]
-    print("\n".join(lines))
-    return 0 if ok else 1
+    return finish(lines, ok)
 
 
 if __name__ == "__main__":

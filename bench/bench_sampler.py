@@ -25,6 +25,7 @@ import time
 from pathlib import Path
 
 import pynvml
+from _report import finish, heading
 
 from sidecar.agent import Agent
 from sidecar.app_socket import AppState
@@ -35,6 +36,7 @@ from sidecar.simulate.scenarios import build
 
 GPUS = 8
 WINDOW_S = fake_nvml.THROUGHPUT_WINDOW_S
+
 
 
 class NullSink:
@@ -223,8 +225,7 @@ def main() -> int:
           and wall["agent_wall_ms_max"] <= wall["limit_ms"]
           and max(pts) < 40 and pts[-1] - pts[0] < 1.0)
     lines = [
-        f"## Sampler ({time.strftime('%Y-%m-%d')}, {os.cpu_count()} CPUs, Python "
-        f"{sys.version.split()[0]}, 8 simulated GPUs)",
+        heading("Sampler", "8 simulated GPUs"),
         "",
         "| measure | agent | naive loop | ratio / limit |",
         "|---|---|---|---|",
@@ -245,9 +246,7 @@ def main() -> int:
     lines.append(f"| RSS over 3600 cycles at 1 s (every 600) | {', '.join(f'{p:.1f}' for p in pts)} MiB"
                  f" | baseline {mem['baseline_mib']:.1f} MiB (interpreter + pynvml + structlog) |"
                  f" limit 40 MiB, flat |")
-    lines += ["", f"All targets met: {'yes' if ok else 'NO'}", ""]
-    print("\n".join(lines))
-    return 0 if ok else 1
+    return finish(lines, ok)
 
 
 if __name__ == "__main__":

@@ -25,9 +25,12 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+from _report import finish, heading  # noqa: E402
+
 from tests.receivers import VictoriaMetrics  # noqa: E402
 
 PUSH_INTERVAL = 5.0
+
 
 
 def start_agent(vm: VictoriaMetrics, spool: Path, out: Path) -> subprocess.Popen:
@@ -134,8 +137,8 @@ def main() -> int:
 
     ok = rc == 0 and around_kill and not extra and duplicates == 0
     lines = [
-        f"## Soak ({time.strftime('%Y-%m-%d')}, {args.minutes:g} min, 1 s sampling, 2 simulated "
-        f"GPUs, push every {PUSH_INTERVAL:g} s)",
+        heading("Soak", f"{args.minutes:g} min, 1 s sampling, 2 simulated GPUs, push every "
+                        f"{PUSH_INTERVAL:g} s"),
         "",
         f"- events: {', '.join(events)}",
         f"- samples produced {len(produced)}, stored {len(stored)}, missing {len(missing)} "
@@ -144,12 +147,8 @@ def main() -> int:
         f"- resident memory, first agent {span(first, 1)} MiB, second {span(second, 1)} MiB; "
         f"open file descriptors {span(first, 2)} / {span(second, 2)}",
         f"- exit code after SIGTERM: {rc}",
-        "",
-        f"All promises kept: {'yes' if ok else 'NO'}",
-        "",
     ]
-    print("\n".join(lines))
-    return 0 if ok else 1
+    return finish(lines, ok, "All promises kept")
 
 
 if __name__ == "__main__":
