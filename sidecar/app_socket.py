@@ -76,10 +76,11 @@ class AppState:
                 self.accepted += 1
             return message
         except protocol.Rejected as exc:
-            self._reject(exc)
+            self.reject(exc)
             return None
 
-    def _reject(self, exc: protocol.Rejected) -> None:
+    def reject(self, exc: protocol.Rejected) -> None:
+        """Count a rejection by reason; log it at most once a minute per reason."""
         now = self.clock()
         with self._lock:
             self.rejected[exc.reason] += 1
@@ -239,7 +240,7 @@ class AppSocket:
                 time.sleep(0.1)
                 continue
             if n > protocol.MAX_MESSAGE_BYTES:
-                self.state._reject(protocol.Rejected(
+                self.state.reject(protocol.Rejected(
                     "too_large", f"datagram of {n} bytes exceeds {protocol.MAX_MESSAGE_BYTES}"))
                 continue
             self.state.feed(bytes(view[:n]))

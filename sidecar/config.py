@@ -11,7 +11,7 @@ import argparse
 import math
 import os
 import re
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, fields
 from typing import Any
 from urllib.parse import urlsplit
@@ -367,8 +367,7 @@ def build(command: str, args: argparse.Namespace, env: Mapping[str, str] = os.en
                 f"(see gpu-sidecar {command} --help)."
             ) from None
     unknown = sorted(k for k in env if k.startswith(ENV_PREFIX) and
-                     k.removeprefix(ENV_PREFIX).lower() not in OPTION_BY_NAME and
-                     k != protocol.SOCKET_ENV)
+                     k.removeprefix(ENV_PREFIX).lower() not in OPTION_BY_NAME)
     if unknown:
         raise ConfigError(
             f"unknown environment variable(s) {', '.join(unknown)}: check the spelling against "
@@ -415,6 +414,3 @@ def describe(config: Config) -> dict[str, Any]:
 def version_line() -> str:
     return f"gpu-sidecar {__version__}"
 
-
-def env_names(options: Sequence[Option] = OPTIONS) -> list[str]:
-    return [o.env for o in options]
