@@ -8,6 +8,7 @@ missed slots are skipped rather than run back to back.
 
 from __future__ import annotations
 
+import functools
 import threading
 import time
 from collections import Counter
@@ -16,15 +17,16 @@ from collections.abc import Callable
 import structlog
 
 from sidecar import __version__
-from sidecar.app_socket import AppState
+from sidecar.app_socket import NO_FIGURES, AppState
 from sidecar.config import Config
 from sidecar.nvml_source import NvmlSource
-from sidecar.samples import GpuIdentity, GpuSample, Series, gpu_labels, sample_series
+from sidecar.samples import GpuIdentity, GpuSample, Labels, Series, gpu_labels, sample_series
 from sidecar.sinks import Sink
 
 log = structlog.get_logger("sidecar.agent")
 
 PRIME_WINDOW_S = 0.5  # rates and GPM averages need two readings; --once and probe wait this long
+_sample = functools.partial(tuple.__new__, GpuSample)  # from (identity, ts, *layers, app)
 
 
 class Agent:
@@ -55,12 +57,16 @@ class Agent:
         self._identities: dict[str, GpuIdentity] = {}
         self._warned_missing: set[str] = set()
         self._selection: tuple[str, ...] = ()
+        self._label_cache: dict[tuple[tuple[str, str], ...], Labels] = {}
+        self._fixed_selection: list[str] | None = None
         if source is not None:
             self._identities = {i.uuid: i for i in source.devices()}
 
     # -- selection -----------------------------------------------------------------------------
 
     def selected(self) -> list[str]:
+        if self._fixed_selection is not None:
+            return self._fixed_selection
         explicit = self.config.gpu_list()
         if explicit:
             chosen = list(explicit)
@@ -79,6 +85,8 @@ class Agent:
                               visible=sorted(self._identities),
                               hint="this UUID is not among the GPUs NVML shows this container; "
                                    "check --gpus and NVIDIA_VISIBLE_DEVICES")
+        if self.config.gpus != "announced":
+            self._fixed_selection = chosen  # named or visible: decided once, logged once
         return chosen
 
     def identity(self, uuid: str) -> GpuIdentity:
@@ -98,8 +106,10 @@ class Agent:
         available: dict[str, bool] = {}
         samples: list[GpuSample] = []
         readings = self.source.read(uuids) if self.source is not None else {}
+        figures = self.app.all_figures()
+        identities = self._identities
         for uuid in uuids:
-            app = self.app.figures(uuid)
+            app = figures.get(uuid, NO_FIGURES)
             if self.source is None:
                 samples.append(GpuSample(self.identity(uuid), ts, app=app))
                 available[uuid] = True
@@ -109,8 +119,8 @@ class Agent:
             if reading is None:
                 self.dropped["gpu_unavailable"] += 1
                 continue
-            samples.append(GpuSample(self.identity(uuid), ts, reading.compute, reading.memory,
-                                     reading.io, app))
+            identity = identities.get(uuid) or self.identity(uuid)
+            samples.append(_sample((identity, ts, *reading, app)))
         self.collected += len(samples)
         return samples, available
 
@@ -129,9 +139,13 @@ class Agent:
 
     def self_series(self, ts: int, available: dict[str, bool]) -> list[Series]:
         pl = self._pod_labels
+        cache = self._label_cache
 
         def s(name: str, value: float, *extra: tuple[str, str]) -> Series:
-            return Series(name, tuple(sorted((*pl, *extra))), float(value), ts)
+            labels = cache.get(extra)
+            if labels is None:
+                labels = cache[extra] = tuple(sorted((*pl, *extra)))
+            return Series(name, labels, float(value), ts)
 
         out = [
             s("gpu_sidecar_up", 1),

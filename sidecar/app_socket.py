@@ -173,25 +173,31 @@ class AppState:
 
     def figures(self, gpu: str) -> AppFigures:
         """What the app said about ``gpu`` within the staleness window."""
+        return self.all_figures().get(gpu, NO_FIGURES)
+
+    def all_figures(self) -> dict[str, AppFigures]:
+        """What the app said about each GPU within the staleness window, in one pass over the
+        table (the agent asks once per cycle, not once per GPU)."""
         now = self.clock()
         horizon = now - self.stale_after_s
+        allocators: dict[str, list[AllocatorFigures]] = {}
+        latency: dict[str, LatencyHistogram] = {}
         with self._lock:
-            allocators = []
+            if not self._alloc and not self._merged:
+                return {}
             for key, (seen, fig) in list(self._alloc.items()):
-                if key[0] != gpu:
-                    continue
                 if seen < horizon:
                     del self._alloc[key]
                     self._log_stale(key, now - seen)
                 else:
-                    allocators.append(fig)
-            merged = self._merged.get(gpu)
-            latency = None
-            if merged is not None and merged.updated >= horizon:
-                latency = LatencyHistogram(merged.bounds, tuple(merged.counts), merged.total)
-
-        allocators.sort(key=lambda a: a.pid)
-        return AppFigures(tuple(allocators), latency)
+                    allocators.setdefault(key[0], []).append(fig)
+            for gpu, merged in self._merged.items():
+                if merged.updated >= horizon:
+                    latency[gpu] = LatencyHistogram(merged.bounds, tuple(merged.counts),
+                                                    merged.total)
+        return {gpu: AppFigures(tuple(sorted(allocators.get(gpu, ()), key=_by_pid)),
+                                latency.get(gpu))
+                for gpu in allocators.keys() | latency.keys()}
 
     def _log_stale(self, key: tuple[str, int], age: float) -> None:
         if key not in self._stale_logged:
@@ -199,6 +205,13 @@ class AppState:
             log.warning("app_figures_stale", gpu_uuid=key[0], pid=key[1], age_s=round(age, 1),
                         stale_after_s=self.stale_after_s,
                         effect="allocator series of this process stop until it publishes again")
+
+
+NO_FIGURES = AppFigures()
+
+
+def _by_pid(figures: AllocatorFigures) -> int:
+    return figures.pid
 
 
 class SocketInUse(RuntimeError):

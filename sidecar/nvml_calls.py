@@ -64,12 +64,13 @@ class GpmMetricsGet(ctypes.Structure):
                 ("metrics", GpmMetric * pynvml.NVML_GPM_METRIC_MAX)]
 
 
-# Raw views of the filled arrays: one struct.iter_unpack instead of a ctypes wrapper object per
-# element and field. FieldValue: fieldId, scopeId, timestamp, latencyUsec, valueType, nvmlReturn,
-# value (8 bytes, read as an unsigned 64-bit integer: uiVal is its low half, little-endian).
-FIELD_VALUE = struct.Struct("<IIqqIIQ")
-# GpmMetric: metricId, nvmlReturn, value, then the metricInfo pointers (skipped).
-GPM_METRIC = struct.Struct(f"<IId{ctypes.sizeof(MetricInfo)}x")
+# Raw views of the filled arrays, one precompiled struct per GPU: a single ``unpack_from`` instead
+# of a ctypes wrapper object per element and field.
+# FieldValue: fieldId, scopeId, timestamp, latencyUsec (24 bytes, skipped), then valueType,
+# nvmlReturn and the 8-byte value read as an unsigned 64-bit integer (uiVal is its low half).
+FIELD_VALUE_READ = "24xIIQ"
+# GpmMetric: metricId (ours, skipped), nvmlReturn, value, then the metricInfo pointers (skipped).
+GPM_METRIC_READ = f"4xId{ctypes.sizeof(MetricInfo)}x"
 GPM_METRICS_OFFSET = GpmMetricsGet.metrics.offset
 
 
@@ -82,66 +83,76 @@ _fn = pynvml._nvmlGetFunctionPointer
 
 
 class PreparedCalls:
-    """One GPU's hot-path calls, with out-parameters allocated once."""
+    """One GPU's hot-path calls: C function pointers resolved and out-parameters allocated once.
+
+    The calls return NVML's status code rather than raising, and the results are read straight
+    from the out-structures (``mem``, ``util``) or through ``field_values()``/``gpm_values()``,
+    which return flat tuples: (valueType, nvmlReturn, raw value) per field and (nvmlReturn,
+    value) per GPM metric, in the order the fields and metrics were given."""
 
     def __init__(
         self,
         handle: Any,
         *,
         memory: str | None,
+        utilization: bool,
         fields: Sequence[int | tuple[int, int]],
         gpm_metrics: Sequence[int],
+        gpm_mig: bool = False,
     ) -> None:
         self.handle = handle
-        self.memory_version = memory
+        self.mem_v2 = memory == "v2"
+        self.mem: MemoryV2 | MemoryV1 | None = None
+        self.mem_fn = None
         if memory == "v2":
-            self._mem: MemoryV2 | MemoryV1 = MemoryV2(version=pynvml.nvmlMemory_v2)
-            self._mem_fn = _fn("nvmlDeviceGetMemoryInfo_v2")
+            self.mem = MemoryV2(version=pynvml.nvmlMemory_v2)
+            self.mem_fn = _fn("nvmlDeviceGetMemoryInfo_v2")
         elif memory == "v1":
-            self._mem = MemoryV1()
-            self._mem_fn = _fn("nvmlDeviceGetMemoryInfo")
-        self._mem_ref = ctypes.byref(self._mem) if memory else None
-        self._util = Utilization()
-        self._util_ref = ctypes.byref(self._util)
+            self.mem = MemoryV1()
+            self.mem_fn = _fn("nvmlDeviceGetMemoryInfo")
+        self.mem_ref = ctypes.byref(self.mem) if self.mem is not None else None
+        self.util = Utilization()
+        self.util_ref = ctypes.byref(self.util)
+        self.util_fn = _fn("nvmlDeviceGetUtilizationRates") if utilization else None
+
         self.fields = (FieldValue * len(fields))()
         for slot, field in zip(self.fields, fields, strict=True):
             slot.fieldId, slot.scopeId = field if isinstance(field, tuple) else (field, 0)
-        self._fields_ref = ctypes.byref(self.fields)
+        self.fields_ref = ctypes.byref(self.fields)
+        self.nfields = ctypes.c_int32(len(fields))
+        self.fields_fn = _fn("nvmlDeviceGetFieldValues") if fields else None
+        self._fields_read = struct.Struct("<" + FIELD_VALUE_READ * len(fields)).unpack_from
         self._fields_view = memoryview(self.fields).cast("B")
-        self._nfields = ctypes.c_int32(len(fields))
-        self.gpm = GpmMetricsGet(version=pynvml.NVML_GPM_METRICS_GET_VERSION,
-                                 numMetrics=len(gpm_metrics))
-        for i, metric in enumerate(gpm_metrics):
-            self.gpm.metrics[i].metricId = metric
-        self._gpm_ref = ctypes.byref(self.gpm)
-        end = GPM_METRICS_OFFSET + GPM_METRIC.size * len(gpm_metrics)
-        self._gpm_view = memoryview(self.gpm).cast("B")[GPM_METRICS_OFFSET:end]
 
-    def memory(self) -> MemoryV2 | MemoryV1:
-        check(self._mem_fn(self.handle, self._mem_ref))
-        return self._mem
+        # two requests, one per order of the two samples the agent alternates between, so a
+        # cycle picks one instead of writing sample pointers into a ctypes structure
+        self.gpm = [GpmMetricsGet(version=pynvml.NVML_GPM_METRICS_GET_VERSION,
+                                  numMetrics=len(gpm_metrics)) for _ in range(2)]
+        for request in self.gpm:
+            for i, metric in enumerate(gpm_metrics):
+                request.metrics[i].metricId = metric
+        self.gpm_refs = [ctypes.byref(request) for request in self.gpm]
+        self.gpm_sample_fn = self.gpm_metrics_fn = None
+        if gpm_metrics:
+            self.gpm_sample_fn = _fn("nvmlGpmMigSampleGet" if gpm_mig else "nvmlGpmSampleGet")
+            self.gpm_metrics_fn = _fn("nvmlGpmMetricsGet")
+        self._gpm_read = struct.Struct("<" + GPM_METRIC_READ * len(gpm_metrics)).unpack_from
+        self._gpm_views = [memoryview(request).cast("B")[GPM_METRICS_OFFSET:]
+                           for request in self.gpm]
 
-    def utilization(self) -> Utilization:
-        check(_fn("nvmlDeviceGetUtilizationRates")(self.handle, self._util_ref))
-        return self._util
+    def gpm_pair(self, first: int, second: int) -> None:
+        """Point the two requests at the two GPM samples: request 0 averages from ``first`` to
+        ``second``, request 1 from ``second`` to ``first``."""
+        self.gpm[0].sample1, self.gpm[0].sample2 = first, second
+        self.gpm[1].sample1, self.gpm[1].sample2 = second, first
 
-    def field_values(self) -> list[tuple[int, int, int, int, int, int, int]]:
-        check(_fn("nvmlDeviceGetFieldValues")(self.handle, self._nfields, self._fields_ref))
-        return list(FIELD_VALUE.iter_unpack(self._fields_view))
+    def field_values(self) -> tuple[int, ...]:
+        """(valueType, nvmlReturn, raw) per field, flat, as the last call left them."""
+        return self._fields_read(self._fields_view)
 
-    def gpm_sample(self, sample: Any, parent: Any = None, gpu_instance_id: int | None = None) -> bool:
-        if parent is None:
-            check(_fn("nvmlGpmSampleGet")(self.handle, sample))
-        else:
-            check(_fn("nvmlGpmMigSampleGet")(parent, gpu_instance_id, sample))
-        return True
-
-    def gpm_metrics(self, first: int, second: int) -> list[tuple[int, int, float]]:
-        """(metricId, nvmlReturn, value) averaged between two samples given by address."""
-        self.gpm.sample1 = first
-        self.gpm.sample2 = second
-        check(_fn("nvmlGpmMetricsGet")(self._gpm_ref))
-        return list(GPM_METRIC.iter_unpack(self._gpm_view))
+    def gpm_values(self, request: int) -> tuple[int | float, ...]:
+        """(nvmlReturn, value) per metric, flat, as the last call on ``request`` left them."""
+        return self._gpm_read(self._gpm_views[request])
 
 
 def address_of(pointer: Any) -> int:

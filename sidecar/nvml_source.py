@@ -18,7 +18,7 @@ from collections import Counter
 from collections.abc import Callable, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import pynvml
 import structlog
@@ -87,6 +87,7 @@ _VALUE_BITS = {
     pynvml.NVML_VALUE_TYPE_UNSIGNED_LONG: 64,
     pynvml.NVML_VALUE_TYPE_UNSIGNED_LONG_LONG: 64,
     pynvml.NVML_VALUE_TYPE_SIGNED_LONG_LONG: 63,
+    pynvml.NVML_VALUE_TYPE_UNSIGNED_SHORT: 16,
 }
 
 
@@ -122,11 +123,13 @@ def field_value(fv: Any) -> tuple[int, int] | None:
     return None
 
 
-@dataclass(frozen=True, slots=True)
-class NvmlReading:
+class NvmlReading(NamedTuple):
     compute: ComputeLayer
     memory: MemoryLayer
     io: IoLayer
+
+
+_new = tuple.__new__  # a NamedTuple from one iterable in field order, skipping keyword handling
 
 
 @dataclass
@@ -156,6 +159,15 @@ class _Device:
     gpm_prev_t: float | None = None
     gpm_ids: dict[int, tuple[str, float]] = field(default_factory=dict)
     gpm_slots: dict[int, tuple[int, int, float]] = field(default_factory=dict)
+    gpm_order: list[tuple[int, int, float]] = field(default_factory=list)  # slots, call order
+    gpm_next: int = 1  # which of the two samples the next reading goes into
+    # hot-path facts, derived from the capabilities by NvmlSource._prepare
+    io_start: list[Any] = field(default_factory=list)  # the IoLayer fields known before reading
+    pooled_pcie: bool = False  # PCIe from throughput calls, run on the pool
+    rate_ceiling: float | None = None  # a PCIe rate above this is a counter reset, not traffic
+    pcie_counters: bool = False
+    replay_field: bool = False
+    nvlink_counters: bool = False
     calls: PreparedCalls | None = None
     lost_since: float | None = None
     retry_at: float = 0.0
@@ -410,8 +422,20 @@ class NvmlSource:
                          for metric_id, (name, scale) in metrics.items()}
 
     def _prepare(self, dev: _Device) -> None:
-        dev.calls = PreparedCalls(dev.handle, memory=dev.memory, fields=dev.fields,
-                                  gpm_metrics=list(dev.gpm_ids))
+        dev.calls = PreparedCalls(dev.handle, memory=dev.memory, utilization=dev.utilization,
+                                  fields=dev.fields, gpm_metrics=list(dev.gpm_ids),
+                                  gpm_mig=dev.is_mig)
+        dev.gpm_order = [dev.gpm_slots[metric_id] for metric_id in dev.gpm_ids]
+        dev.io_start = [None, None, dev.link_max, dev.link_generation, dev.link_width, None, None,
+                        None]
+        dev.pooled_pcie = dev.pcie == "throughput" and not dev.is_mig
+        dev.rate_ceiling = 4 * dev.link_max if dev.link_max else None
+        dev.pcie_counters = dev.pcie == "counters"
+        dev.replay_field = dev.replay == "field"
+        dev.nvlink_counters = dev.nvlink == "counters"
+        if dev.gpm_addresses:
+            dev.calls.gpm_pair(*dev.gpm_addresses)
+        dev.gpm_next = 1
 
     def _report(self, dev: _Device) -> None:
         if dev.absent:
@@ -434,7 +458,7 @@ class NvmlSource:
                 live.append(dev)
 
         pending: dict[str, tuple[Future[int], Future[int]]] = {}
-        slow = [d for d in live if d.pcie == "throughput" and not d.is_mig]
+        slow = [d for d in live if d.pooled_pcie]
         if slow:
             pool = self._executor(len(slow))
             for dev in slow:
@@ -444,10 +468,9 @@ class NvmlSource:
                     pool.submit(pynvml.nvmlDeviceGetPcieThroughput, dev.handle,
                                 pynvml.NVML_PCIE_UTIL_RX_BYTES),
                 )
-        parts: dict[str, tuple[list[Any], list[Any], list[Any]]] = {}
         for dev in live:
             try:
-                parts[dev.identity.uuid] = self._read_serial(dev, now)
+                result[dev.identity.uuid] = self._read_serial(dev, now)
             except GpuLost as exc:
                 self._mark_lost(dev, now, str(exc.__cause__ or exc))
                 result[dev.identity.uuid] = None
@@ -457,19 +480,18 @@ class NvmlSource:
                 tx, rx = ftx.result(), frx.result()
             except pynvml.NVMLError as exc:
                 if error_code(exc) in _LOST_CODES:
-                    if uuid in parts:
+                    if result[uuid] is not None:
                         self._mark_lost(dev, now, error_name(exc))
-                        parts.pop(uuid)
                         result[uuid] = None
                 else:
                     self._failed(dev, "pcie_throughput", exc)
                 continue
             self._recovered(dev, "pcie_throughput")
-            if uuid in parts:
-                parts[uuid][2][0] = float(tx * KIB)
-                parts[uuid][2][1] = float(rx * KIB)
-        for uuid, (c, m, io) in parts.items():
-            result[uuid] = NvmlReading(ComputeLayer(*c), MemoryLayer(*m), IoLayer(*io))
+            reading = result[uuid]
+            if reading is not None:
+                io = reading.io._replace(pcie_tx_bytes_per_second=float(tx * KIB),
+                                         pcie_rx_bytes_per_second=float(rx * KIB))
+                result[uuid] = reading._replace(io=io)
         return result
 
     def _executor(self, n: int) -> ThreadPoolExecutor:
@@ -544,92 +566,100 @@ class NvmlSource:
             raise GpuLost from exc
         self._failed(dev, what, exc)
 
-    def _read_serial(self, dev: _Device, now: float) -> tuple[list[Any], list[Any], list[Any]]:
-        """The layers as positional lists (ComputeLayer, MemoryLayer, IoLayer field order).
+    def _read_serial(self, dev: _Device, now: float) -> NvmlReading:
+        """One GPU's reading, less any PCIe throughput calls running on the pool.
 
-        Written flat, with one ``try`` per call and no per-call helper, because this runs for
-        every GPU on every cycle and its cost is the agent's cost."""
+        Written flat, on status codes rather than exceptions, with the layers filled as
+        positional lists, because this runs for every GPU on every cycle and its cost is the
+        agent's cost; failures are handled once at the end."""
         compute: list[Any] = [None, None, None, None]
         memory: list[Any] = [None, None, None, None, None]
-        io: list[Any] = [None, None, dev.link_max, dev.link_generation, dev.link_width, None,
-                         None, None]
+        io = dev.io_start.copy()
         calls = dev.calls
         assert calls is not None
-        failing = dev.failing
-        if dev.memory:
-            try:
-                mem = calls.memory()
-                memory[2] = mem.used
-                memory[3] = mem.total
-                if dev.memory == "v2":
+        handle = calls.handle
+        failed: list[tuple[str, int]] = []
+        fn = calls.mem_fn
+        if fn is not None:
+            ret = fn(handle, calls.mem_ref)
+            if ret:
+                failed.append(("memory", ret))
+            else:
+                mem = calls.mem
+                memory[2] = mem.used  # type: ignore[union-attr]
+                memory[3] = mem.total  # type: ignore[union-attr]
+                if calls.mem_v2:
                     memory[4] = mem.reserved  # type: ignore[union-attr]
-                if failing:
-                    self._recovered(dev, "memory")
-            except pynvml.NVMLError as exc:
-                self._error(dev, "memory", exc)
-        if dev.utilization:
-            try:
-                util = calls.utilization()
+        fn = calls.util_fn
+        if fn is not None:
+            ret = fn(handle, calls.util_ref)
+            if ret:
+                failed.append(("utilization", ret))
+            else:
+                util = calls.util
                 compute[3] = util.gpu / 100.0
                 memory[1] = util.memory / 100.0
-                if failing:
-                    self._recovered(dev, "utilization")
-            except pynvml.NVMLError as exc:
-                self._error(dev, "utilization", exc)
-        if dev.fields:
-            try:
-                values = calls.field_values()
-                if failing:
-                    self._recovered(dev, "field_values")
-            except pynvml.NVMLError as exc:
-                self._error(dev, "field_values", exc)
+        fn = calls.fields_fn
+        if fn is not None:
+            ret = fn(handle, calls.nfields, calls.fields_ref)
+            if ret:
+                failed.append(("field_values", ret))
             else:
-                self._counters(dev, values, now, io)
+                self._counters(dev, calls.field_values(), now, io)
         if dev.replay == "call":
             try:
                 io[5] = pynvml.nvmlDeviceGetPcieReplayCounter(dev.handle)
             except pynvml.NVMLError as exc:
-                self._error(dev, "replay", exc)
+                failed.append(("replay", error_code(exc)))
         if dev.gpm:
-            self._gpm(dev, now, (compute, memory, io))
-        if len(dev.failing) >= 2 and all(v is None for v in (*compute, *memory)) and \
-                io[0] is None and io[5] is None:
-            # nothing at all could be read (the driver went away, NVML was unloaded): report the
-            # GPU unavailable and re-open it later, rather than export its static link figures
-            raise GpuLost("no reading succeeded: " + ", ".join(sorted(dev.failing)))
-        return compute, memory, io
+            self._gpm(dev, now, (compute, memory, io), failed)
+        if failed:
+            for what, code in failed:
+                self._error(dev, what, pynvml.NVMLError(code))
+        if dev.failing:
+            for what in list(dev.failing):
+                if what in _HOT_READS and all(what != f for f, _ in failed):
+                    self._recovered(dev, what)
+            if len(dev.failing) >= 2 and all(v is None for v in (*compute, *memory)) and \
+                    io[0] is None and io[5] is None:
+                # nothing at all could be read (the driver went away, NVML was unloaded): report
+                # the GPU unavailable and re-open it later, not its static link figures
+                raise GpuLost("no reading succeeded: " + ", ".join(sorted(dev.failing)))
+        return _new(NvmlReading, (_new(ComputeLayer, compute), _new(MemoryLayer, memory),
+                                  _new(IoLayer, io)))
 
-    def _counters(self, dev: _Device, values: list[tuple[int, ...]], now: float,
-                  io: list[Any]) -> None:
-        counters: dict[int, tuple[int, int]] = {}
-        nvl_tx = nvl_rx = 0
-        nvl_ok = True
-        for field_id, _scope, _ts, _lat, value_type, ret, raw in values:
-            bits = _VALUE_BITS.get(value_type)
-            ok = ret == pynvml.NVML_SUCCESS and bits is not None
-            value = (raw & 0xFFFFFFFF if bits == 32 else raw) if ok else 0
-            if field_id in (FI_NVL_TX, FI_NVL_RX):
-                if not ok:
-                    nvl_ok = False
-                elif field_id == FI_NVL_TX:
-                    nvl_tx += value
-                else:
-                    nvl_rx += value
-            elif ok:
-                counters[field_id] = (value, bits)  # type: ignore[assignment]
-        replay = counters.get(FI_REPLAY)
-        if replay is not None:
-            io[5] = replay[0]
-        tx, rx = counters.get(FI_TX), counters.get(FI_RX)
-        if dev.pcie == "counters" and tx and rx:
-            ceiling = 4 * dev.link_max if dev.link_max else None
-            prev = dev.prev_pcie
-            if prev is not None:
-                dt = now - prev[0]
-                io[0] = counter_rate(prev[1], tx[0], dt, tx[1], ceiling)
-                io[1] = counter_rate(prev[3], rx[0], dt, rx[1], ceiling)
-            dev.prev_pcie = (now, tx[0], tx[1], rx[0], rx[1])
-        if dev.nvlink == "counters" and nvl_ok:
+    def _counters(self, dev: _Device, flat: tuple[int, ...], now: float, io: list[Any]) -> None:
+        """Rates from the cumulative counters; ``flat`` holds (valueType, nvmlReturn, raw) per
+        field, in the order ``dev.fields`` asked for them."""
+        i = 0
+        if dev.pcie_counters:
+            # decoded in line: these two are read for every GPU on every cycle
+            i = 6
+            tx_bits, rx_bits = _VALUE_BITS.get(flat[0]), _VALUE_BITS.get(flat[3])
+            if not flat[1] and not flat[4] and tx_bits and rx_bits:
+                tx = flat[2] & ((1 << tx_bits) - 1)
+                rx = flat[5] & ((1 << rx_bits) - 1)
+                prev = dev.prev_pcie
+                if prev is not None:
+                    dt = now - prev[0]
+                    io[0] = counter_rate(prev[1], tx, dt, tx_bits, dev.rate_ceiling)
+                    io[1] = counter_rate(prev[3], rx, dt, rx_bits, dev.rate_ceiling)
+                dev.prev_pcie = (now, tx, tx_bits, rx, rx_bits)
+        if dev.replay_field:
+            replay = _decode(flat, i)
+            i += 3
+            if replay is not None:
+                io[5] = replay[0]
+        if dev.nvlink_counters:
+            totals = [0, 0]
+            for direction in (0, 1):
+                for _ in range(dev.nvlink_links):
+                    value = _decode(flat, i)
+                    i += 3
+                    if value is None:
+                        return  # a link that did not answer: no NVLink figure this cycle
+                    totals[direction] += value[0]
+            nvl_tx, nvl_rx = totals
             prev_n = dev.prev_nvlink
             if prev_n is not None:
                 dt = now - prev_n[0]
@@ -639,7 +669,8 @@ class NvmlSource:
                 io[7] = None if rx_rate is None else rx_rate * KIB
             dev.prev_nvlink = (now, nvl_tx, nvl_rx)
 
-    def _gpm(self, dev: _Device, now: float, layers: tuple[list[Any], list[Any], list[Any]]) -> None:
+    def _gpm(self, dev: _Device, now: float, layers: tuple[list[Any], list[Any], list[Any]],
+             failed: list[tuple[str, int]]) -> None:
         """Average of each GPM metric between the previous cycle's sample and this one."""
         prev_t = dev.gpm_prev_t
         if prev_t is not None and now - prev_t < GPM_MIN_INTERVAL_S:
@@ -651,39 +682,54 @@ class NvmlSource:
             return
         calls = dev.calls
         assert calls is not None
-        try:
-            if dev.is_mig:
-                calls.gpm_sample(dev.gpm_samples[1], dev.parent_handle, dev.gpu_instance_id)
-            else:
-                calls.gpm_sample(dev.gpm_samples[1])
-        except pynvml.NVMLError as exc:
-            self._error(dev, "gpm_sample", exc)
+        into = dev.gpm_next
+        sample = dev.gpm_samples[into]
+        if dev.parent_handle is not None:  # MIG
+            ret = calls.gpm_sample_fn(dev.parent_handle, dev.gpu_instance_id, sample)
+        else:
+            ret = calls.gpm_sample_fn(calls.handle, sample)
+        if ret:
+            failed.append(("gpm_sample", ret))
             dev.gpm_prev_t = None
             return
         if prev_t is not None:
-            try:
-                metrics = calls.gpm_metrics(dev.gpm_addresses[0], dev.gpm_addresses[1])
-            except pynvml.NVMLError as exc:
-                self._error(dev, "gpm_metrics", exc)
-                metrics = []
-            slots = dev.gpm_slots
-            for metric_id, ret, value in metrics:
-                if ret == 0:
-                    layer, position, scale = slots[metric_id]
-                    layers[layer][position] = value * scale
-        if dev.failing:
-            self._recovered(dev, "gpm_sample")
-            self._recovered(dev, "gpm_metrics")
-        dev.gpm_addresses.reverse()
-        dev.gpm_samples.reverse()
+            # request 0 averages sample 0 -> 1, request 1 sample 1 -> 0: the one ending in `into`
+            request = 1 - into
+            ret = calls.gpm_metrics_fn(calls.gpm_refs[request])
+            if ret:
+                failed.append(("gpm_metrics", ret))
+            else:
+                flat = calls.gpm_values(request)
+                i = 0
+                for layer, position, scale in dev.gpm_order:
+                    if not flat[i]:
+                        layers[layer][position] = flat[i + 1] * scale
+                    i += 2
+        dev.gpm_next = 1 - into
         dev.gpm_prev_t = now
+
+
+_HOT_READS = frozenset({"memory", "utilization", "field_values", "replay", "gpm_sample",
+                        "gpm_metrics"})
+
+
+def _decode(flat: tuple[int, ...], i: int) -> tuple[int, int] | None:
+    """(value, counter width in bits) of the field value at ``flat[i:i + 3]``, None when it
+    failed or is not an integer."""
+    if flat[i + 1]:
+        return None
+    bits = _VALUE_BITS.get(flat[i])
+    if bits is None:
+        return None
+    raw = flat[i + 2]  # the 8-byte union read as unsigned: narrower types are its low bytes
+    return raw & ((1 << bits) - 1), bits
 
 
 def _slot(name: str) -> tuple[int, int]:
     """(layer, position) of a layer field in the positional lists of ``_read_serial``."""
     for layer, cls in enumerate((ComputeLayer, MemoryLayer, IoLayer)):
-        if name in cls.__slots__:
-            return layer, cls.__slots__.index(name)
+        if name in cls._fields:
+            return layer, cls._fields.index(name)
     raise KeyError(name)
 
 

@@ -228,6 +228,10 @@ class FakeNvml:
     def cpu_seconds(self) -> float:
         return sum(self._spent)
 
+    @property
+    def accounted_calls(self) -> int:
+        return len(self._spent)
+
     # -- helpers -----------------------------------------------------------------------------
 
     def now(self) -> float:
