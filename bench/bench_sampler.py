@@ -5,7 +5,11 @@
 Measures, for 8 simulated GPUs behind the stand-in NVML (pynvml's own code runs for every call):
 1. CPU time per cycle, agent vs the naive loop (count GPUs; per GPU serially: handle, name, UUID,
    memory, utilization, PCIe TX and RX throughput, link generation and width; set
-   prometheus_client gauges). Target: agent at least 3x lower.
+   prometheus_client gauges). Target: agent at least 3x lower. What is compared is the CPU of the
+   code under test: process CPU less the CPU spent inside the stand-in library (which emulates C
+   code in Python) and less the stand-in's own per-call accounting cost, measured on a no-op in
+   the same run and subtracted per call from both sides. Five rounds after a warm-up; the round
+   with the median ratio is reported, with every round's ratio beside it.
 2. Wall time per cycle when the stand-in blocks ``nvmlDeviceGetPcieThroughput`` for NVML's real
    20 ms (GPUs without byte counters or GPM). Target: at most 1.5 x 20 ms; naive: 8 x 2 x 20 ms.
 3. Resident memory over an hour of simulated sampling at 1 s (3600 cycles on a simulated clock,
@@ -149,35 +153,47 @@ def cpu_benchmark() -> dict:
     overhead = accounting_overhead()
     results = {"accounting_overhead_us": overhead * 1e6}
     for scenario in ("healthy", "old-driver"):
-        # a simulated clock a second apart per cycle, so GPM averages are taken as in production
-        # (back-to-back cycles under 100 ms would skip them)
-        clock = fake_nvml.ManualClock()
-        agent = agent_for(scenario, blocking=False, clock=clock)
-
-        def one_cycle(agent=agent, clock=clock) -> None:
-            clock.advance(1.0)
-            agent.collect()
-
-        a, a_lib, a_calls = cpu_per_cycle(one_cycle, 1000)
-        full, full_lib, _ = cpu_per_cycle(
-            lambda agent=agent, clock=clock: (clock.advance(1.0), agent.cycle()), 1000)
-        agent.source.close()
-        fake_nvml.install(build(scenario, GPUS).nvml(throughput_blocking=False, account_cpu=True))
-        pynvml.nvmlInit()
-        naive = naive_loop_factory()
-        n, n_lib, n_calls = cpu_per_cycle(naive, 1000)
-        own_a = a - a_lib - a_calls * overhead  # the code under test, outside the stand-in
-        own_n = n - n_lib - n_calls * overhead
-        results[scenario] = {
-            "agent_cpu_ms": a * 1e3, "agent_lib_ms": a_lib * 1e3, "agent_calls": a_calls,
-            "agent_own_ms": own_a * 1e3,
-            "agent_full_own_ms": (full - full_lib - a_calls * overhead) * 1e3,
-            "naive_cpu_ms": n * 1e3, "naive_lib_ms": n_lib * 1e3, "naive_calls": n_calls,
-            "naive_own_ms": own_n * 1e3,
-            "ratio_total": n / a, "ratio": own_n / own_a,
-            "ratio_full": own_n / (full - full_lib - a_calls * overhead),
-        }
+        cpu_round(scenario, overhead, cycles=100)  # warm-up, not counted: caches, lazy imports
+        rounds = [cpu_round(scenario, overhead) for _ in range(ROUNDS)]
+        # the round with the median ratio, so the figures in a row come from one round
+        rounds.sort(key=lambda r: r["ratio"])
+        results[scenario] = {**rounds[ROUNDS // 2],
+                             "ratios": [round(r["ratio"], 2) for r in rounds]}
     return results
+
+
+ROUNDS = 5
+
+
+def cpu_round(scenario: str, overhead: float, cycles: int = 400) -> dict:
+    """One round: the agent, then the naive loop, each on a fresh stand-in of the scenario."""
+    # a simulated clock a second apart per cycle, so GPM averages are taken as in production
+    # (back-to-back cycles under 100 ms would skip them)
+    clock = fake_nvml.ManualClock()
+    agent = agent_for(scenario, blocking=False, clock=clock)
+
+    def one_cycle(agent=agent, clock=clock) -> None:
+        clock.advance(1.0)
+        agent.collect()
+
+    a, a_lib, a_calls = cpu_per_cycle(one_cycle, cycles)
+    full, full_lib, _ = cpu_per_cycle(
+        lambda agent=agent, clock=clock: (clock.advance(1.0), agent.cycle()), cycles)
+    agent.source.close()
+    fake_nvml.install(build(scenario, GPUS).nvml(throughput_blocking=False, account_cpu=True))
+    pynvml.nvmlInit()
+    n, n_lib, n_calls = cpu_per_cycle(naive_loop_factory(), cycles)
+    own_a = a - a_lib - a_calls * overhead  # the code under test, outside the stand-in
+    own_full = full - full_lib - a_calls * overhead
+    own_n = n - n_lib - n_calls * overhead
+    return {
+        "agent_cpu_ms": a * 1e3, "agent_lib_ms": a_lib * 1e3, "agent_calls": a_calls,
+        "agent_own_ms": own_a * 1e3, "agent_full_own_ms": own_full * 1e3,
+        "naive_cpu_ms": n * 1e3, "naive_lib_ms": n_lib * 1e3, "naive_calls": n_calls,
+        "naive_own_ms": own_n * 1e3,
+        "ratio_total": n / a, "ratio": own_n / own_a, "ratio_full": own_n / own_full,
+        "ratio_uncorrected": (n - n_lib) / (a - a_lib),
+    }
 
 
 def wall_benchmark() -> dict:
@@ -248,6 +264,9 @@ def memory_benchmark() -> dict:
 
 
 def main() -> int:
+    from sidecar.log import configure
+
+    configure("json", "warning")
     cpu = cpu_benchmark()
     wall = wall_benchmark()
     mem = memory_benchmark()
@@ -262,21 +281,31 @@ def main() -> int:
         "|---|---|---|---|",
     ]
     for scenario, r in cpu.items():
+        if not isinstance(r, dict):
+            continue
+        target = " (target >= 3x)" if scenario == "healthy" else ""
         lines.append(
-            f"| CPU per cycle outside the stand-in library, {scenario} | "
-            f"{r['agent_cpu_ms'] - r['agent_lib_ms']:.3f} ms (with series building "
-            f"{r['agent_full_cpu_ms']:.3f} ms) | {r['naive_cpu_ms'] - r['naive_lib_ms']:.3f} ms | "
-            f"naive/agent = {r['ratio']:.1f}x (target >= 3x) |")
+            f"| CPU per cycle, sampling (NVML to records), code under test, {scenario} | "
+            f"{r['agent_own_ms']:.3f} ms ({r['agent_calls']:.0f} NVML calls) | "
+            f"{r['naive_own_ms']:.3f} ms ({r['naive_calls']:.0f} calls) | "
+            f"naive/agent = {r['ratio']:.2f}x{target}; rounds {r['ratios']}; "
+            f"{r['ratio_uncorrected']:.2f}x with the accounting cost left in |")
+        lines.append(
+            f"| CPU per cycle, sampling + series building, code under test, {scenario} | "
+            f"{r['agent_full_own_ms']:.3f} ms | {r['naive_own_ms']:.3f} ms | "
+            f"naive/agent = {r['ratio_full']:.2f}x |")
         lines.append(
             f"| CPU per cycle including the stand-in, {scenario} | {r['agent_cpu_ms']:.3f} ms "
             f"(stand-in {r['agent_lib_ms']:.3f}) | {r['naive_cpu_ms']:.3f} ms (stand-in "
-            f"{r['naive_lib_ms']:.3f}) | naive/agent = {r['ratio_total']:.1f}x |")
+            f"{r['naive_lib_ms']:.3f}) | naive/agent = {r['ratio_total']:.2f}x |")
     lines.append(f"| wall per cycle, 20 ms throughput blocking (old-driver) | median "
                  f"{wall['agent_wall_ms_median']:.1f} ms, max {wall['agent_wall_ms_max']:.1f} ms | "
                  f"median {wall['naive_wall_ms_median']:.1f} ms | limit {wall['limit_ms']:.0f} ms |")
     lines.append(f"| RSS over 3600 cycles at 1 s (every 600) | {', '.join(f'{p:.1f}' for p in pts)} MiB"
                  f" | baseline {mem['baseline_mib']:.1f} MiB (interpreter + pynvml + structlog) |"
                  f" limit 40 MiB, flat |")
+    lines.append(f"| stand-in accounting cost per call, subtracted from both | "
+                 f"{cpu['accounting_overhead_us']:.2f} us | same | - |")
     return finish(lines, ok)
 
 

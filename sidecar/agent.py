@@ -59,6 +59,7 @@ class Agent:
         self._selection: tuple[str, ...] = ()
         self._label_cache: dict[tuple[tuple[str, str], ...], Labels] = {}
         self._fixed_selection: list[str] | None = None
+        self._gpu_labels: dict[str, tuple[GpuIdentity, Labels]] = {}  # uuid -> labels, kept
         if source is not None:
             self._identities = {i.uuid: i for i in source.devices()}
 
@@ -128,8 +129,13 @@ class Agent:
         started = self.clock()
         samples, available = self.collect()
         series: list[Series] = []
+        labels = self._gpu_labels
         for sample in samples:
-            series.extend(sample_series(sample, self.pod))
+            uuid = sample.identity.uuid
+            gpu = labels.get(uuid)
+            if gpu is None or gpu[0] is not sample.identity:
+                gpu = labels[uuid] = (sample.identity, gpu_labels(sample.identity, self.pod))
+            series.extend(sample_series(sample, self.pod, gpu[1]))
         ts = samples[0].timestamp_ms if samples else int(self.wall() * 1000)
         self.last_cycle_s = self.clock() - started
         series.extend(self.self_series(ts, available))

@@ -13,6 +13,7 @@ and no GPM, those calls run concurrently on a small pool while the serial reads 
 from __future__ import annotations
 
 import contextlib
+import math
 import time
 from collections import Counter
 from collections.abc import Callable, Iterable
@@ -132,7 +133,7 @@ class NvmlReading(NamedTuple):
 _new = tuple.__new__  # a NamedTuple from one iterable in field order, skipping keyword handling
 
 
-@dataclass
+@dataclass(slots=True)
 class _Device:
     identity: GpuIdentity
     handle: Any
@@ -447,11 +448,11 @@ class NvmlSource:
     def read(self, uuids: Iterable[str]) -> dict[str, NvmlReading | None]:
         """One reading per requested GPU; None for a GPU that is lost or unknown."""
         now = self.clock()
-        uuids = list(uuids)
-        wanted = [self._devices.get(u) for u in uuids]
+        devices = self._devices
         result: dict[str, NvmlReading | None] = {}
         live: list[_Device] = []
-        for uuid, dev in zip(uuids, wanted, strict=True):
+        for uuid in uuids:
+            dev = devices.get(uuid)
             if dev is None or (dev.lost_since is not None and not self._recover(dev, now)):
                 result[uuid] = None
             else:
@@ -612,7 +613,36 @@ class NvmlSource:
             except pynvml.NVMLError as exc:
                 failed.append(("replay", error_code(exc)))
         if dev.gpm:
-            self._gpm(dev, now, (compute, memory, io), failed)
+            # GPM: the average of each metric between the previous cycle's sample and this one
+            prev_t = dev.gpm_prev_t
+            if prev_t is not None and now - prev_t < GPM_MIN_INTERVAL_S:
+                self._gpm_too_soon(dev, now - prev_t)
+            else:
+                into = dev.gpm_next  # the two samples alternate
+                sample = dev.gpm_samples[into]
+                if dev.parent_handle is not None:  # MIG
+                    ret = calls.gpm_sample_fn(dev.parent_handle, dev.gpu_instance_id, sample)
+                else:
+                    ret = calls.gpm_sample_fn(handle, sample)
+                if ret:
+                    failed.append(("gpm_sample", ret))
+                    dev.gpm_prev_t = None
+                else:
+                    if prev_t is not None:
+                        # request 0 averages sample 0 -> 1, request 1 sample 1 -> 0
+                        request = 1 - into
+                        ret = calls.gpm_metrics_fn(calls.gpm_refs[request])
+                        if ret:
+                            failed.append(("gpm_metrics", ret))
+                        else:
+                            layers = (compute, memory, io)
+                            pairs = iter(calls.gpm_values(request))  # nvmlReturn, value, ...
+                            for (layer, position, scale), ret, value in zip(
+                                    dev.gpm_order, pairs, pairs, strict=True):
+                                if not ret:
+                                    layers[layer][position] = value * scale
+                    dev.gpm_next = 1 - into
+                    dev.gpm_prev_t = now
         if failed:
             for what, code in failed:
                 self._error(dev, what, pynvml.NVMLError(code))
@@ -633,23 +663,27 @@ class NvmlSource:
         field, in the order ``dev.fields`` asked for them."""
         i = 0
         if dev.pcie_counters:
-            # decoded in line: these two are read for every GPU on every cycle
+            # decoded and differenced in line (``_decode`` and ``pcie.counter_rate`` spelt out):
+            # these two are read for every GPU on every cycle
             i = 6
             tx_bits, rx_bits = _VALUE_BITS.get(flat[0]), _VALUE_BITS.get(flat[3])
             if not flat[1] and not flat[4] and tx_bits and rx_bits:
-                tx = flat[2] & ((1 << tx_bits) - 1)
-                rx = flat[5] & ((1 << rx_bits) - 1)
+                tx_mod, rx_mod = 1 << tx_bits, 1 << rx_bits
+                tx, rx = flat[2] % tx_mod, flat[5] % rx_mod
                 prev = dev.prev_pcie
                 if prev is not None:
                     dt = now - prev[0]
-                    io[0] = counter_rate(prev[1], tx, dt, tx_bits, dev.rate_ceiling)
-                    io[1] = counter_rate(prev[3], rx, dt, rx_bits, dev.rate_ceiling)
+                    if dt > 0:
+                        ceiling = dev.rate_ceiling or math.inf  # above it: a reset, not traffic
+                        tx_rate = (tx - prev[1]) % tx_mod / dt  # across at most one wrap
+                        rx_rate = (rx - prev[3]) % rx_mod / dt
+                        io[0] = tx_rate if tx_rate <= ceiling else None
+                        io[1] = rx_rate if rx_rate <= ceiling else None
                 dev.prev_pcie = (now, tx, tx_bits, rx, rx_bits)
         if dev.replay_field:
-            replay = _decode(flat, i)
+            if not flat[i + 1] and flat[i] in _VALUE_BITS:
+                io[5] = flat[i + 2] % (1 << _VALUE_BITS[flat[i]])
             i += 3
-            if replay is not None:
-                io[5] = replay[0]
         if dev.nvlink_counters:
             totals = [0, 0]
             for direction in (0, 1):
@@ -669,44 +703,12 @@ class NvmlSource:
                 io[7] = None if rx_rate is None else rx_rate * KIB
             dev.prev_nvlink = (now, nvl_tx, nvl_rx)
 
-    def _gpm(self, dev: _Device, now: float, layers: tuple[list[Any], list[Any], list[Any]],
-             failed: list[tuple[str, int]]) -> None:
-        """Average of each GPM metric between the previous cycle's sample and this one."""
-        prev_t = dev.gpm_prev_t
-        if prev_t is not None and now - prev_t < GPM_MIN_INTERVAL_S:
-            if "gpm_interval" not in dev.failing:
-                dev.failing.add("gpm_interval")
-                log.warning("gpm_interval_too_short", gpu_uuid=dev.identity.uuid,
-                            interval_s=round(now - prev_t, 4), minimum_s=GPM_MIN_INTERVAL_S,
-                            effect="GPM figures skipped for this cycle; raise --interval")
-            return
-        calls = dev.calls
-        assert calls is not None
-        into = dev.gpm_next
-        sample = dev.gpm_samples[into]
-        if dev.parent_handle is not None:  # MIG
-            ret = calls.gpm_sample_fn(dev.parent_handle, dev.gpu_instance_id, sample)
-        else:
-            ret = calls.gpm_sample_fn(calls.handle, sample)
-        if ret:
-            failed.append(("gpm_sample", ret))
-            dev.gpm_prev_t = None
-            return
-        if prev_t is not None:
-            # request 0 averages sample 0 -> 1, request 1 sample 1 -> 0: the one ending in `into`
-            request = 1 - into
-            ret = calls.gpm_metrics_fn(calls.gpm_refs[request])
-            if ret:
-                failed.append(("gpm_metrics", ret))
-            else:
-                flat = calls.gpm_values(request)
-                i = 0
-                for layer, position, scale in dev.gpm_order:
-                    if not flat[i]:
-                        layers[layer][position] = flat[i + 1] * scale
-                    i += 2
-        dev.gpm_next = 1 - into
-        dev.gpm_prev_t = now
+    def _gpm_too_soon(self, dev: _Device, interval: float) -> None:
+        if "gpm_interval" not in dev.failing:
+            dev.failing.add("gpm_interval")
+            log.warning("gpm_interval_too_short", gpu_uuid=dev.identity.uuid,
+                        interval_s=round(interval, 4), minimum_s=GPM_MIN_INTERVAL_S,
+                        effect="GPM figures skipped for this cycle; raise --interval")
 
 
 _HOT_READS = frozenset({"memory", "utilization", "field_values", "replay", "gpm_sample",

@@ -140,36 +140,36 @@ def format_bound(bound: float) -> str:
     return repr(float(bound))
 
 
-# the per-GPU series, in the order of the values built in ``sample_series``
+# the per-GPU series: the fields of the three layers in order, then the two PCIe ratios
 _LAYER_NAMES = (
     "gpu_sm_occupancy_ratio", "gpu_tensor_core_util_ratio", "gpu_sm_active_ratio",
     "gpu_utilization_ratio",
     "gpu_mem_bandwidth_util_ratio", "gpu_memory_controller_busy_ratio", "gpu_memory_used_bytes",
     "gpu_memory_total_bytes", "gpu_memory_reserved_bytes",
     "gpu_pcie_tx_bytes_per_second", "gpu_pcie_rx_bytes_per_second",
-    "gpu_pcie_tx_bandwidth_util_ratio", "gpu_pcie_rx_bandwidth_util_ratio",
     "gpu_pcie_link_max_bytes_per_second", "gpu_pcie_link_generation", "gpu_pcie_link_width",
     "gpu_pcie_replay_errors_total", "gpu_nvlink_tx_bytes_per_second",
     "gpu_nvlink_rx_bytes_per_second",
+    "gpu_pcie_tx_bandwidth_util_ratio", "gpu_pcie_rx_bandwidth_util_ratio",
 )
 
 
-def sample_series(sample: GpuSample, pod: Mapping[str, str]) -> list[Series]:
-    """Every series of one sample, named and labelled as Contract 1 says."""
-    labels = _gpu_labels(sample.identity, tuple(pod.items()))
+def sample_series(
+    sample: GpuSample, pod: Mapping[str, str], labels: Labels | None = None
+) -> list[Series]:
+    """Every series of one sample, named and labelled as Contract 1 says.
+
+    ``labels`` are the GPU's labels (``gpu_labels(sample.identity, pod)``) when the caller keeps
+    them from cycle to cycle."""
+    if labels is None:
+        labels = gpu_labels(sample.identity, pod)
     ts = sample.timestamp_ms
-    c, m, io = sample.compute, sample.memory, sample.io
-    tx, rx = io.pcie_tx_bytes_per_second, io.pcie_rx_bytes_per_second
+    io = sample.io
     link = io.pcie_link_max_bytes_per_second
-    values = (
-        c.sm_occupancy_ratio, c.tensor_core_util_ratio, c.sm_active_ratio, c.utilization_ratio,
-        m.bandwidth_util_ratio, m.controller_busy_ratio, m.used_bytes, m.total_bytes,
-        m.reserved_bytes,
-        tx, rx, None if tx is None or not link else tx / link,
-        None if rx is None or not link else rx / link,
-        link, io.pcie_link_generation, io.pcie_link_width, io.pcie_replay_errors,
-        io.nvlink_tx_bytes_per_second, io.nvlink_rx_bytes_per_second,
-    )
+    tx, rx = io.pcie_tx_bytes_per_second, io.pcie_rx_bytes_per_second
+    values = (*sample.compute, *sample.memory, *io,
+              None if tx is None or not link else tx / link,
+              None if rx is None or not link else rx / link)
     out = [_series((name, labels, float(value), ts))
            for name, value in zip(_LAYER_NAMES, values, strict=True) if value is not None]
     app = sample.app

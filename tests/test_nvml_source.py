@@ -81,6 +81,26 @@ def test_gpm_figure_is_the_average_over_the_interval_not_a_point_value(install_f
     assert r.compute.sm_occupancy_ratio != pytest.approx(0.60)
 
 
+def test_consecutive_gpm_intervals_each_average_their_own_span(install_fake, clock):
+    # the agent alternates between two GPM samples; every interval must run from the previous
+    # cycle's sample to this one's, whichever buffer each landed in
+    occupancy, dram = Signal(40, 0.5, 20), Signal(30, 0.8, 7)
+    install_fake([gpu(sm_occupancy=occupancy, dram_bw=dram)], clock=clock)
+    source = open_source(clock)
+    uuid = source.devices()[0].uuid
+    fake = pynvml.nvmlLib.fake
+    source.read([uuid])
+    t = fake.now()
+    for span in (3.0, 5.0, 7.0, 2.0, 4.5):
+        clock.advance(span)
+        r = source.read([uuid])[uuid]
+        assert r.compute.sm_occupancy_ratio == pytest.approx(
+            occupancy.mean(t, t + span) / 100, rel=1e-9)
+        assert r.memory.bandwidth_util_ratio == pytest.approx(dram.mean(t, t + span) / 100,
+                                                              rel=1e-9)
+        t += span
+
+
 def test_gpm_interval_under_100ms_is_refused_and_the_next_cycle_spans_the_whole_gap(
         install_fake, clock):
     install_fake([gpu(sm_occupancy=Signal(40, 0.5, 2))], clock=clock)
