@@ -129,19 +129,21 @@ class Agent:
         started = self.clock()
         samples, available = self.collect()
         series: list[Series] = []
-        labels = self._gpu_labels
         for sample in samples:
-            uuid = sample.identity.uuid
-            gpu = labels.get(uuid)
-            if gpu is None or gpu[0] is not sample.identity:
-                gpu = labels[uuid] = (sample.identity, gpu_labels(sample.identity, self.pod))
-            series.extend(sample_series(sample, self.pod, gpu[1]))
+            series.extend(sample_series(sample, self.pod, self._labels(sample.identity)))
         ts = samples[0].timestamp_ms if samples else int(self.wall() * 1000)
         self.last_cycle_s = self.clock() - started
         series.extend(self.self_series(ts, available))
         for sink in self.sinks:
             sink.emit(series)
         return series
+
+    def _labels(self, identity: GpuIdentity) -> Labels:
+        """A GPU's labels, kept from cycle to cycle (they change only if its identity does)."""
+        kept = self._gpu_labels.get(identity.uuid)
+        if kept is None or (kept[0] is not identity and kept[0] != identity):
+            kept = self._gpu_labels[identity.uuid] = (identity, gpu_labels(identity, self.pod))
+        return kept[1]
 
     def self_series(self, ts: int, available: dict[str, bool]) -> list[Series]:
         pl = self._pod_labels
@@ -170,7 +172,7 @@ class Agent:
             for reason, n in sorted(self.source.errors.items()):
                 out.append(s("gpu_sidecar_collection_errors_total", n, ("reason", reason)))
         for uuid, ok in available.items():
-            labels = gpu_labels(self.identity(uuid), self.pod)
+            labels = self._labels(self.identity(uuid))
             out.append(Series("gpu_sidecar_gpu_available", labels, 1.0 if ok else 0.0, ts))
         for sink in self.sinks:
             out.extend(sink.telemetry(ts, pl))

@@ -22,7 +22,7 @@ Labels = tuple[tuple[str, str], ...]
 class Series(NamedTuple):
     """One value of one series at one time.
 
-    The most numerous record (about 20 per GPU per cycle), built from one tuple by ``_series``."""
+    The most numerous record (about 20 per GPU per cycle), built from one tuple in ``sample_series``."""
 
     name: str
     labels: Labels
@@ -30,7 +30,7 @@ class Series(NamedTuple):
     timestamp_ms: int
 
 
-_series = functools.partial(tuple.__new__, Series)  # Series from one (name, labels, value, ts)
+_new = tuple.__new__  # a NamedTuple from one tuple in field order, without keyword handling
 
 
 @dataclass(frozen=True, slots=True)
@@ -170,7 +170,7 @@ def sample_series(
     values = (*sample.compute, *sample.memory, *io,
               None if tx is None or not link else tx / link,
               None if rx is None or not link else rx / link)
-    out = [_series((name, labels, float(value), ts))
+    out = [_new(Series, (name, labels, float(value), ts))
            for name, value in zip(_LAYER_NAMES, values, strict=True) if value is not None]
     app = sample.app
     if app.allocators or app.latency is not None:
