@@ -96,6 +96,7 @@ class PreparedCalls:
         *,
         memory: str | None,
         utilization: bool,
+        replay_call: bool = False,
         fields: Sequence[int | tuple[int, int]],
         gpm_metrics: Sequence[int],
         gpm_mig: bool = False,
@@ -114,6 +115,9 @@ class PreparedCalls:
         self.util = Utilization()
         self.util_ref = ctypes.byref(self.util)
         self.util_fn = _fn("nvmlDeviceGetUtilizationRates") if utilization else None
+        self.replay = ctypes.c_uint()
+        self.replay_ref = ctypes.byref(self.replay)
+        self.replay_fn = _fn("nvmlDeviceGetPcieReplayCounter") if replay_call else None
 
         self.fields = (FieldValue * len(fields))()
         for slot, field in zip(self.fields, fields, strict=True):

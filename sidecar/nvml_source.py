@@ -424,6 +424,7 @@ class NvmlSource:
 
     def _prepare(self, dev: _Device) -> None:
         dev.calls = PreparedCalls(dev.handle, memory=dev.memory, utilization=dev.utilization,
+                                  replay_call=dev.replay == "call",
                                   fields=dev.fields, gpm_metrics=list(dev.gpm_ids),
                                   gpm_mig=dev.is_mig)
         dev.gpm_order = [dev.gpm_slots[metric_id] for metric_id in dev.gpm_ids]
@@ -607,11 +608,13 @@ class NvmlSource:
                 failed.append(("field_values", ret))
             else:
                 self._counters(dev, calls.field_values(), now, io)
-        if dev.replay == "call":
-            try:
-                io[5] = pynvml.nvmlDeviceGetPcieReplayCounter(dev.handle)
-            except pynvml.NVMLError as exc:
-                failed.append(("replay", error_code(exc)))
+        fn = calls.replay_fn
+        if fn is not None:
+            ret = fn(handle, calls.replay_ref)
+            if ret:
+                failed.append(("replay", ret))
+            else:
+                io[5] = calls.replay.value
         if dev.gpm:
             # GPM: the average of each metric between the previous cycle's sample and this one
             prev_t = dev.gpm_prev_t

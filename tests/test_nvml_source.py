@@ -137,6 +137,24 @@ def test_calibrated_peak_replaces_the_theoretical_link_maximum(install_fake, clo
     assert source.read([uuid])[uuid].io.pcie_link_max_bytes_per_second == 52e9
 
 
+@pytest.mark.parametrize(("missing", "way"), [
+    (frozenset(), "field"),
+    (frozenset({"nvmlDeviceGetFieldValues"}), "call"),  # a driver without field values
+])
+def test_pcie_replay_counter_is_read_from_the_field_or_else_the_call(install_fake, clock,
+                                                                     missing, way):
+    install_fake([gpu(replays_per_second=3.0)], clock=clock, missing=missing)
+    source = open_source(clock)
+    uuid = source.devices()[0].uuid
+    assert source.capabilities(uuid)["replay"] == way
+    fake = pynvml.nvmlLib.fake
+    for _ in range(3):
+        clock.advance(10.0)
+        r = source.read([uuid])[uuid]
+        assert r.io.pcie_replay_errors == int(3.0 * fake.now())
+        assert r.io.pcie_replay_errors > 0
+
+
 def test_old_driver_falls_back_and_reports_what_is_absent(install_fake, clock):
     old = gpu(architecture=pynvml.NVML_DEVICE_ARCH_AMPERE, has_gpm=False, has_pcie_counters=False,
               nvlink_links=0, link_generation=4, pcie_rx=Signal(8e9))
