@@ -8,7 +8,6 @@ missed slots are skipped rather than run back to back.
 
 from __future__ import annotations
 
-import functools
 import threading
 import time
 from collections import Counter
@@ -26,7 +25,7 @@ from sidecar.sinks import Sink
 log = structlog.get_logger("sidecar.agent")
 
 PRIME_WINDOW_S = 0.5  # rates and GPM averages need two readings; --once and probe wait this long
-_sample = functools.partial(tuple.__new__, GpuSample)  # from (identity, ts, *layers, app)
+_new = tuple.__new__  # a NamedTuple from one tuple in field order, without keyword handling
 
 
 class Agent:
@@ -108,7 +107,6 @@ class Agent:
         samples: list[GpuSample] = []
         readings = self.source.read(uuids) if self.source is not None else {}
         figures = self.app.all_figures()
-        identities = self._identities
         for uuid in uuids:
             app = figures.get(uuid, NO_FIGURES)
             if self.source is None:
@@ -120,8 +118,7 @@ class Agent:
             if reading is None:
                 self.dropped["gpu_unavailable"] += 1
                 continue
-            identity = identities.get(uuid) or self.identity(uuid)
-            samples.append(_sample((identity, ts, *reading, app)))
+            samples.append(_new(GpuSample, (self.identity(uuid), ts, *reading, app)))
         self.collected += len(samples)
         return samples, available
 

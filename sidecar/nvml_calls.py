@@ -74,11 +74,6 @@ GPM_METRIC_READ = f"4xId{ctypes.sizeof(MetricInfo)}x"
 GPM_METRICS_OFFSET = GpmMetricsGet.metrics.offset
 
 
-def check(ret: int) -> None:
-    if ret != pynvml.NVML_SUCCESS:
-        raise pynvml.NVMLError(ret)
-
-
 _fn = pynvml._nvmlGetFunctionPointer
 
 
@@ -99,6 +94,7 @@ class PreparedCalls:
         replay_call: bool = False,
         fields: Sequence[int | tuple[int, int]],
         gpm_metrics: Sequence[int],
+        gpm_samples: Sequence[Any] = (),
         gpm_mig: bool = False,
     ) -> None:
         self.handle = handle
@@ -129,12 +125,16 @@ class PreparedCalls:
         self._fields_view = memoryview(self.fields).cast("B")
 
         # two requests, one per order of the two samples the agent alternates between, so a
-        # cycle picks one instead of writing sample pointers into a ctypes structure
+        # cycle picks one instead of writing sample pointers into a ctypes structure: request 0
+        # averages from sample 0 to sample 1, request 1 from sample 1 to sample 0
         self.gpm = [GpmMetricsGet(version=pynvml.NVML_GPM_METRICS_GET_VERSION,
                                   numMetrics=len(gpm_metrics)) for _ in range(2)]
-        for request in self.gpm:
+        addresses = [address_of(sample) for sample in gpm_samples]
+        for request, order in zip(self.gpm, (addresses, addresses[::-1]), strict=True):
             for i, metric in enumerate(gpm_metrics):
                 request.metrics[i].metricId = metric
+            if order:
+                request.sample1, request.sample2 = order
         self.gpm_refs = [ctypes.byref(request) for request in self.gpm]
         self.gpm_sample_fn = self.gpm_metrics_fn = None
         if gpm_metrics:
@@ -143,12 +143,6 @@ class PreparedCalls:
         self._gpm_read = struct.Struct("<" + GPM_METRIC_READ * len(gpm_metrics)).unpack_from
         self._gpm_views = [memoryview(request).cast("B")[GPM_METRICS_OFFSET:]
                            for request in self.gpm]
-
-    def gpm_pair(self, first: int, second: int) -> None:
-        """Point the two requests at the two GPM samples: request 0 averages from ``first`` to
-        ``second``, request 1 from ``second`` to ``first``."""
-        self.gpm[0].sample1, self.gpm[0].sample2 = first, second
-        self.gpm[1].sample1, self.gpm[1].sample2 = second, first
 
     def field_values(self) -> tuple[int, ...]:
         """(valueType, nvmlReturn, raw) per field, flat, as the last call left them."""

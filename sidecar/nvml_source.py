@@ -24,7 +24,7 @@ from typing import Any, NamedTuple
 import pynvml
 import structlog
 
-from sidecar.nvml_calls import PreparedCalls, address_of
+from sidecar.nvml_calls import PreparedCalls
 from sidecar.pcie import counter_rate, link_max_bytes_per_second
 from sidecar.samples import ComputeLayer, GpuIdentity, IoLayer, MemoryLayer
 
@@ -156,19 +156,10 @@ class _Device:
     prev_pcie: tuple[float, int, int, int, int] | None = None  # t, tx, tx_bits, rx, rx_bits
     prev_nvlink: tuple[float, int, int] | None = None  # t, tx KiB, rx KiB
     gpm_samples: list[Any] = field(default_factory=list)
-    gpm_addresses: list[int] = field(default_factory=list)
     gpm_prev_t: float | None = None
     gpm_ids: dict[int, tuple[str, float]] = field(default_factory=dict)
-    gpm_slots: dict[int, tuple[int, int, float]] = field(default_factory=dict)
-    gpm_order: list[tuple[int, int, float]] = field(default_factory=list)  # slots, call order
+    gpm_slots: list[tuple[int, int, float]] = field(default_factory=list)  # per metric, in order
     gpm_next: int = 1  # which of the two samples the next reading goes into
-    # hot-path facts, derived from the capabilities by NvmlSource._prepare
-    io_start: list[Any] = field(default_factory=list)  # the IoLayer fields known before reading
-    pooled_pcie: bool = False  # PCIe from throughput calls, run on the pool
-    rate_ceiling: float | None = None  # a PCIe rate above this is a counter reset, not traffic
-    pcie_counters: bool = False
-    replay_field: bool = False
-    nvlink_counters: bool = False
     calls: PreparedCalls | None = None
     lost_since: float | None = None
     retry_at: float = 0.0
@@ -417,26 +408,14 @@ class NvmlSource:
 
     def _gpm_setup(self, dev: _Device, metrics: dict[int, tuple[str, float]]) -> None:
         dev.gpm_samples = [pynvml.nvmlGpmSampleAlloc(), pynvml.nvmlGpmSampleAlloc()]
-        dev.gpm_addresses = [address_of(s) for s in dev.gpm_samples]
         dev.gpm_ids = metrics
-        dev.gpm_slots = {metric_id: (*_slot(name), scale)
-                         for metric_id, (name, scale) in metrics.items()}
+        dev.gpm_slots = [(*_slot(name), scale) for name, scale in metrics.values()]
 
     def _prepare(self, dev: _Device) -> None:
         dev.calls = PreparedCalls(dev.handle, memory=dev.memory, utilization=dev.utilization,
                                   replay_call=dev.replay == "call",
                                   fields=dev.fields, gpm_metrics=list(dev.gpm_ids),
-                                  gpm_mig=dev.is_mig)
-        dev.gpm_order = [dev.gpm_slots[metric_id] for metric_id in dev.gpm_ids]
-        dev.io_start = [None, None, dev.link_max, dev.link_generation, dev.link_width, None, None,
-                        None]
-        dev.pooled_pcie = dev.pcie == "throughput" and not dev.is_mig
-        dev.rate_ceiling = 4 * dev.link_max if dev.link_max else None
-        dev.pcie_counters = dev.pcie == "counters"
-        dev.replay_field = dev.replay == "field"
-        dev.nvlink_counters = dev.nvlink == "counters"
-        if dev.gpm_addresses:
-            dev.calls.gpm_pair(*dev.gpm_addresses)
+                                  gpm_samples=dev.gpm_samples, gpm_mig=dev.is_mig)
         dev.gpm_next = 1
 
     def _report(self, dev: _Device) -> None:
@@ -460,7 +439,7 @@ class NvmlSource:
                 live.append(dev)
 
         pending: dict[str, tuple[Future[int], Future[int]]] = {}
-        slow = [d for d in live if d.pooled_pcie]
+        slow = [d for d in live if d.pcie == "throughput" and not d.is_mig]
         if slow:
             pool = self._executor(len(slow))
             for dev in slow:
@@ -576,7 +555,8 @@ class NvmlSource:
         agent's cost; failures are handled once at the end."""
         compute: list[Any] = [None, None, None, None]
         memory: list[Any] = [None, None, None, None, None]
-        io = dev.io_start.copy()
+        io: list[Any] = [None, None, dev.link_max, dev.link_generation, dev.link_width, None,
+                         None, None]
         calls = dev.calls
         assert calls is not None
         handle = calls.handle
@@ -641,7 +621,7 @@ class NvmlSource:
                             layers = (compute, memory, io)
                             pairs = iter(calls.gpm_values(request))  # nvmlReturn, value, ...
                             for (layer, position, scale), ret, value in zip(
-                                    dev.gpm_order, pairs, pairs, strict=True):
+                                    dev.gpm_slots, pairs, pairs, strict=True):
                                 if not ret:
                                     layers[layer][position] = value * scale
                     dev.gpm_next = 1 - into
@@ -665,7 +645,7 @@ class NvmlSource:
         """Rates from the cumulative counters; ``flat`` holds (valueType, nvmlReturn, raw) per
         field, in the order ``dev.fields`` asked for them."""
         i = 0
-        if dev.pcie_counters:
+        if dev.pcie == "counters":
             # decoded and differenced in line (``_decode`` and ``pcie.counter_rate`` spelt out):
             # these two are read for every GPU on every cycle
             i = 6
@@ -677,17 +657,18 @@ class NvmlSource:
                 if prev is not None:
                     dt = now - prev[0]
                     if dt > 0:
-                        ceiling = dev.rate_ceiling or math.inf  # above it: a reset, not traffic
+                        # above four times the link: a counter reset, not traffic
+                        ceiling = 4 * dev.link_max if dev.link_max else math.inf
                         tx_rate = (tx - prev[1]) % tx_mod / dt  # across at most one wrap
                         rx_rate = (rx - prev[3]) % rx_mod / dt
                         io[0] = tx_rate if tx_rate <= ceiling else None
                         io[1] = rx_rate if rx_rate <= ceiling else None
                 dev.prev_pcie = (now, tx, tx_bits, rx, rx_bits)
-        if dev.replay_field:
+        if dev.replay == "field":
             if not flat[i + 1] and flat[i] in _VALUE_BITS:
                 io[5] = flat[i + 2] % (1 << _VALUE_BITS[flat[i]])
             i += 3
-        if dev.nvlink_counters:
+        if dev.nvlink == "counters":
             totals = [0, 0]
             for direction in (0, 1):
                 for _ in range(dev.nvlink_links):

@@ -11,7 +11,6 @@ cycle was most of the agent's own CPU time (bench/bench_sampler.py, bench/RESULT
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -120,12 +119,6 @@ def ratio(numerator: float | None, denominator: float | None) -> float | None:
 
 
 def gpu_labels(identity: GpuIdentity, pod: Mapping[str, str]) -> Labels:
-    return _gpu_labels(identity, tuple(pod.items()))
-
-
-@functools.lru_cache(maxsize=1024)
-def _gpu_labels(identity: GpuIdentity, pod: Labels) -> Labels:
-    """Cached: a GPU's labels are the same every cycle, and sorting them is not free."""
     base = {"gpu_uuid": identity.uuid, "gpu_name": identity.name, "gpu_index": identity.index}
     base.update(pod)
     return tuple(sorted(base.items()))
