@@ -116,6 +116,23 @@ def test_gpm_interval_under_100ms_is_refused_and_the_next_cycle_spans_the_whole_
     assert got == pytest.approx(Signal(40, 0.5, 2).mean(t0, t0 + 0.30) / 100, rel=1e-9)
 
 
+def test_a_pcie_counter_that_goes_backwards_is_a_reset_not_traffic(install_fake, clock):
+    install_fake([gpu(pcie_counter_offset=10**15)], clock=clock)
+    source = open_source(clock)
+    uuid = source.devices()[0].uuid
+    source.read([uuid])
+    clock.advance(1.0)
+    assert source.read([uuid])[uuid].io.pcie_rx_bytes_per_second == pytest.approx(50e9, rel=1e-9)
+    fake = pynvml.nvmlLib.fake
+    for key, (index, g, mig) in list(fake._devices.items()):  # a driver reload: counters restart
+        fake._devices[key] = (index, replace(g, pcie_counter_offset=0), mig)
+    clock.advance(1.0)
+    r = source.read([uuid])[uuid]
+    assert r.io.pcie_rx_bytes_per_second is None and r.io.pcie_tx_bytes_per_second is None
+    clock.advance(1.0)
+    assert source.read([uuid])[uuid].io.pcie_rx_bytes_per_second == pytest.approx(50e9, rel=1e-9)
+
+
 @pytest.mark.parametrize("bits", [64, 32])
 def test_pcie_byte_counter_wrap_is_handled(install_fake, clock, bits):
     # the counter starts 1 GB below its wrap point and receives 50 GB/s
