@@ -8,7 +8,7 @@ import contextlib
 import http.server
 import json
 import os
-import shutil
+import random
 import signal
 import socket
 import subprocess
@@ -18,6 +18,7 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TypeVar
 
 import pytest
 import requests
@@ -27,19 +28,36 @@ from tests.conftest import ROOT
 LOCAL = "127.0.0.1"
 
 
+# Listening ports are drawn below Linux's ephemeral range (32768-60999 by default), where the
+# kernel never hands out ports for outgoing connections; another listener can still take one
+# between our check and the receiver's bind, which Process.start detects and survives.
+PORTS = range(20000, 32000)
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind((LOCAL, 0))
-        return s.getsockname()[1]
+    """A port nobody listens on right now (a hint, not a reservation)."""
+    while True:
+        port = random.choice(PORTS)
+        with socket.socket() as s:
+            try:
+                s.bind((LOCAL, port))
+            except OSError:
+                continue
+            return port
 
 
 def need(binary: str) -> str:
-    path = shutil.which(binary)
-    if path is None:
-        if os.environ.get("CI"):
-            pytest.fail(f"{binary} is not installed: scripts/test installs it with apt-get")
-        pytest.skip(f"{binary} not installed (run scripts/test, which installs it)")
-    return path
+    """A tool the tests need, where scripts/test installs it: the test environment's own
+    bin directory (pip's console scripts), then the system's (apt-get). Never skipped."""
+    venv_bin = Path(sys.executable).parent
+    for found in (venv_bin / binary, *(Path(d) / binary for d in SYSTEM_BIN)):
+        if found.is_file() and os.access(found, os.X_OK):
+            return str(found)
+    pytest.fail(f"{binary} is not installed: run `bash scripts/test`, which installs every tool "
+                f"the tests need (looked in {venv_bin} and {', '.join(SYSTEM_BIN)})")
+
+
+SYSTEM_BIN = ("/usr/local/bin", "/usr/bin", "/usr/sbin", "/bin", "/sbin")
 
 
 def wait_http(url: str, timeout: float = 30.0) -> None:
@@ -54,22 +72,88 @@ def wait_http(url: str, timeout: float = 30.0) -> None:
     raise TimeoutError(f"{url} did not come up in {timeout} s")
 
 
+def listener_pid_owns(pid: int, port: int) -> bool:
+    """Whether process ``pid`` holds the socket listening on 127.0.0.1:``port`` (from /proc):
+    a health check alone would also pass against a stranger that took the port."""
+    wanted = f"0100007F:{port:04X}"
+    inodes = set()
+    with contextlib.suppress(OSError), open("/proc/net/tcp") as f:
+        for line in f.readlines()[1:]:
+            cols = line.split()
+            if cols[1].upper() == wanted and cols[3] == "0A":  # 0A: LISTEN
+                inodes.add(cols[9])
+    if not inodes:
+        return False
+    fd_dir = Path(f"/proc/{pid}/fd")
+    with contextlib.suppress(OSError):
+        for fd in fd_dir.iterdir():
+            with contextlib.suppress(OSError):
+                link = os.readlink(fd)
+                if link.startswith("socket:[") and link[8:-1] in inodes:
+                    return True
+    return False
+
+
+class PortTaken(Exception):
+    """The receiver could not bind its port: someone took it after free_port() saw it free."""
+
+
 @dataclass
 class Process:
-    args: list[str]
+    """A receiver process bound to a port of ours. ``command(port)`` builds its arguments and
+    ``health`` is the path that answers once it serves."""
+
+    command: Callable[[int], list[str]]
     log: Path
     health: str
+    port: int = field(default_factory=lambda: free_port())
+    published: bool = False  # someone was given our URL: the port can no longer change
     proc: subprocess.Popen | None = None
 
-    def start(self) -> None:
-        self.proc = subprocess.Popen(self.args, stdout=self.log.open("ab"),
+    @property
+    def base(self) -> str:
+        self.published = True
+        return f"http://{LOCAL}:{self.port}"
+
+    def start(self, attempts: int = 5) -> None:
+        for _ in range(attempts):
+            try:
+                self._start_once()
+                self.published = True
+                return
+            except PortTaken:
+                if self.published:
+                    raise RuntimeError(
+                        f"port {self.port} was taken by another process, and the test already "
+                        f"handed out this receiver's URL") from None
+                self.port = free_port()
+        raise RuntimeError(f"{self.log.stem}: no free port after {attempts} attempts")
+
+    def _start_once(self) -> None:
+        offset = self.log.stat().st_size if self.log.exists() else 0
+        self.proc = subprocess.Popen(self.command(self.port), stdout=self.log.open("ab"),
                                      stderr=subprocess.STDOUT, cwd=self.log.parent)
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                self.proc = None
+                text = self.log.read_text(errors="replace")[offset:]
+                if "address already in use" in text.lower():
+                    raise PortTaken(self.port)
+                raise RuntimeError(f"{self.log.stem} exited at start:\n{text[-2000:]}")
+            if listener_pid_owns(self.proc.pid, self.port):
+                break
+            time.sleep(0.05)
+        else:
+            self.stop()
+            raise RuntimeError(f"{self.log.stem} did not listen on port {self.port} in 30 s:\n"
+                               f"{self.log.read_text(errors='replace')[offset:][-2000:]}")
         try:
-            wait_http(self.health)
+            wait_http(f"http://{LOCAL}:{self.port}{self.health}")
         except TimeoutError:
             self.stop()
-            raise RuntimeError(
-                f"{self.args[0]} failed to start:\n{self.log.read_text()[-2000:]}") from None
+            raise RuntimeError(f"{self.log.stem} failed to start:\n"
+                               f"{self.log.read_text(errors='replace')[offset:][-2000:]}") from None
 
     def stop(self) -> None:
         if self.proc is not None and self.proc.poll() is None:
@@ -82,26 +166,42 @@ class Process:
         self.proc = None
 
 
-@dataclass
-class VictoriaMetrics:
-    tmp: Path
-    port: int = field(default_factory=free_port)
+R = TypeVar("R", bound="Receiver")
 
-    def __post_init__(self) -> None:
-        self.base = f"http://{LOCAL}:{self.port}"
-        self.write_url = f"{self.base}/api/v1/write"
-        self.process = Process(
-            [need("victoria-metrics"), f"-httpListenAddr={LOCAL}:{self.port}",
-             f"-storageDataPath={self.tmp / 'vm-data'}", "-retentionPeriod=100y",
-             "-search.latencyOffset=0s", "-loggerLevel=WARN"],
-            self.tmp / "victoria-metrics.log", f"{self.base}/health")
 
-    def start(self) -> VictoriaMetrics:
+class Receiver:
+    """What every receiver shares: one Process, its URL, start and stop."""
+
+    process: Process
+
+    @property
+    def port(self) -> int:
+        return self.process.port
+
+    @property
+    def base(self) -> str:
+        return self.process.base
+
+    @property
+    def write_url(self) -> str:
+        return f"{self.base}/api/v1/write"
+
+    def start(self: R) -> R:
         self.process.start()
         return self
 
     def stop(self) -> None:
         self.process.stop()
+
+
+class VictoriaMetrics(Receiver):
+    def __init__(self, tmp: Path) -> None:
+        self.tmp = tmp
+        self.process = Process(
+            lambda port: [need("victoria-metrics"), f"-httpListenAddr={LOCAL}:{port}",
+                          f"-storageDataPath={tmp / 'vm-data'}", "-retentionPeriod=100y",
+                          "-search.latencyOffset=0s", "-loggerLevel=WARN"],
+            tmp / "victoria-metrics.log", "/health")
 
     def export(self, match: str = '{__name__=~".+"}') -> list[dict]:
         requests.get(f"{self.base}/internal/force_flush", timeout=10)
@@ -138,53 +238,28 @@ class VictoriaMetrics:
         return out
 
 
-@dataclass
-class VmAgent:
-    tmp: Path
-    target: str
-    port: int = field(default_factory=free_port)
-
-    def __post_init__(self) -> None:
-        self.base = f"http://{LOCAL}:{self.port}"
-        self.write_url = f"{self.base}/api/v1/write"
+class VmAgent(Receiver):
+    def __init__(self, tmp: Path, target: str) -> None:
+        self.tmp = tmp
         self.process = Process(
-            [need("vmagent"), f"-httpListenAddr={LOCAL}:{self.port}",
-             f"-remoteWrite.url={self.target}",
-             f"-remoteWrite.tmpDataPath={self.tmp / 'vmagent-data'}",
-             "-remoteWrite.flushInterval=200ms", "-loggerLevel=WARN"],
-            self.tmp / "vmagent.log", f"{self.base}/health")
-
-    def start(self) -> VmAgent:
-        self.process.start()
-        return self
-
-    def stop(self) -> None:
-        self.process.stop()
+            lambda port: [need("vmagent"), f"-httpListenAddr={LOCAL}:{port}",
+                          f"-remoteWrite.url={target}",
+                          f"-remoteWrite.tmpDataPath={tmp / 'vmagent-data'}",
+                          "-remoteWrite.flushInterval=200ms", "-loggerLevel=WARN"],
+            tmp / "vmagent.log", "/health")
 
 
-@dataclass
-class Prometheus:
-    tmp: Path
-    port: int = field(default_factory=free_port)
-
-    def __post_init__(self) -> None:
-        self.base = f"http://{LOCAL}:{self.port}"
-        self.write_url = f"{self.base}/api/v1/write"
-        config = self.tmp / "prometheus.yml"
+class Prometheus(Receiver):
+    def __init__(self, tmp: Path) -> None:
+        self.tmp = tmp
+        config = tmp / "prometheus.yml"
         config.write_text("global:\n  scrape_interval: 1h\n")
         self.process = Process(
-            [need("prometheus"), f"--config.file={config}",
-             f"--storage.tsdb.path={self.tmp / 'prom-data'}",
-             f"--web.listen-address={LOCAL}:{self.port}", "--web.enable-remote-write-receiver",
-             "--log.level=warn"],
-            self.tmp / "prometheus.log", f"{self.base}/-/ready")
-
-    def start(self) -> Prometheus:
-        self.process.start()
-        return self
-
-    def stop(self) -> None:
-        self.process.stop()
+            lambda port: [need("prometheus"), f"--config.file={config}",
+                          f"--storage.tsdb.path={tmp / 'prom-data'}",
+                          f"--web.listen-address={LOCAL}:{port}",
+                          "--web.enable-remote-write-receiver", "--log.level=warn"],
+            tmp / "prometheus.log", "/-/ready")
 
     def samples(self, selector: str, at: float) -> list[tuple[str, tuple, int, float]]:
         r = requests.get(f"{self.base}/api/v1/query",
@@ -200,24 +275,16 @@ class Prometheus:
         return out
 
 
-@dataclass
-class Pushgateway:
-    tmp: Path
-    port: int = field(default_factory=free_port)
-
-    def __post_init__(self) -> None:
-        self.base = f"http://{LOCAL}:{self.port}"
+class Pushgateway(Receiver):
+    def __init__(self, tmp: Path) -> None:
+        self.tmp = tmp
+        # Debian's build persists to /var/lib/prometheus/pushgateway.data unless told otherwise:
+        # groups of earlier runs would come back, and the file would outlive the test
         self.process = Process(
-            [need("prometheus-pushgateway"), f"--web.listen-address={LOCAL}:{self.port}",
-             "--log.level=warn"],
-            self.tmp / "pushgateway.log", f"{self.base}/-/ready")
-
-    def start(self) -> Pushgateway:
-        self.process.start()
-        return self
-
-    def stop(self) -> None:
-        self.process.stop()
+            lambda port: [need("prometheus-pushgateway"), f"--web.listen-address={LOCAL}:{port}",
+                          f"--persistence.file={tmp / 'pushgateway.data'}",
+                          "--persistence.interval=1s", "--log.level=warn"],
+            tmp / "pushgateway.log", "/-/ready")
 
     def groups(self) -> list[dict]:
         r = requests.get(f"{self.base}/api/v1/metrics", timeout=10)

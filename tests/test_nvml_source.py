@@ -135,16 +135,20 @@ def test_a_pcie_counter_that_goes_backwards_is_a_reset_not_traffic(install_fake,
 
 @pytest.mark.parametrize("bits", [64, 32])
 def test_pcie_byte_counter_wrap_is_handled(install_fake, clock, bits):
-    # the counter starts 1 GB below its wrap point and receives 50 GB/s
+    # the counter starts 1 GB below its wrap point and receives 2 GB/s: it wraps in the middle
+    # of the 1 s interval, so the second reading is below the first
+    rate = 2e9
     install_fake([gpu(pcie_counter_bits=bits, pcie_counter_offset=2**bits - 10**9,
-                      pcie_rx=Signal(0.05e9 if bits == 32 else 50e9))], clock=clock)
+                      pcie_rx=Signal(rate))], clock=clock)
     source = open_source(clock)
     uuid = source.devices()[0].uuid
+    fake, g = pynvml.nvmlLib.fake, pynvml.nvmlLib.fake.gpus[0]
+    before = fake.pcie_counter(g, g.pcie_rx, fake.now())
     source.read([uuid])
-    clock.advance(1.0)  # crosses the wrap (at 32 bits, 2**32 ~ 4.3 GB: wraps within 1 s too)
+    clock.advance(1.0)
+    assert fake.pcie_counter(g, g.pcie_rx, fake.now()) < before, "the test must cross the wrap"
     r = source.read([uuid])[uuid]
-    expected = 0.05e9 if bits == 32 else 50e9
-    assert r.io.pcie_rx_bytes_per_second == pytest.approx(expected, rel=1e-9)
+    assert r.io.pcie_rx_bytes_per_second == pytest.approx(rate, rel=1e-9)
 
 
 def test_calibrated_peak_replaces_the_theoretical_link_maximum(install_fake, clock):
