@@ -8,6 +8,7 @@ valid ones around it.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import socket
@@ -252,6 +253,8 @@ class AppSocket:
                 log.error("app_socket_receive_failed", error=str(exc))
                 time.sleep(0.1)
                 continue
+            if self._stop.is_set():
+                return
             if n > protocol.MAX_MESSAGE_BYTES:
                 self.state.reject(protocol.Rejected(
                     "too_large", f"datagram of {n} bytes exceeds {protocol.MAX_MESSAGE_BYTES}"))
@@ -261,9 +264,15 @@ class AppSocket:
     def stop(self) -> None:
         self._stop.set()
         if self._sock is not None:
-            self._sock.close()
+            # an empty datagram wakes the blocked receive now rather than at its timeout
+            with contextlib.suppress(OSError), \
+                    socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as waker:
+                waker.setblocking(False)
+                waker.sendto(b"", self.path)
         if self._thread is not None:
             self._thread.join(timeout=2)
+        if self._sock is not None:
+            self._sock.close()
         try:
             if self._inode is not None and os.stat(self.path).st_ino == self._inode:
                 os.unlink(self.path)

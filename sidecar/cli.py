@@ -8,14 +8,14 @@ import os
 import signal
 import sys
 import tempfile
-import threading
 import time
+from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING
 
 import structlog
 
-from sidecar import __version__, config, protocol
+from sidecar import __version__, config, protocol, signals
 from sidecar.agent import PRIME_WINDOW_S, Agent
 from sidecar.app_socket import AppSocket, AppState, SocketInUse
 from sidecar.log import configure
@@ -69,6 +69,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     configure(cfg.log_format, cfg.log_level)
     try:
         if args.command == "probe":
+            signals.restore_defaults()
             return probe(cfg)
         return run(cfg)
     except NvmlUnavailable as exc:
@@ -131,10 +132,23 @@ def _sinks(cfg: config.Config, spool_root: str) -> list[Sink]:
         from sidecar.sinks.remote_write import RemoteWriteSink, sink_name
         from sidecar.spool import Spool
 
+        try:
+            os.makedirs(spool_root, mode=0o700, exist_ok=True)
+            os.chmod(spool_root, 0o700)  # batches carry pod names and figures: private to us
+        except OSError as exc:
+            raise SpoolError(
+                f"spool directory {spool_root} is not writable ({exc.strerror}); mount a writable "
+                "emptyDir there or set --spool-dir / GPU_SIDECAR_SPOOL_DIR") from exc
+        seen: Counter[str] = Counter()
         for url in cfg.remote_write_url:
-            directory = os.path.join(spool_root, sink_name(url).replace(":", "_"))
+            # one spool and one sink label per URL, even for two URLs on one host:port
+            name = sink_name(url)
+            seen[name] += 1
+            if seen[name] > 1:
+                name = f"{name}#{seen[name]}"
+            directory = os.path.join(spool_root, _safe_dir(name))
             sinks.append(RemoteWriteSink(url, Spool(directory, cfg.spool_max_bytes), http,
-                                         push_interval_s=cfg.push_interval,
+                                         name=name, push_interval_s=cfg.push_interval,
                                          max_batch_samples=cfg.batch_max_samples))
     if cfg.pushgateway_url:
         from sidecar.sinks.pushgateway import PushgatewaySink
@@ -148,8 +162,19 @@ def _sinks(cfg: config.Config, spool_root: str) -> list[Sink]:
     return sinks
 
 
+def _safe_dir(name: str) -> str:
+    return "".join(c if c.isalnum() or c in "-." else "_" for c in name)
+
+
 def run(cfg: config.Config) -> int:
     log.info("starting", version=__version__, config=config.describe(cfg))
+    if cfg.insecure_skip_verify:
+        log.warning("tls_verification_disabled",
+                    effect="receivers' certificates are not checked: anyone on the path can read "
+                           "and change what is pushed",
+                    hint="give the receiver's CA with --ca-file instead of --insecure-skip-verify")
+    stop = signals.STOP
+    signals.install()  # already done by the entry point; again for callers of main()
     with contextlib.ExitStack() as stack, _nvml(cfg) as (source, scenario):
         socket_path = cfg.socket
         if scenario is not None and socket_path == protocol.DEFAULT_SOCKET_PATH:
@@ -177,26 +202,34 @@ def run(cfg: config.Config) -> int:
             _wait_for(lambda: bool(state.announced()), 2.0)
         mode = "simulated" if scenario is not None else ("nvml" if source else "app-only")
         agent = Agent(cfg, source=source, app=state, sinks=sinks, mode=mode)
-        stop = threading.Event()
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(sig, lambda signum, frame: stop.set())
         for sink in sinks:
             sink.start()
+        if stop.is_set():
+            log.info("stop_signal_during_start", signal=_signal_names())
         if cfg.once:
             agent.prime()
             time.sleep(PRIME_WINDOW_S)
             agent.cycle()
         else:
             agent.run(stop)
-        # SIGTERM/SIGINT: a last sample, then flush what the shutdown timeout allows
+        # a stop signal: a last sample, then flush what the shutdown timeout allows
         deadline = time.monotonic() + cfg.shutdown_timeout
         if not cfg.once:
+            log.info("stopping", signals=_signal_names(), shutdown_timeout_s=cfg.shutdown_timeout)
+        if not cfg.once:
             agent.cycle()
+        for sink in sinks:
+            sink.begin_close(deadline)
         delivered = all([sink.close(deadline) for sink in sinks])
-        log.info("stopped", samples_collected=agent.collected, overruns=agent.overruns,
+        log.info("stopped", signals=_signal_names(), samples_collected=agent.collected,
+                 overruns=agent.overruns,
                  all_delivered=delivered, shutdown_s=round(time.monotonic() - deadline
                                                            + cfg.shutdown_timeout, 3))
     return 0
+
+
+def _signal_names() -> list[str]:
+    return [signal.Signals(n).name for n in signals.received]
 
 
 def _wait_for(condition: Callable[[], bool], timeout: float) -> None:

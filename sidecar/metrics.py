@@ -114,7 +114,8 @@ METRICS: tuple[MetricSpec, ...] = (
     _m("gpu_sidecar_samples_collected_total", "counter", "samples", "self", "agent",
        "GPU samples taken (one per GPU per cycle)."),
     _m("gpu_sidecar_samples_dropped_total", "counter", "samples", "self", "agent",
-       "Samples lost, by reason (gpu_unavailable; per sink: spool_full, rejected, corrupt)."),
+       "Samples lost, by reason (gpu_unavailable; per sink: spool_full, spool_write_failed, "
+       "rejected, corrupt, unreadable). Every sink reason exists at 0 from the first push."),
     _m("gpu_sidecar_collection_errors_total", "counter", "errors", "self", "agent",
        "NVML reads that failed, by reason (gpu_lost, nvml_error)."),
     _m("gpu_sidecar_cycle_overruns_total", "counter", "cycles", "self", "agent",
@@ -128,13 +129,16 @@ METRICS: tuple[MetricSpec, ...] = (
     _m("gpu_sidecar_samples_pushed_total", "counter", "samples", "self", "agent",
        "Samples a receiver accepted, per sink."),
     _m("gpu_sidecar_push_failures_total", "counter", "requests", "self", "agent",
-       "Failed push attempts, per sink and reason (network, http_5xx, http_429, http_400, ...)."),
+       "Failed push attempts, per sink and reason (network, tls, credentials, redirect, "
+       "http_429, http_5xx, http_400, ..., internal). Known reasons exist at 0 from the start."),
     _m("gpu_sidecar_push_duration_seconds", "gauge", "seconds", "self", "agent",
        "Duration of the last push request, per sink."),
     _m("gpu_sidecar_last_push_success_timestamp_seconds", "gauge", "seconds", "self", "agent",
        "Unix time of the last accepted push, per sink."),
     _m("gpu_sidecar_spool_bytes", "gauge", "bytes", "self", "agent",
-       "Bytes waiting in the disk spool, per remote-write sink."),
+       "Bytes in the disk spool, per remote-write sink and state: pending (waiting to be "
+       "sent), rejected and corrupt (kept for inspection); all three count against "
+       "--spool-max-bytes."),
     _m("gpu_sidecar_spool_batches", "gauge", "batches", "self", "agent",
        "Batches waiting in the disk spool, per remote-write sink."),
 )

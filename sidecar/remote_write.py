@@ -13,7 +13,7 @@ unique per series, samples of a series in timestamp order, timestamps in millise
 from __future__ import annotations
 
 import struct
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 
 import cramjam
@@ -68,6 +68,11 @@ class Batch:
             self.series.setdefault((s.name, s.labels), []).append((s.timestamp_ms, s.value))
             self.samples += 1
 
+    def merge(self, other: Batch) -> None:
+        for key, points in other.series.items():
+            self.series.setdefault(key, []).extend(points)
+        self.samples += other.samples
+
     def __len__(self) -> int:
         return self.samples
 
@@ -113,3 +118,67 @@ def compress(payload: bytes) -> bytes:
 def decompress(body: bytes) -> bytes:
     return bytes(cramjam.snappy.decompress_raw(body))
 
+
+
+def _read_varint(data: bytes, pos: int) -> tuple[int, int]:
+    value = shift = 0
+    while True:
+        byte = data[pos]
+        pos += 1
+        value |= (byte & 0x7F) << shift
+        if byte < 0x80:
+            return value, pos
+        shift += 7
+
+
+def _fields(data: bytes) -> Iterator[tuple[int, int, bytes | int]]:
+    """(field number, wire type, payload) of one protobuf message; unknown fields included."""
+    pos, end = 0, len(data)
+    while pos < end:
+        key, pos = _read_varint(data, pos)
+        number, wire = key >> 3, key & 7
+        if wire == 0:
+            value, pos = _read_varint(data, pos)
+            yield number, wire, value
+        elif wire == 1:
+            yield number, wire, data[pos:pos + 8]
+            pos += 8
+        elif wire == 2:
+            length, pos = _read_varint(data, pos)
+            yield number, wire, data[pos:pos + length]
+            pos += length
+        elif wire == 5:
+            yield number, wire, data[pos:pos + 4]
+            pos += 4
+        else:
+            raise ValueError(f"unsupported protobuf wire type {wire}")
+
+
+def decode(payload: bytes, into: Batch | None = None) -> Batch:
+    """A WriteRequest back into a batch. Used off the hot path only: to replay the journal of a
+    batch that a crash left unsealed, and to merge spooled batches into one request when a
+    backlog has built up."""
+    batch = into if into is not None else Batch()
+    for number, _, ts_bytes in _fields(payload):
+        if number != 1:
+            continue
+        name, labels, points = "", [], []
+        for field_no, _, part in _fields(ts_bytes):  # type: ignore[arg-type]
+            if field_no == 1:
+                pair = {n: bytes(v).decode() for n, _, v in _fields(part)}  # type: ignore[arg-type]
+                if pair.get(1) == "__name__":
+                    name = pair.get(2, "")
+                else:
+                    labels.append((pair.get(1, ""), pair.get(2, "")))
+            elif field_no == 2:
+                value, ts = 0.0, 0
+                for n, _, v in _fields(part):  # type: ignore[arg-type]
+                    if n == 1:
+                        value = _DOUBLE.unpack(v)[0]  # type: ignore[arg-type]
+                    elif n == 2:
+                        ts = v - (1 << 64) if v >= 1 << 63 else v  # type: ignore[operator]
+                points.append((ts, value))
+        key = (name, tuple(sorted(labels)))
+        batch.series.setdefault(key, []).extend(points)
+        batch.samples += len(points)
+    return batch

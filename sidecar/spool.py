@@ -2,10 +2,21 @@
 
 One file per batch, named by a sequence number so that the directory order is the send order.
 A file is written to a temporary name, flushed to disk and renamed, so a crash leaves either the
-whole batch or nothing; it is deleted only after the receiver accepted it. Beyond the size bound
-the oldest batches go first (counted). A file that fails its checksum (torn write on a full disk,
-bit rot, someone else's file) is moved to ``corrupt/`` and counted, never a crash; a batch the
-receiver refused for good is moved to ``rejected/`` for a person to look at.
+whole batch or nothing; it is deleted only after the receiver accepted it. The batch still being
+filled has a journal (``sidecar.journal``) under the number it will get, replayed at start.
+
+The size bound covers everything the spool keeps: batches waiting to be sent (``pending``), and
+the copies kept for a person to look at, batches the receiver refused for good (``rejected/``)
+and files that failed their check (``corrupt/``). Past the bound the kept copies go first,
+oldest first (their samples are already counted as lost), then the oldest waiting batches
+(counted as ``spool_full``).
+
+A disk that fails (full, read-only, a file of another owner, a directory where a batch should
+be) never stops the agent: what could not be written is counted by reason, what cannot be read
+is moved aside or skipped and counted, and each condition is logged when it starts.
+
+The directory is locked (``flock`` on ``.lock``, which holds the owner's pid): two agents on one
+spool would send each other's batches twice and delete them under each other.
 
 File layout: ``GSB1`` | body length (u32) | samples (u32) | CRC-32 of body (u32) | body, where the
 body is the request exactly as sent (snappy-compressed remote-write protobuf).
@@ -13,25 +24,38 @@ body is the request exactly as sent (snappy-compressed remote-write protobuf).
 
 from __future__ import annotations
 
+import contextlib
+import errno
+import fcntl
 import os
 import re
 import struct
 import threading
 import zlib
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import structlog
+
+from sidecar import journal
 
 log = structlog.get_logger("sidecar.spool")
 
 MAGIC = b"GSB1"
 HEADER = struct.Struct("<4sIII")
 NAME = re.compile(r"^(\d{20})\.batch$")
+ASIDE = ("rejected", "corrupt")
+STATES = ("pending", *ASIDE)
+DROP_REASONS = ("spool_full", "spool_write_failed", "rejected", "corrupt", "unreadable")
 
 
 class SpoolError(RuntimeError):
+    pass
+
+
+class SpoolLocked(SpoolError):
     pass
 
 
@@ -43,36 +67,82 @@ class SpooledBatch:
     body: bytes
 
 
+def log_count(event: str, count: int, **fields: object) -> None:
+    """Log a repeating condition at its 1st, 10th, 100th, ... occurrence, with the running
+    count: one line when it starts, then ever rarer, never one per batch."""
+    if count >= 1 and 10 ** (len(str(count)) - 1) == count:
+        log.error(event, count=count, **fields)
+
+
 class Spool:
     def __init__(self, directory: str | Path, max_bytes: int) -> None:
         self.dir = Path(directory)
         self.max_bytes = max_bytes
-        self.dropped_samples: Counter[str] = Counter()  # by reason: spool_full, corrupt, rejected
-        self.dropped_batches: Counter[str] = Counter()
+        self.dropped_samples: Counter[str] = Counter({r: 0 for r in DROP_REASONS})
+        self.dropped_batches: Counter[str] = Counter({r: 0 for r in DROP_REASONS})
         self._lock = threading.Lock()
         self._write_failing = False
+        self._remove_failures = 0
+        self._lock_fd: int | None = None
         try:
             self.dir.mkdir(parents=True, exist_ok=True, mode=0o700)
             os.chmod(self.dir, 0o700)
+            self._take_lock()
             probe = self.dir / ".write-test"
             probe.write_bytes(b"")
             probe.unlink()
+        except SpoolLocked:
+            raise
         except OSError as exc:
+            self.close()
             raise SpoolError(
                 f"spool directory {self.dir} is not writable ({exc.strerror}); mount a writable "
                 "emptyDir there or set --spool-dir / GPU_SIDECAR_SPOOL_DIR"
             ) from exc
         for leftover in self.dir.glob("*.tmp"):
-            leftover.unlink(missing_ok=True)  # a write interrupted by a crash: never renamed
+            with contextlib.suppress(OSError):
+                leftover.unlink()  # a write interrupted by a crash: never renamed
         self._index: dict[int, tuple[Path, int, int]] = {}  # seq -> (path, size, samples)
+        self._aside: dict[str, dict[Path, int]] = {where: {} for where in ASIDE}  # oldest first
         for entry in sorted(self.dir.iterdir()):
             m = NAME.match(entry.name)
             if m:
-                self._index[int(m.group(1))] = (entry, entry.stat().st_size, self._samples(entry))
-        self._next = max(self._index, default=0) + 1
+                self._index[int(m.group(1))] = (entry, _size(entry), self._samples(entry))
+        for where in ASIDE:
+            with contextlib.suppress(OSError):
+                for entry in sorted((self.dir / where).iterdir()):
+                    self._aside[where][entry] = _size(entry)
+        # a journal left by a crash keeps its number: new batches come after it
+        unsealed = [seq for seq, _ in journal.leftovers(self.dir)]
+        self._next = max([*self._index, *unsealed], default=0) + 1
+        self._trim(0)
         if self._index:
             log.info("spool_replay", directory=str(self.dir), batches=len(self._index),
                      bytes=self.bytes())
+
+    def _take_lock(self) -> None:
+        path = self.dir / ".lock"
+        # locked through a read-only descriptor: nothing stays open for writing, so the volume
+        # can still be remounted (read-only, by an operator or by the kernel after an error)
+        fd = os.open(path, os.O_RDONLY | os.O_CREAT, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as exc:
+            holder = os.read(fd, 32).decode(errors="replace").strip() or "unknown"
+            os.close(fd)
+            if exc.errno in (errno.EAGAIN, errno.EACCES):
+                raise SpoolLocked(
+                    f"spool directory {self.dir} is in use by another gpu-sidecar (pid {holder}); "
+                    "give each agent its own --spool-dir / GPU_SIDECAR_SPOOL_DIR") from None
+            raise
+        self._lock_fd = fd
+        path.write_text(f"{os.getpid()}\n")
+
+    def close(self) -> None:
+        """Release the directory lock (the process exiting does it too)."""
+        if self._lock_fd is not None:
+            fd, self._lock_fd = self._lock_fd, None
+            os.close(fd)
 
     @staticmethod
     def _samples(path: Path) -> int:
@@ -85,16 +155,33 @@ class Spool:
             pass
         return 0
 
-    def bytes(self) -> int:
+    def bytes(self, state: str = "pending") -> int:
         with self._lock:
-            return sum(size for _, size, _ in self._index.values())
+            if state == "pending":
+                return sum(size for _, size, _ in self._index.values())
+            return sum(self._aside[state].values())
 
     def __len__(self) -> int:
         with self._lock:
             return len(self._index)
 
-    def put(self, body: bytes, samples: int) -> SpooledBatch | None:
-        """Write a batch durably; returns None when it alone exceeds the bound (dropped)."""
+    def reserve(self) -> int:
+        """A sequence number for a batch still being filled (its journal is named after it)."""
+        with self._lock:
+            seq = self._next
+            self._next += 1
+            return seq
+
+    def holds(self, seq: int) -> bool:
+        with self._lock:
+            return seq in self._index
+
+    def put(self, body: bytes, samples: int, *, seq: int | None = None,
+            before_publish: Callable[[], None] | None = None) -> SpooledBatch | None:
+        """Write a batch durably; returns None when it could not be kept (counted).
+
+        ``before_publish`` runs once the file is durable and before the sender can see it: the
+        journal is deleted there, so that a batch can never be both sent and replayed."""
         data = HEADER.pack(MAGIC, len(body), samples, zlib.crc32(body)) + body
         with self._lock:
             if len(data) > self.max_bytes:
@@ -102,18 +189,10 @@ class Spool:
                 log.error("batch_larger_than_spool", bytes=len(data), max_bytes=self.max_bytes,
                           samples=samples, hint="raise --spool-max-bytes or lower --push-interval")
                 return None
-            total = sum(size for _, size, _ in self._index.values())
-            while self._index and total + len(data) > self.max_bytes:
-                oldest = min(self._index)
-                path, size, old_samples = self._index.pop(oldest)
-                path.unlink(missing_ok=True)
-                total -= size
-                self._count_drop("spool_full", old_samples)
-                log.warning("spool_full_dropped_oldest", batch=path.name, samples=old_samples,
-                            max_bytes=self.max_bytes,
-                            effect="oldest samples lost; the receiver has been down too long")
-            seq = self._next
-            self._next += 1
+            self._trim(len(data))
+            if seq is None:
+                seq = self._next
+                self._next += 1
         path = self.dir / f"{seq:020d}.batch"
         tmp = path.with_suffix(".tmp")
         try:
@@ -124,28 +203,59 @@ class Spool:
                 os.fsync(f.fileno())
             os.replace(tmp, path)
         except OSError as exc:
-            tmp.unlink(missing_ok=True)
+            with contextlib.suppress(OSError):  # a read-only volume refuses the cleanup too
+                tmp.unlink()
             with self._lock:
                 self._count_drop("spool_write_failed", samples)
             if not self._write_failing:  # once per episode, not once per batch
                 self._write_failing = True
                 log.error("spool_write_failed", error=exc.strerror, directory=str(self.dir),
-                          samples=samples, hint="free space in the spool volume or raise its size",
+                          samples=samples, hint="free space in the spool volume, or make it "
+                          "writable again; the agent resumes by itself",
                           effect="batches are dropped and counted until a write succeeds")
             return None
         if self._write_failing:
             self._write_failing = False
-            log.info("spool_write_recovered", directory=str(self.dir))
+            log.info("spool_write_recovered", directory=str(self.dir),
+                     dropped_samples=self.dropped_samples["spool_write_failed"])
+        if before_publish is not None:
+            before_publish()
         with self._lock:
             self._index[seq] = (path, len(data), samples)
         return SpooledBatch(seq, path, samples, body)
+
+    def _trim(self, incoming: int) -> None:
+        """Make room for ``incoming`` bytes under the bound (lock held): kept copies first."""
+        total = (sum(size for _, size, _ in self._index.values())
+                 + sum(sum(kept.values()) for kept in self._aside.values()))
+        for where in ASIDE:
+            kept = self._aside[where]
+            while kept and total + incoming > self.max_bytes:
+                path = next(iter(kept))
+                total -= kept.pop(path)
+                with contextlib.suppress(OSError):
+                    path.unlink()
+                if where == "rejected":
+                    log.info("spool_trimmed_kept_copy", batch=path.name, kept_in=where,
+                             max_bytes=self.max_bytes)
+        while self._index and total + incoming > self.max_bytes:
+            oldest = min(self._index)
+            path, size, old_samples = self._index.pop(oldest)
+            with contextlib.suppress(OSError):
+                path.unlink()
+            total -= size
+            self._count_drop("spool_full", old_samples)
+            log_count("spool_full_dropped_oldest", self.dropped_batches["spool_full"],
+                      batch=path.name, samples=old_samples, max_bytes=self.max_bytes,
+                      effect="oldest samples lost; the receiver has been down too long")
 
     def _count_drop(self, reason: str, samples: int) -> None:
         self.dropped_batches[reason] += 1
         self.dropped_samples[reason] += samples
 
     def oldest(self) -> SpooledBatch | None:
-        """The next batch to send, verified; corrupt files are moved aside on the way."""
+        """The next batch to send, verified; unreadable or corrupt files are moved aside (or,
+        when even that fails, forgotten) on the way, and counted."""
         while True:
             with self._lock:
                 if not self._index:
@@ -158,12 +268,44 @@ class Spool:
                 with self._lock:
                     self._index.pop(seq, None)
                 continue
+            except OSError as exc:  # another owner's file, a directory, an I/O error
+                self._move(seq, "corrupt", samples, reason="unreadable")
+                log_count("spool_batch_unreadable", self.dropped_batches["unreadable"],
+                          batch=path.name, error=exc.strerror, moved_to=str(self.dir / "corrupt"),
+                          effect="skipped; later batches flow")
+                continue
             problem = _verify(data)
             if problem is None:
                 return SpooledBatch(seq, path, samples, data[HEADER.size:])
             self._move(seq, "corrupt", samples)
-            log.error("spool_batch_corrupt", batch=path.name, problem=problem,
-                      moved_to=str(self.dir / "corrupt"), effect="skipped; later batches flow")
+            log_count("spool_batch_corrupt", self.dropped_batches["corrupt"], batch=path.name,
+                      problem=problem, moved_to=str(self.dir / "corrupt"),
+                      effect="skipped; later batches flow")
+
+    def following(self, after: int, max_samples: int, max_batches: int = 64) -> list[SpooledBatch]:
+        """Verified batches that follow ``after`` in order, while their samples fit in
+        ``max_samples``: a backlog is sent merged, so a slow receiver is caught up."""
+        out: list[SpooledBatch] = []
+        with self._lock:
+            candidates = sorted(s for s in self._index if s > after)[:max_batches]
+        total = 0
+        for seq in candidates:
+            with self._lock:
+                entry = self._index.get(seq)
+            if entry is None:
+                continue
+            path, _, samples = entry
+            if total + samples > max_samples:
+                break
+            try:
+                data = path.read_bytes()
+            except OSError:
+                break  # oldest() deals with it when it reaches that batch
+            if _verify(data) is not None:
+                break
+            out.append(SpooledBatch(seq, path, samples, data[HEADER.size:]))
+            total += samples
+        return out
 
     def remove(self, batch: SpooledBatch) -> bool:
         """The receiver accepted ``batch``. If the size bound dropped it while it was in flight,
@@ -173,25 +315,48 @@ class Spool:
             if not held:
                 self.dropped_batches["spool_full"] -= 1
                 self.dropped_samples["spool_full"] -= batch.samples
-        batch.path.unlink(missing_ok=True)
+        try:
+            batch.path.unlink()
+        except FileNotFoundError:
+            pass
+        except OSError as exc:  # a read-only volume: the next start may send it again
+            log_count("spool_remove_failed", self._count_remove_failed(), batch=batch.path.name,
+                      error=exc.strerror, effect="a restart may send this batch a second time, "
+                      "with identical timestamps and values")
         return held
+
+    def _count_remove_failed(self) -> int:
+        self._remove_failures += 1
+        return self._remove_failures
 
     def set_aside(self, batch: SpooledBatch) -> Path:
         return self._move(batch.seq, "rejected", batch.samples)
 
-    def _move(self, seq: int, where: str, samples: int) -> Path:
+    def _move(self, seq: int, where: str, samples: int, reason: str | None = None) -> Path:
         with self._lock:
             entry = self._index.pop(seq, None)
-            self._count_drop(where, samples)
-        target_dir = self.dir / where
-        target_dir.mkdir(exist_ok=True, mode=0o700)
-        target = target_dir / f"{seq:020d}.batch"
-        if entry is not None:
-            try:
-                os.replace(entry[0], target)
-            except OSError:
-                entry[0].unlink(missing_ok=True)
+            self._count_drop(reason or where, samples)
+        target = self.dir / where / f"{seq:020d}.batch"
+        if entry is None:
+            return target
+        try:
+            target.parent.mkdir(exist_ok=True, mode=0o700)
+            os.replace(entry[0], target)
+        except OSError:
+            with contextlib.suppress(OSError):
+                entry[0].unlink()
+            return target
+        with self._lock:
+            self._aside[where][target] = entry[1]
+            self._trim(0)
         return target
+
+
+def _size(path: Path) -> int:
+    try:
+        return path.stat().st_size
+    except OSError:
+        return 0
 
 
 def _verify(data: bytes) -> str | None:

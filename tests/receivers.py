@@ -296,9 +296,11 @@ class FaultProxy:
     """Forwards POSTs to ``target``; ``plan(n)`` may answer request n itself (status, headers,
     body). Records every request: arrival time and the status the agent got."""
 
-    def __init__(self, target: str, plan: Callable[[int, bytes], tuple[int, dict, bytes] | None]):
+    def __init__(self, target: str, plan: Callable[[int, bytes], tuple[int, dict, bytes] | None],
+                 delay: float = 0.0):
         self.target = target
         self.plan = plan
+        self.delay = delay  # seconds before each answer: a slow or hanging receiver
         self.log: list[tuple[float, int, bytes]] = []
         self.lock = threading.Lock()
         proxy = self
@@ -309,6 +311,8 @@ class FaultProxy:
                 with proxy.lock:
                     n = len(proxy.log)
                     answer = proxy.plan(n, body)
+                if proxy.delay:
+                    time.sleep(proxy.delay)
                 if answer is None:
                     headers = {k: v for k, v in self.headers.items()
                                if k.lower() not in ("host", "content-length")}
@@ -328,6 +332,7 @@ class FaultProxy:
                 pass
 
         self.server = http.server.ThreadingHTTPServer((LOCAL, 0), Handler)
+        self.server.daemon_threads = True
         self.url = f"http://{LOCAL}:{self.server.server_address[1]}/api/v1/write"
         self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
         self.thread.start()

@@ -97,8 +97,11 @@ def test_tls_is_verified_by_default_and_a_private_ca_must_be_given(tmp_path):
         trusted = receiver.requests
         assert trusted > 0
 
-        brief_run(receiver.url, tmp_path / "c", "--insecure-skip-verify")
+        insecure = brief_run(receiver.url, tmp_path / "c", "--insecure-skip-verify")
         assert receiver.requests > trusted  # only when explicitly asked
+        warned = [e for e in insecure.events() if e.get("event") == "tls_verification_disabled"]
+        assert len(warned) == 1 and "--ca-file" in warned[0]["hint"]  # said once, by us
+        assert "InsecureRequestWarning" not in "".join(insecure.err)  # not urllib3 per request
 
 
 # -- manners -----------------------------------------------------------------------------------

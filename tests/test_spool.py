@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
-from sidecar.spool import HEADER, Spool, SpoolError
+from sidecar.spool import HEADER, Spool, SpoolError, SpoolLocked
 
 
 def test_batches_come_back_oldest_first_and_survive_a_restart(tmp_path):
@@ -15,6 +17,7 @@ def test_batches_come_back_oldest_first_and_survive_a_restart(tmp_path):
     assert first.body == b"body-0" and first.samples == 10
     spool.remove(first)
     (tmp_path / "00000000000000000099.tmp").write_bytes(b"half-written")  # a crash mid-write
+    spool.close()
     again = Spool(tmp_path, max_bytes=1 << 20)  # the agent restarted
     assert not list(tmp_path.glob("*.tmp"))
     assert [again.oldest().body] == [b"body-1"]
@@ -53,6 +56,7 @@ def test_corrupt_or_truncated_file_is_moved_aside_and_counted_never_a_crash(tmp_
         bad.path.write_bytes(data[:-30])
     else:
         bad.path.write_bytes(data[:-1] + bytes([data[-1] ^ 0xFF]))
+    spool.close()
     reopened = Spool(tmp_path, max_bytes=1 << 20)
     good = reopened.oldest()
     assert good.body == b"B" * 100
@@ -79,3 +83,42 @@ def test_spool_directory_is_private(tmp_path):
     spool = Spool(tmp_path / "s", max_bytes=1 << 20)
     spool.put(b"z", samples=1)
     assert (tmp_path / "s").stat().st_mode & 0o077 == 0
+
+
+def test_a_second_spool_on_the_same_directory_is_refused_naming_the_holder(tmp_path):
+    first = Spool(tmp_path, max_bytes=1 << 20)
+    with pytest.raises(SpoolLocked, match=rf"in use by another gpu-sidecar \(pid {os.getpid()}\)"):
+        Spool(tmp_path, max_bytes=1 << 20)
+    first.close()
+    Spool(tmp_path, max_bytes=1 << 20).close()  # free again once the holder is gone
+
+
+def test_unreadable_entry_is_moved_aside_counted_and_later_batches_flow(tmp_path):
+    spool = Spool(tmp_path, max_bytes=1 << 20)
+    spool.put(b"first", samples=2)
+    (tmp_path / "00000000000000000002.batch").mkdir()  # not a file: reading it fails
+    spool.close()
+    spool = Spool(tmp_path, max_bytes=1 << 20)
+    spool.put(b"third", samples=4)
+    bodies = []
+    while (batch := spool.oldest()) is not None:
+        bodies.append(batch.body)
+        spool.remove(batch)
+    assert bodies == [b"first", b"third"]
+    assert spool.dropped_batches["unreadable"] == 1
+    assert (tmp_path / "corrupt" / "00000000000000000002.batch").is_dir()
+
+
+def test_kept_copies_count_against_the_bound_and_go_first(tmp_path):
+    body = b"x" * 1000
+    size = HEADER.size + len(body)
+    spool = Spool(tmp_path, max_bytes=3 * size)
+    for i in range(2):
+        spool.set_aside(spool.put(body, samples=1 + i))
+    assert spool.bytes("rejected") == 2 * size
+    for _ in range(2):
+        spool.put(body, samples=10)
+    assert spool.bytes("rejected") == size and spool.bytes() == 2 * size
+    assert sorted(p.name for p in (tmp_path / "rejected").iterdir()) == ["00000000000000000002.batch"]
+    assert spool.dropped_samples["spool_full"] == 0  # nothing waiting was lost for the copies
+

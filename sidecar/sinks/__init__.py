@@ -29,6 +29,10 @@ class Sink(Protocol):
 
     def emit(self, series: list[Series]) -> None: ...
 
+    def begin_close(self, deadline: float) -> None:
+        """Shutdown starts: stop waiting, use the time until ``deadline`` to deliver."""
+        ...
+
     def close(self, deadline: float) -> bool:
         """Deliver what the time until ``deadline`` (monotonic) allows; True when all was."""
         ...

@@ -8,14 +8,18 @@ never appear in a log line or an error: URLs are logged without their user-info 
 
 from __future__ import annotations
 
+import contextlib
 import email.utils
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
+from urllib.parse import unquote, urljoin, urlsplit
 
 import requests
 import tenacity
+import urllib3
 
 from sidecar import __version__
 from sidecar.sinks import redact_url as redact
@@ -90,6 +94,9 @@ class Http:
         self._token = SecretFile(options.bearer_token_file) if options.bearer_token_file else None
         self._password = (SecretFile(options.basic_auth_password_file)
                           if options.basic_auth_password_file else None)
+        self.deadline: float | None = None  # monotonic; set at shutdown
+        if options.insecure_skip_verify:  # said once at start by the agent, not per request
+            urllib3.disable_warnings(urllib3.exceptions.InsecureRequestWarning)
 
     def headers(self) -> dict[str, str]:
         out = {"User-Agent": USER_AGENT, **dict(self.options.headers)}
@@ -102,12 +109,31 @@ class Http:
             return None
         return (self.options.basic_auth_user, self._password.value() if self._password else "")
 
+    def secrets(self, url: str = "") -> list[str]:
+        """Every secret value this session sends, so that no receiver's answer echoing the
+        request can carry one into a log line."""
+        out = [v for _, v in self.options.headers]
+        with contextlib.suppress(OSError):
+            if self._token is not None:
+                out.append(self._token.value())
+            if self._password is not None:
+                out.append(self._password.value())
+        password = urlsplit(url).password if "@" in url else None
+        if password:
+            out += [password, unquote(password)]
+        return [v for v in out if len(v) >= 3]
+
     def request(self, method: str, url: str, *, data: bytes | None = None,
                 headers: dict[str, str] | None = None) -> requests.Response:
+        timeout = self.options.timeout_s
+        if self.deadline is not None:  # shutting down: no request may outlast the deadline
+            timeout = max(0.05, min(timeout, self.deadline - time.monotonic()))
         try:
+            # redirects are never followed: a POST turned into a GET loses its body, and the
+            # credentials would go to a host nobody configured
             return self.session.request(
                 method, url, data=data, headers={**self.headers(), **(headers or {})},
-                auth=self.auth(), timeout=self.options.timeout_s, verify=self.verify)
+                auth=self.auth(), timeout=timeout, verify=self.verify, allow_redirects=False)
         except requests.exceptions.SSLError as exc:
             raise Retryable("tls", f"TLS handshake with {redact(url)} failed: "
                             f"{type(exc).__name__}; give its CA with --ca-file") from None
@@ -115,6 +141,12 @@ class Http:
             raise Retryable("network", f"{type(exc).__name__} talking to {redact(url)}") from None
         except OSError as exc:  # an unreadable secret file
             raise Retryable("credentials", f"cannot read a credentials file: {exc.strerror}") from None
+
+    def check(self, response: requests.Response) -> None:
+        """Raise ``Retryable`` or ``Refused`` unless the receiver accepted the request; what the
+        receiver said is shortened and has every configured secret masked."""
+        url = response.request.url if response.request is not None else ""
+        check(response, self.secrets(url or ""))
 
 
 def parse_retry_after(value: str | None) -> float | None:
@@ -142,12 +174,29 @@ HINTS = {
 }
 
 
-def check(response: requests.Response) -> None:
+FAILURE_REASONS = ("network", "tls", "credentials", "redirect", "http_429", "http_5xx",
+                   "internal", *(f"http_{status}" for status in HINTS))
+BODY_LOGGED = 300  # characters of a receiver's answer kept in a log line
+
+
+def mask(text: str, secrets: list[str]) -> str:
+    for secret in sorted(secrets, key=len, reverse=True):
+        text = text.replace(secret, "***")
+    return text
+
+
+def check(response: requests.Response, secrets: list[str] | None = None) -> None:
     """Raise ``Retryable`` or ``Refused`` unless the receiver accepted the request."""
     status = response.status_code
     if 200 <= status < 300:
         return
-    detail = f"HTTP {status}: {response.text[:300].strip()}"
+    said = mask(response.text, secrets or [])[:BODY_LOGGED].strip()
+    detail = f"HTTP {status}: {said}"
+    if 300 <= status < 400:
+        location = response.headers.get("Location", "")
+        target = mask(redact(urljoin(response.url, location)), secrets or []) if location else "?"
+        raise Retryable("redirect", f"HTTP {status}: the receiver redirects to {target}; "
+                        "redirects are never followed: configure that URL instead")
     if status == 429:
         raise Retryable("http_429", detail, parse_retry_after(response.headers.get("Retry-After")))
     if status >= 500:
@@ -157,23 +206,32 @@ def check(response: requests.Response) -> None:
 
 
 class Backoff(tenacity.wait.wait_base):
-    """Exponential backoff with jitter, or the receiver's ``Retry-After`` when it gave one."""
+    """Exponential backoff with jitter, or the receiver's ``Retry-After`` when it gave one;
+    while the agent shuts down, short waits only, so the time left goes to sending."""
 
-    def __init__(self, initial: float, maximum: float) -> None:
+    def __init__(self, initial: float, maximum: float,
+                 closing: Callable[[], bool] = lambda: False) -> None:
         self.exponential = tenacity.wait_exponential_jitter(initial=initial, max=maximum)
+        self.closing = closing
 
     def __call__(self, retry_state: tenacity.RetryCallState) -> float:
         outcome = retry_state.outcome
         exc = outcome.exception() if outcome is not None else None
         if isinstance(exc, Retryable) and exc.retry_after is not None:
-            return min(exc.retry_after, RETRY_AFTER_CAP_S)
-        return float(self.exponential(retry_state))
+            wait = min(exc.retry_after, RETRY_AFTER_CAP_S)
+        else:
+            wait = float(self.exponential(retry_state))
+        return min(wait, CLOSING_RETRY_S) if self.closing() else wait
 
 
-def retrying(options: HttpOptions, *, stop: Any, sleep: Any) -> tenacity.Retrying:
+CLOSING_RETRY_S = 0.25
+
+
+def retrying(options: HttpOptions, *, stop: Any, sleep: Any,
+             closing: Callable[[], bool] = lambda: False) -> tenacity.Retrying:
     return tenacity.Retrying(
         retry=tenacity.retry_if_exception_type(Retryable),
-        wait=Backoff(options.initial_backoff_s, options.max_backoff_s),
+        wait=Backoff(options.initial_backoff_s, options.max_backoff_s, closing),
         stop=stop,
         sleep=sleep,
         reraise=True,

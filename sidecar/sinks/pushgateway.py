@@ -21,7 +21,15 @@ from prometheus_client.metrics_core import Metric
 
 from sidecar.metrics import BY_NAME
 from sidecar.samples import Labels, Series
-from sidecar.sinks.delivery import Http, HttpOptions, Refused, Retryable, check, redact, retrying
+from sidecar.sinks.delivery import (
+    FAILURE_REASONS,
+    Http,
+    HttpOptions,
+    Refused,
+    Retryable,
+    redact,
+    retrying,
+)
 
 log = structlog.get_logger("sidecar.pushgateway")
 
@@ -82,7 +90,7 @@ class PushgatewaySink:
         self.delete_on_exit = delete_on_exit
         self.clock = clock
         self.pushes = 0
-        self.failures: Counter[str] = Counter()
+        self.failures: Counter[str] = Counter({reason: 0 for reason in FAILURE_REASONS})
         self.last_success_time = 0.0
         self.last_push_seconds = 0.0
         self._latest = _Latest()
@@ -113,7 +121,7 @@ class PushgatewaySink:
                  data: bytes) -> Callable[[], None]:
         def send() -> None:
             response = self.http.request(method, url, data=data, headers=dict(headers))
-            check(response)
+            self.http.check(response)
         return send
 
     def _push_latest(self, stop: Callable[[Any], bool]) -> None:
@@ -163,7 +171,11 @@ class PushgatewaySink:
             # a new cycle supersedes a push still retrying: give up on the older values then
             self._push_latest(lambda _s: self._stop.is_set() or self._wake.is_set())
 
+    def begin_close(self, deadline: float) -> None:
+        self.http.deadline = deadline
+
     def close(self, deadline: float) -> bool:
+        self.http.deadline = deadline
         self._stop.set()
         self._wake.set()
         self._thread.join(timeout=max(0.0, deadline - time.monotonic()))

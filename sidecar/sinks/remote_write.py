@@ -1,14 +1,17 @@
-"""Remote-write sink: batch, spool, then send in order with one request in flight.
+"""Remote-write sink: batch, journal, spool, then send in order with one request in flight.
 
-Sampling never waits for the network: ``emit`` only appends to the open batch and, every push
-interval (or when the batch is full), encodes it into the spool. A sender thread sends the spool
+Sampling never waits for the network: ``emit`` appends the cycle to the open batch and to its
+journal on disk (so a crash loses at most the cycle in progress), and every push interval (or
+when the batch is full) seals the batch into the spool. A sender thread sends the spool
 oldest-first and deletes a batch only after a 2xx. While the receiver is down the spool grows
-(bounded, oldest dropped first) and the sender retries the head batch with backoff; when the
-receiver returns the backlog drains in order.
+(bounded, oldest dropped first) and the sender retries the head with backoff; when the receiver
+returns, the backlog is sent merged into requests of up to ``max_batch_samples``, in order, so a
+receiver slower than the push interval is caught up rather than left behind for ever.
 """
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from collections import Counter
@@ -17,17 +20,29 @@ from urllib.parse import urlsplit
 
 import structlog
 
-from sidecar.remote_write import CONTENT_HEADERS, Batch, Encoder, compress
+from sidecar import journal
+from sidecar.remote_write import CONTENT_HEADERS, Batch, Encoder, compress, decode, decompress
 from sidecar.samples import Labels, Series
-from sidecar.sinks.delivery import Http, HttpOptions, Refused, Retryable, check, redact, retrying
-from sidecar.spool import Spool, SpooledBatch
+from sidecar.sinks.delivery import (
+    FAILURE_REASONS,
+    Http,
+    HttpOptions,
+    Refused,
+    Retryable,
+    redact,
+    retrying,
+)
+from sidecar.spool import STATES, Spool, SpooledBatch, log_count
 
 log = structlog.get_logger("sidecar.remote_write")
 
 
 def sink_name(url: str) -> str:
+    """The ``sink`` label: scheme-less host, port and path, so two URLs on one host:port (two
+    tenants, two paths) are told apart; query and user-info stay out of labels."""
     parts = urlsplit(url)
-    return f"remote_write:{parts.hostname}:{parts.port or (443 if parts.scheme == 'https' else 80)}"
+    port = parts.port or (443 if parts.scheme == "https" else 80)
+    return f"remote_write:{parts.hostname}:{port}{parts.path.rstrip('/')}"
 
 
 class RemoteWriteSink:
@@ -37,12 +52,13 @@ class RemoteWriteSink:
         spool: Spool,
         http: HttpOptions,
         *,
+        name: str | None = None,
         push_interval_s: float = 15.0,
         max_batch_samples: int = 20_000,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.url = url
-        self.name = sink_name(url)
+        self.name = name or sink_name(url)
         self.spool = spool
         self.http = Http(http)
         self.options = http
@@ -54,7 +70,7 @@ class RemoteWriteSink:
         self.last_flush = clock()
         self.samples_pushed = 0
         self.batches_pushed = 0
-        self.failures: Counter[str] = Counter()
+        self.failures: Counter[str] = Counter({reason: 0 for reason in FAILURE_REASONS})
         self.last_push_seconds = 0.0
         self.last_success_time = 0.0
         self._lock = threading.Lock()
@@ -62,44 +78,108 @@ class RemoteWriteSink:
         self._stop = threading.Event()
         self._draining = threading.Event()
         self._failing_since: float | None = None
+        self._journal_failing = False
+        self._journal = journal.Journal(spool.dir, spool.reserve())
         self._thread = threading.Thread(target=self._run, name=f"sender-{self.name}", daemon=True)
 
     # -- producer side (the sampling thread) -------------------------------------------------
 
     def start(self) -> None:
+        self._replay_journals()
         self._thread.start()
         if len(self.spool):
             self._wake.set()
 
+    def _replay_journals(self) -> None:
+        """Seal the open batches that a crash left in journals, under their own numbers."""
+        for seq, path in journal.leftovers(self.spool.dir):
+            if seq == self._journal.seq:
+                continue
+            if self.spool.holds(seq):  # sealed, but the crash came before the journal went
+                path.unlink(missing_ok=True)
+                continue
+            batch = Batch()
+            try:
+                for record in journal.read_records(path):
+                    decode(record, into=batch)
+            except (OSError, ValueError, IndexError) as exc:
+                log.error("journal_unreadable", journal=path.name, error=str(exc),
+                          effect="the samples it held are lost")
+            if len(batch):
+                self.spool.put(compress(self.encoder.write_request(batch.series)), len(batch),
+                               seq=seq, before_publish=lambda p=path: p.unlink(missing_ok=True))
+                log.info("journal_replayed", sink=self.name, journal=path.name,
+                         samples=len(batch), note="the open batch of a run that did not stop")
+            else:
+                path.unlink(missing_ok=True)
+
     def emit(self, series: list[Series]) -> None:
+        cycle = Batch()
+        cycle.add(series)
+        record = self.encoder.write_request(cycle.series)
         with self._lock:
-            self.batch.add(series)
+            self._append_journal(record)
+            self.batch.merge(cycle)
             due = (len(self.batch) >= self.max_batch_samples
                    or self.clock() - self.last_flush >= self.push_interval_s)
         if due:
             self.flush()
 
+    def _append_journal(self, record: bytes) -> None:
+        try:
+            self._journal.append(record)
+        except OSError as exc:
+            if not self._journal_failing:
+                self._journal_failing = True
+                log.error("journal_write_failed", sink=self.name, error=exc.strerror,
+                          directory=str(self.spool.dir),
+                          effect="the open batch is kept in memory only until the disk recovers: "
+                                 "a crash meanwhile would lose it")
+            return
+        if self._journal_failing:
+            self._journal_failing = False
+            log.info("journal_write_recovered", sink=self.name)
+
     def flush(self) -> None:
-        """Encode the open batch into the spool; the sender takes it from there."""
+        """Seal the open batch into the spool; the sender takes it from there."""
         with self._lock:
             batch, self.batch = self.batch, Batch()
+            sealed, self._journal = self._journal, journal.Journal(self.spool.dir,
+                                                                  self.spool.reserve())
             self.last_flush = self.clock()
         if not len(batch):
+            self._discard(sealed)
             return
         body = compress(self.encoder.write_request(batch.series))
-        self.spool.put(body, len(batch))
+        if self.spool.put(body, len(batch), seq=sealed.seq,
+                          before_publish=lambda: self._discard(sealed)) is None:
+            self._discard(sealed)  # counted as lost: it must not come back at the next start
         self._wake.set()
 
-    def close(self, deadline: float) -> bool:
-        """Flush and send what the time allows; what is left stays in the spool. True when
-        everything was delivered."""
+    @staticmethod
+    def _discard(sealed: journal.Journal) -> None:
+        # on a read-only volume the journal stays: the next start replays what it holds (the
+        # batch was not spooled either, so nothing is sent twice)
+        with contextlib.suppress(OSError):
+            sealed.discard()
+
+    def begin_close(self, deadline: float) -> None:
+        """Shutdown starts: seal the open batch, cut backoff sleeps and request timeouts to the
+        deadline. Every sink begins before any is waited for."""
+        self.http.deadline = deadline
         self.flush()
         self._draining.set()
         self._wake.set()
+
+    def close(self, deadline: float) -> bool:
+        """Send what the time allows; what is left stays in the spool. True when everything was
+        delivered."""
+        if not self._draining.is_set():
+            self.begin_close(deadline)
         self._thread.join(timeout=max(0.0, deadline - time.monotonic()))
         self._stop.set()
         self._wake.set()
-        self._thread.join(timeout=1.0)
+        self._discard(self._journal)
         left = len(self.spool)
         if left:
             log.warning("shutdown_left_in_spool", sink=self.name, batches=left,
@@ -109,46 +189,86 @@ class RemoteWriteSink:
     # -- sender thread ---------------------------------------------------------------------
 
     def _run(self) -> None:
+        errors = 0
         while not self._stop.is_set():
-            draining = self._draining.is_set()  # read before looking: close() flushes, then sets it
-            batch = self.spool.oldest()
-            if batch is None:
-                if draining:
+            try:
+                if self._send_next():
                     return
-                self._wake.wait(1.0)
-                self._wake.clear()
-                continue
-            self._deliver(batch)
+                errors = 0
+            except Exception as exc:  # the sender must never die silently
+                errors += 1
+                self.failures["internal"] += 1
+                log.exception("sender_error", sink=self.name, error=repr(exc), count=errors,
+                              effect="retrying; samples wait in the spool")
+                self._sleep(min(30.0, 0.5 * 2 ** min(errors, 6)))
+
+    def _send_next(self) -> bool:
+        """Send the head of the spool (merged with what follows it); True when drained."""
+        draining = self._draining.is_set()  # read before looking: close() flushes, then sets it
+        if draining and time.monotonic() >= (self.http.deadline or 0):
+            return True
+        head = self.spool.oldest()
+        if head is None:
+            if draining:
+                return True
+            self._wake.wait(1.0)
+            self._wake.clear()
+            return False
+        batches = [head, *self.spool.following(head.seq, self.max_batch_samples - head.samples)]
+        self._deliver(batches)
+        return False
+
+    def _sleep(self, seconds: float) -> None:
+        """A backoff sleep that shutdown cuts short."""
+        if self._draining.is_set():
+            self._stop.wait(min(seconds, 0.25))
+        else:
+            self._draining.wait(seconds)
 
     def _give_up(self, batch: SpooledBatch) -> Callable[[object], bool]:
         def stop(_state: object) -> bool:
             # retry for as long as the spool holds the batch (the size bound may drop it) and
             # the agent is not past its shutdown deadline
-            return self._stop.is_set() or not batch.path.exists()
+            deadline = self.http.deadline
+            return (self._stop.is_set() or not batch.path.exists()
+                    or (deadline is not None and time.monotonic() >= deadline))
         return stop
 
-    def _deliver(self, batch: SpooledBatch) -> None:
+    def _deliver(self, batches: list[SpooledBatch]) -> None:
+        head = batches[0]
+        body, samples = head.body, head.samples
+        if len(batches) > 1:
+            merged = Batch()
+            for b in batches:
+                decode(decompress(b.body), into=merged)
+            body, samples = compress(self.encoder.write_request(merged.series)), len(merged)
         attempts = 0
         try:
-            for attempt in retrying(self.options, stop=self._give_up(batch),
-                                    sleep=self._stop.wait):
+            for attempt in retrying(self.options, stop=self._give_up(head), sleep=self._sleep,
+                                    closing=self._draining.is_set):
                 with attempt:
                     attempts += 1
-                    self._post(batch)
+                    self._post(body)
         except Refused as exc:
+            if len(batches) > 1:  # find the batch the receiver objects to; the others go on
+                for b in batches:
+                    self._deliver([b])
+                return
             self.failures[f"http_{exc.status}"] += 1
-            aside = self.spool.set_aside(batch)
-            log.error("batch_refused", sink=self.name, url=redact(self.url), status=exc.status,
-                      receiver_said=str(exc), hint=exc.hint, samples=batch.samples,
-                      set_aside=str(aside), effect="later batches keep flowing")
+            aside = self.spool.set_aside(head)
+            log_count("batch_refused", self.failures[f"http_{exc.status}"], sink=self.name,
+                      url=redact(self.url), status=exc.status, receiver_said=str(exc),
+                      hint=exc.hint, samples=head.samples, set_aside=str(aside),
+                      effect="later batches keep flowing")
             return
         except Retryable:
             return  # stopping, or the batch left the spool; the loop decides what is next
-        if not self.spool.remove(batch):
-            log.info("dropped_batch_delivered_after_all", sink=self.name, samples=batch.samples,
-                     note="the size bound dropped it while it was in flight; not counted as lost")
-        self.samples_pushed += batch.samples
-        self.batches_pushed += 1
+        for b in batches:
+            if not self.spool.remove(b):
+                log.info("dropped_batch_delivered_after_all", sink=self.name, samples=b.samples,
+                         note="the size bound dropped it while it was in flight; not lost")
+        self.samples_pushed += samples
+        self.batches_pushed += len(batches)
         self.last_success_time = time.time()
         if self._failing_since is not None:
             log.info("receiver_recovered", sink=self.name,
@@ -156,11 +276,11 @@ class RemoteWriteSink:
                      backlog_batches=len(self.spool))
             self._failing_since = None
 
-    def _post(self, batch: SpooledBatch) -> None:
+    def _post(self, body: bytes) -> None:
         started = time.monotonic()
         try:
-            response = self.http.request("POST", self.url, data=batch.body, headers=CONTENT_HEADERS)
-            check(response)
+            response = self.http.request("POST", self.url, data=body, headers=CONTENT_HEADERS)
+            self.http.check(response)
         except Retryable as exc:
             self.failures[exc.reason] += 1
             if self._failing_since is None:
@@ -182,7 +302,8 @@ class RemoteWriteSink:
 
         out = [
             s("gpu_sidecar_samples_pushed_total", self.samples_pushed),
-            s("gpu_sidecar_spool_bytes", self.spool.bytes()),
+            *(s("gpu_sidecar_spool_bytes", self.spool.bytes(state), ("state", state))
+              for state in STATES),
             s("gpu_sidecar_spool_batches", len(self.spool)),
             s("gpu_sidecar_push_duration_seconds", self.last_push_seconds),
         ]

@@ -78,6 +78,9 @@ class StdoutSink:
     def start(self) -> None:
         pass
 
+    def begin_close(self, deadline: float) -> None:
+        pass
+
     def close(self, deadline: float) -> bool:
         return True
 

@@ -1,0 +1,361 @@
+"""Delivery under the faults an operator's cluster produces: a spool volume remounted read-only, a
+spool entry nobody can read, a receiver that redirects, refuses for ever, answers slowly or
+hangs, signals at awkward moments, two agents on one spool. Every test runs the real agent as a
+process against a real VictoriaMetrics (behind a fault-injecting proxy where the fault is the
+receiver's), compares what was stored with what was sampled, and reads the agent's own counters
+and log lines: each condition is counted, logged once when it starts, and cleared by itself."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from sidecar.sinks.delivery import FAILURE_REASONS
+from sidecar.spool import DROP_REASONS, STATES
+from tests.conftest import ROOT
+from tests.receivers import Agent, FaultProxy, VictoriaMetrics, running
+
+VM_REL = 1e-12
+
+
+def args(url: str, spool: Path, *extra: str) -> list[str]:
+    return ["--simulate", "healthy", "--interval", "0.2", "--push-interval", "0.5",
+            "--remote-write-url", url, "--spool-dir", str(spool), "--retry-max-backoff", "0.5",
+            "--shutdown-timeout", "5", *extra]
+
+
+def keyed(rows: list[tuple[str, tuple, int, float]]) -> dict[tuple[str, tuple, int], float]:
+    return {(n, labels, ts): v for n, labels, ts, v in rows}
+
+
+def last(agent: Agent, name: str, **labels: str) -> float | None:
+    """The newest value the agent sampled of a series of its own."""
+    found = [(ts, v) for n, lab, ts, v in agent.sampled()
+             if n == name and all(dict(lab).get(k) == x for k, x in labels.items())]
+    return max(found)[1] if found else None
+
+
+def events(agent: Agent, name: str) -> list[dict]:
+    return [e for e in agent.events() if e.get("event") == name]
+
+
+def stored_equals_sampled_but(vm: VictoriaMetrics, agent: Agent) -> set:
+    """What the agent sampled and VictoriaMetrics does not hold; everything it holds matches."""
+    sampled = keyed(agent.sampled())
+    stored = keyed(vm.settled(len(sampled)))
+    for key in set(sampled) & set(stored):
+        assert stored[key] == pytest.approx(sampled[key], rel=VM_REL), key
+    assert not set(stored) - set(sampled), "stored what was never sampled"
+    return set(sampled) - set(stored)
+
+
+def stopped(agent: Agent) -> dict:
+    found = events(agent, "stopped")
+    assert len(found) == 1, "".join(agent.err)[-2000:]
+    return found[0]
+
+
+# -- disk --------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def tmpfs(tmp_path: Path):
+    """A real small filesystem for the spool, which the test can remount read-only."""
+    if os.geteuid() != 0:
+        pytest.fail("mounting a tmpfs needs root: the CI runs as root")
+    volume = tmp_path / "volume"
+    volume.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=16m,mode=0700", "tmpfs", str(volume)],
+                   check=True, timeout=10)
+    yield volume
+    subprocess.run(["umount", "-l", str(volume)], timeout=10)
+
+
+def remount(volume: Path, mode: str) -> None:
+    """Linux refuses a read-only remount while a file is open for writing there: the agent holds
+    none between writes, so retrying for a moment always finds a gap."""
+    deadline = time.monotonic() + 5
+    while True:
+        done = subprocess.run(["mount", "-o", f"remount,{mode}", str(volume)],
+                              capture_output=True, text=True, timeout=10)
+        if done.returncode == 0:
+            return
+        if time.monotonic() > deadline:
+            raise AssertionError(f"remount {mode} failed: {done.stderr}")
+        time.sleep(0.01)
+
+
+def test_spool_volume_remounted_read_only_mid_run_is_survived_counted_and_recovered(
+        tmp_path, tmpfs):
+    vm = VictoriaMetrics(tmp_path).start()
+    with running(vm):
+        agent = Agent(args(vm.write_url, tmpfs / "spool")).start()
+        time.sleep(1.5)
+        remount(tmpfs, "ro")
+        time.sleep(2.0)
+        assert agent.proc.poll() is None, "".join(agent.err)[-2000:]
+        remount(tmpfs, "rw")
+        time.sleep(2.0)
+        assert agent.stop() == 0, "".join(agent.err)[-2000:]
+        lost = stored_equals_sampled_but(vm, agent)
+    assert len(events(agent, "spool_write_failed")) == 1
+    assert len(events(agent, "spool_write_recovered")) == 1
+    assert len(events(agent, "journal_write_failed")) == 1
+    dropped = last(agent, "gpu_sidecar_samples_dropped_total", reason="spool_write_failed")
+    assert dropped and dropped > 0
+    # what was lost is what could not be spooled, and it was counted
+    assert 0 < len(lost) <= dropped
+    newest = max(k[2] for k in keyed(agent.sampled()))
+    assert all(k[2] < newest - 1000 for k in lost), "sampling and delivery resumed by themselves"
+
+
+def test_an_unreadable_spool_entry_is_set_aside_and_the_sender_goes_on(tmp_path):
+    spool = tmp_path / "spool"
+    vm = VictoriaMetrics(tmp_path)  # down: batches pile up in the spool
+    first = Agent(args(vm.write_url, spool, "--shutdown-timeout", "0.5")).start()
+    time.sleep(2.5)
+    assert first.stop() == 0
+    batches = sorted(spool.rglob("*.batch"))
+    assert len(batches) >= 3
+    victim = batches[1]
+    victim.unlink()
+    victim.mkdir()  # a directory where a batch should be: reading it fails
+    vm.start()
+    with running(vm):
+        second = Agent(args(vm.write_url, spool)).start()
+        time.sleep(2.0)
+        assert second.stop() == 0
+        stored = keyed(vm.settled())
+    after = keyed(second.sampled())
+    assert set(after) <= set(stored), "the sender kept sending after the bad entry"
+    assert [e["count"] for e in events(second, "spool_batch_unreadable")] == [1]
+    assert (victim.parent / "corrupt" / victim.name).is_dir()
+    before = keyed(first.sampled())
+    assert len(set(before) & set(stored)) > 0  # the readable batches around it were sent
+
+
+# -- receiver ----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("status", [301, 302, 307])
+def test_a_redirect_is_never_followed_nor_counted_as_delivered(tmp_path, status):
+    vm = VictoriaMetrics(tmp_path).start()
+    redirecting = {"on": True}
+    proxy = FaultProxy(vm.write_url, lambda n, body: (
+        status, {"Location": vm.write_url}, b"moved") if redirecting["on"] else None)
+    with running(vm, proxy):
+        agent = Agent(args(proxy.url, tmp_path / "spool")).start()
+        time.sleep(2.0)
+        assert keyed(vm.samples()) == {}, "a redirect was followed"
+        assert last(agent, "gpu_sidecar_samples_pushed_total") == 0
+        assert last(agent, "gpu_sidecar_push_failures_total", reason="redirect") > 0
+        redirecting["on"] = False
+        time.sleep(2.0)
+        assert agent.stop() == 0
+        assert stored_equals_sampled_but(vm, agent) == set()
+    failing = events(agent, "push_failing")
+    assert len(failing) == 1 and failing[0]["reason"] == "redirect"
+    assert vm.write_url in failing[0]["detail"] and "configure that URL" in failing[0]["detail"]
+    assert len(events(agent, "receiver_recovered")) == 1
+
+
+def test_a_receiver_that_refuses_everything_keeps_the_spool_within_its_bound(tmp_path):
+    proxy = FaultProxy("http://127.0.0.1:9/unused", lambda n, body: (400, {}, b"never"))
+    bound = 40_000
+    with running(proxy):
+        agent = Agent(args(proxy.url, tmp_path / "spool", "--push-interval", "0.2",
+                           "--spool-max-bytes", str(bound))).start()
+        time.sleep(6.0)
+        assert agent.stop() == 0
+    spool_files = [p for p in (tmp_path / "spool").rglob("*.batch") if p.is_file()]
+    assert 0 < sum(p.stat().st_size for p in spool_files) <= bound
+    rejected = last(agent, "gpu_sidecar_spool_bytes", state="rejected")
+    assert rejected and 0 < rejected <= bound
+    refusals = last(agent, "gpu_sidecar_push_failures_total", reason="http_400")
+    assert refusals >= 12
+    logged = events(agent, "batch_refused")
+    assert [e["count"] for e in logged] == [1, 10][:len(logged)] and logged  # not one per batch
+
+
+def test_a_slow_receiver_is_caught_up_by_merging_the_backlog(tmp_path):
+    vm = VictoriaMetrics(tmp_path).start()
+    proxy = FaultProxy(vm.write_url, lambda n, body: None, delay=1.0)
+    with running(vm, proxy):
+        agent = Agent(args(proxy.url, tmp_path / "spool", "--push-interval", "0.2",
+                           "--push-timeout", "5")).start()
+        time.sleep(6.0)
+        agent.signal(signal.SIGTERM)
+        signalled = time.monotonic()
+        assert agent.wait() == 0
+        assert time.monotonic() - signalled < 5.5
+        assert stopped(agent)["all_delivered"] is True
+        assert stored_equals_sampled_but(vm, agent) == set()
+    sealed = len({ts for _, _, ts, _ in agent.sampled()}) / 1  # cycles, one batch per push
+    assert len(proxy.log) < sealed / 2, "each request carried several spooled batches"
+
+
+def test_a_hanging_receiver_does_not_hold_shutdown_past_its_timeout(tmp_path):
+    proxy = FaultProxy("http://127.0.0.1:9/unused", lambda n, body: (204, {}, b""), delay=60)
+    with running(proxy):
+        agent = Agent(args(proxy.url, tmp_path / "spool", "--shutdown-timeout", "2",
+                           "--push-timeout", "30")).start()
+        time.sleep(2.0)
+        agent.signal(signal.SIGTERM)
+        signalled = time.monotonic()
+        assert agent.wait() == 0
+        assert time.monotonic() - signalled < 2.5
+    assert stopped(agent)["all_delivered"] is False
+    assert list((tmp_path / "spool").rglob("*.batch")), "what was not sent stays in the spool"
+
+
+def test_sigterm_just_after_the_receiver_returns_sends_the_whole_backlog(tmp_path):
+    vm = VictoriaMetrics(tmp_path).start()
+    with running(vm):
+        agent = Agent(args(vm.write_url, tmp_path / "spool", "--retry-max-backoff", "30",
+                           "--shutdown-timeout", "5")).start()
+        time.sleep(1.0)
+        vm.stop()
+        time.sleep(12.0)  # long enough for the backoff to reach several seconds
+        vm.start()
+        time.sleep(1.0)
+        agent.signal(signal.SIGTERM)
+        signalled = time.monotonic()
+        assert agent.wait() == 0
+        assert time.monotonic() - signalled < 5.5
+        assert stopped(agent)["all_delivered"] is True
+        assert stored_equals_sampled_but(vm, agent) == set()
+
+
+def test_every_counter_the_alerts_use_exists_at_zero_from_the_first_push(tmp_path):
+    vm = VictoriaMetrics(tmp_path).start()
+    with running(vm):
+        agent = Agent(args(vm.write_url, tmp_path / "spool")).start()
+        time.sleep(1.5)
+        assert agent.stop() == 0
+        rows = vm.settled(len(agent.sampled()))
+    first_ts = min(ts for _, _, ts, _ in rows)
+    at_first = {(n, dict(lab).get("reason") or dict(lab).get("state")): v
+                for n, lab, ts, v in rows if ts == first_ts}
+    for reason in FAILURE_REASONS:
+        assert at_first[("gpu_sidecar_push_failures_total", reason)] == 0, reason
+    for reason in DROP_REASONS:
+        assert at_first[("gpu_sidecar_samples_dropped_total", reason)] == 0, reason
+    for state in STATES:
+        assert ("gpu_sidecar_spool_bytes", state) in at_first
+
+
+# -- the process -------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT, signal.SIGHUP])
+def test_every_stop_signal_takes_a_last_sample_and_flushes(tmp_path, sig):
+    vm = VictoriaMetrics(tmp_path).start()
+    with running(vm):
+        agent = Agent(args(vm.write_url, tmp_path / "spool", "--push-interval", "60")).start()
+        time.sleep(1.5)
+        agent.signal(sig)
+        assert agent.wait() == 0
+        assert stopped(agent)["all_delivered"] is True
+        assert stopped(agent)["signals"] == [sig.name]
+        assert stored_equals_sampled_but(vm, agent) == set()
+
+
+def _spawn(argv: list[str], prefix: tuple[str, ...] = ()) -> subprocess.Popen:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("GPU_SIDECAR_")}
+    return subprocess.Popen([*prefix, sys.executable, "-m", "sidecar", "run", "--log-format",
+                             "json", *argv], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, cwd=ROOT, env={**env, "PYTHONUNBUFFERED": "1"})
+
+
+def _child_of(pid: int, timeout: float = 5.0) -> int:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        with contextlib.suppress(OSError):
+            children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
+            if children:
+                return int(children[0])
+        time.sleep(0.01)
+    raise TimeoutError("no child process")
+
+
+@pytest.mark.parametrize("as_pid_1", [False, True])
+def test_a_signal_during_start_up_is_honoured(tmp_path, as_pid_1):
+    """As PID 1 of a container the kernel drops a signal that has no handler: the handlers are
+    installed before the agent imports anything heavy."""
+    prefix = ("unshare", "--pid", "--fork") if as_pid_1 else ()
+    proc = _spawn(args("http://127.0.0.1:9/api/v1/write", tmp_path / "spool",
+                       "--shutdown-timeout", "1"), prefix)
+    try:
+        target = _child_of(proc.pid) if as_pid_1 else proc.pid
+        time.sleep(0.45)
+        os.kill(target, signal.SIGTERM)
+        _, err = proc.communicate(timeout=15)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, err[-2000:]
+    assert '"stopped"' in err
+
+
+def test_a_second_agent_on_the_same_spool_exits_5_naming_the_first(tmp_path):
+    spool = tmp_path / "spool"
+    first = Agent(args("http://127.0.0.1:9/api/v1/write", spool)).start()
+    try:
+        time.sleep(1.5)
+        second = _spawn(args("http://127.0.0.1:9/api/v1/write", spool))
+        _, err = second.communicate(timeout=30)
+        assert second.returncode == 5
+        assert f"pid {first.proc.pid}" in err and "--spool-dir" in err
+    finally:
+        assert first.stop() == 0
+
+
+def test_two_urls_on_one_host_and_port_get_their_own_spool_and_sink_label(tmp_path):
+    vm = VictoriaMetrics(tmp_path).start()
+    with running(vm):
+        other = vm.write_url.replace("/api/v1/write", "/prometheus/api/v1/write")
+        agent = Agent([*args(vm.write_url, tmp_path / "spool"), "--remote-write-url", other])
+        agent.start()
+        time.sleep(2.0)
+        assert agent.stop() == 0
+        stored = vm.settled(2 * len(agent.sampled()) - 100)
+    sinks = {dict(lab)["sink"] for n, lab, _, _ in agent.sampled()
+             if n == "gpu_sidecar_samples_pushed_total"}
+    assert len(sinks) == 2
+    assert len([p for p in (tmp_path / "spool").iterdir() if p.is_dir()]) == 2
+    for sink in sinks:  # each sink's own counter only ever grows
+        values = [v for _, _, v in sorted((ts, n, v) for n, lab, ts, v in agent.sampled()
+                                          if n == "gpu_sidecar_samples_pushed_total"
+                                          and dict(lab)["sink"] == sink)]
+        assert values == sorted(values) and values[-1] > 0
+    assert any(n == "gpu_utilization_ratio" for n, _, _, _ in stored)
+
+
+def test_a_receiver_echoing_the_request_never_puts_a_secret_in_the_log(tmp_path):
+    token = tmp_path / "token"
+    token.write_text("tok-0a1b2c3d4e5f\n")
+
+    def echo(n: int, body: bytes) -> tuple[int, dict, bytes]:
+        return 401, {}, b"denied for Authorization: Bearer tok-0a1b2c3d4e5f, X-Key hdr-9z8y7x"
+
+    proxy = FaultProxy("http://127.0.0.1:9/unused", echo)
+    with running(proxy):
+        agent = Agent(args(proxy.url.replace("http://", "http://u:pw-secret-77@"),
+                           tmp_path / "spool", "--bearer-token-file", str(token),
+                           "--header", "X-Key=hdr-9z8y7x", "--log-level", "debug")).start()
+        time.sleep(1.5)
+        assert agent.stop() == 0
+    text = "".join(agent.err) + "".join(agent.out)
+    refused = events(agent, "batch_refused")
+    assert refused and "***" in refused[0]["receiver_said"]
+    for secret in ("tok-0a1b2c3d4e5f", "hdr-9z8y7x", "pw-secret-77"):
+        assert secret not in text
+    assert json.dumps(refused[0])  # the log line is whole JSON
