@@ -5,13 +5,14 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
+import re
 import signal
 import sys
 import tempfile
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NoReturn
 
 import structlog
 
@@ -39,14 +40,32 @@ name; they become the labels namespace, pod, node and container on every series.
 """
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse quotes what it could not parse, values included (``--heder X-Api-Key=secret``):
+    its errors keep the option names and mask every value."""
+
+    def error(self, message: str) -> NoReturn:
+        self.print_usage(sys.stderr)
+        self.exit(2, f"{self.prog}: error: {_mask_arguments(message)}\n")
+
+
+def _mask_arguments(message: str) -> str:
+    head, colon, tail = message.partition(": ")
+    if head == "unrecognized arguments":
+        shown = [t.partition("=")[0] if t.startswith("-") else "***" for t in tail.split(" ")]
+        return f"{head}{colon}{' '.join(shown)} (values not shown)"
+    return re.sub(r"(--?[\w-]+)=\S+", r"\1=***", message)
+
+
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="gpu-sidecar",
         description="Samples what GPU utilization hides (compute, memory, IO) for the GPUs of "
         "this pod and writes timestamped series. With nothing configured: stdout.",
     )
     parser.add_argument("--version", action="version", version=config.version_line())
-    sub = parser.add_subparsers(dest="command", required=True, metavar="{run,probe}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="{run,probe}",
+                                parser_class=_Parser)
     run = sub.add_parser("run", help="run the agent", epilog=EPILOG,
                          formatter_class=argparse.RawDescriptionHelpFormatter,
                          description="Sample every --interval seconds and write the series.")

@@ -14,7 +14,7 @@ import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, fields
 from typing import Any
-from urllib.parse import urlsplit
+from urllib.parse import SplitResult, urlsplit
 
 from sidecar import __version__, protocol
 from sidecar.sinks import redact_url
@@ -99,6 +99,9 @@ class Option:
     flag_only: bool = False  # boolean switch
     commands: tuple[str, ...] = ("run", "probe")
     repeatable: bool = False  # the flag may be given several times; the variable is comma-separated
+    # how a refused value is quoted in the error: repr for most, masked where it may hold a
+    # secret, None to name only the option
+    show: Callable[[str], str | None] = repr
 
     @property
     def flag(self) -> str:
@@ -179,19 +182,114 @@ def _bool(text: str) -> bool:
 
 
 def _urls(text: str) -> tuple[str, ...]:
+    """Comma-separated receiver URLs, each valid, no receiver twice."""
     urls = tuple(u.strip() for u in text.split(",") if u.strip())
-    for u in urls:
-        _url(u)
     if not urls:
         raise ValueError("give at least one URL")
+    for n, u in enumerate(urls, 1):
+        try:
+            _url(u)
+        except ValueError as exc:
+            raise ValueError(f"URL {n} of {len(urls)} {exc}" if len(urls) > 1 else str(exc)) from None
+    _refuse_repeats(urls)
     return urls
 
 
 def _url(text: str) -> str:
-    parts = urlsplit(text)
-    if parts.scheme not in ("http", "https") or not parts.hostname:
-        raise ValueError(f"{redact_url(text)!r} is not an http:// or https:// URL")
+    """An http(s) URL with a host and a valid port, if any.
+
+    The messages never quote ``text``: it may hold a password (build() shows it masked). urlsplit's
+    own errors quote parts of it, so they are replaced."""
+    try:
+        parts = urlsplit(text)
+        host = parts.hostname
+    except ValueError:
+        raise ValueError("cannot be read as a URL: write http[s]://HOST[:PORT]/PATH (percent-encode "
+                         "'@', '/', '?', '#', '[' and ']' inside a user name or password)") from None
+    if parts.scheme not in ("http", "https"):
+        raise ValueError("does not start with http:// or https://")
+    port = _port(parts)
+    if not host:
+        raise ValueError("has no host: write http[s]://HOST[:PORT]/PATH")
+    if not parts.netloc.rpartition("@")[2].startswith("[") and not _HOST.fullmatch(host):
+        raise ValueError("has a host with characters a host name cannot hold (letters, digits, "
+                         "'.', '-', '_'; an IPv6 address goes in [brackets])")
+    if port == 0:
+        raise ValueError("has port 0: give a port from 1 to 65535, or none for the default")
+    if "@" in parts.path + parts.query + parts.fragment:
+        raise ValueError("has an '@' after the host, which a password with an unencoded '/', '?' or "
+                         "'#' leaves behind: percent-encode those (%2F, %3F, %23), or better, give "
+                         "the password with --basic-auth-password-file")
     return text
+
+
+def _port(parts: SplitResult) -> int | None:
+    """urlsplit's port, which raises for a port that is not a number from 0 to 65535."""
+    try:
+        return parts.port
+    except ValueError:
+        raise ValueError("has a port that is not a number from 1 to 65535") from None
+
+
+def _receiver(url: str) -> tuple[str, str, int, str, str]:
+    """What identifies a receiver: credentials, case of scheme and host, a default port and an
+    empty path make no difference."""
+    parts = urlsplit(url)
+    port = parts.port or (443 if parts.scheme == "https" else 80)
+    return parts.scheme, parts.hostname or "", port, parts.path or "/", parts.query
+
+
+def _refuse_repeats(urls: tuple[str, ...]) -> None:
+    """The same receiver twice would get every sample twice (two sinks, one spool directory)."""
+    first: dict[tuple[str, str, int, str, str], int] = {}
+    for n, url in enumerate(urls, 1):
+        m = first.setdefault(_receiver(url), n)
+        if m != n:
+            raise ValueError(f"URL {n} names the receiver of URL {m} again ({shown_url(url)}; URLs "
+                             "that differ only in credentials, letter case or a default port are "
+                             "the same receiver): every sample would be pushed to it twice; give "
+                             "each receiver once")
+
+
+def shown_url(text: str) -> str:
+    """``text`` fit for an error message: no user-info, query values and fragment masked, a port
+    that is not a number masked.
+
+    Done by hand, not with urlsplit: the URL is shown because it is broken, and a broken one is
+    where urlsplit raises (a bad port) or files part of an unencoded password under host, port or
+    path. Cutting at the last '@' anywhere removes user-info however it was mangled."""
+    scheme, sep, rest = text.strip().partition("://")
+    if not sep:
+        scheme, rest = "", text.strip()
+    userinfo = ""
+    if "@" in rest:
+        userinfo, rest = "***@", rest.rpartition("@")[2]
+    rest, hash_sign, _ = rest.partition("#")
+    rest, question, query = rest.partition("?")
+    authority, slash, path = rest.partition("/")
+    shown = f"{scheme}{sep}{userinfo}{_masked_port(authority)}{slash}{path}"
+    if question:
+        shown += "?" + "&".join(f"{k}=***" if eq else "***"
+                                for k, eq, _ in (p.partition("=") for p in query.split("&")))
+    return shown + ("#***" if hash_sign else "")
+
+
+def _masked_port(authority: str) -> str:
+    """``host:port`` with a port that is not digits masked: it may be the start of a password
+    whose '@' was lost (an unencoded ',' splits the URL list there)."""
+    host, colon, port = authority.rpartition(":")
+    if not colon or "]" in port or port.isdigit() or not port:
+        return authority
+    return f"{host}:***"
+
+
+def _shown_urls(text: str) -> str:
+    """A comma-separated list as the URL parser splits it, each URL masked."""
+    return repr(", ".join(shown_url(u) for u in text.split(",") if u.strip()))
+
+
+def _shown_one_url(text: str) -> str:
+    return repr(shown_url(text))
 
 
 def _readable_file(text: str) -> str:
@@ -200,19 +298,67 @@ def _readable_file(text: str) -> str:
     return text
 
 
-def _pairs(kind: str, check_key: Callable[[str], bool]) -> Callable[[str], tuple[tuple[str, str], ...]]:
+def _secret_file(text: str) -> str:
+    """A file holding a secret. A value that is not an absolute path is often the secret itself,
+    pasted where its file belongs; the error says so instead of quoting it."""
+    try:
+        return _readable_file(text)
+    except ValueError:
+        if text.startswith("/"):
+            raise
+        raise ValueError("is not a readable file; give the absolute path of a file holding the "
+                         "secret (e.g. a mounted Kubernetes Secret), not the secret itself (the "
+                         "value is not shown: it is not an absolute path, so it may be the secret)") from None
+
+
+def _shown_secret_path(text: str) -> str | None:
+    """Absolute paths are shown; anything else may be the secret itself (see _secret_file)."""
+    return repr(text) if text.startswith("/") else None
+
+
+def _basic_auth_user(text: str) -> str:
+    """RFC 7617 ends the user name at the first ':', so one in it is a password given here."""
+    if ":" in text:
+        raise ValueError("contains ':', which basic auth does not allow in a user name (it is not "
+                         "shown: the rest may be a password); give the password with "
+                         "--basic-auth-password-file")
+    return text
+
+
+def _hidden(text: str) -> None:
+    """For options whose refused value is not quoted at all."""
+    return None
+
+
+def _pairs(kind: str, example: str, rule: str,
+           check_key: Callable[[str], bool]) -> Callable[[str], tuple[tuple[str, str], ...]]:
+    """Comma-separated NAME=VALUE items. Errors name the item by position, never by text: a
+    malformed item is often a header with its value (``Authorization: Bearer ...``)."""
+
     def parse(text: str) -> tuple[tuple[str, str], ...]:
         out = []
-        for item in (i.strip() for i in text.split(",")):
-            if not item:
-                continue
+        items = [i.strip() for i in text.split(",") if i.strip()]
+        for n, item in enumerate(items, 1):
             key, sep, value = item.partition("=")
-            if not sep or not check_key(key.strip()):
-                raise ValueError(f"{item!r} is not a {kind} NAME=VALUE pair")
+            if not sep:
+                raise ValueError(f"item {n} has no '=': write NAME=VALUE, e.g. {example}, not "
+                                 "NAME: VALUE (the item is not shown: it may hold a secret)")
+            if not check_key(key.strip()):
+                raise ValueError(f"item {n} has no valid {kind} name before its '=' ({rule}; "
+                                 "the item is not shown: it may hold a secret)")
             out.append((key.strip(), value.strip()))
         return tuple(out)
 
     return parse
+
+
+def _shown_pairs(text: str) -> str:
+    """NAME=*** for the items that have a name, ``<item N>`` for the others; values never."""
+    shown = []
+    for n, item in enumerate((i.strip() for i in text.split(",") if i.strip()), 1):
+        key, sep, _ = item.partition("=")
+        shown.append(f"{key.strip()}=***" if sep and _HEADER_NAME.match(key.strip()) else f"<item {n}>")
+    return "[" + ", ".join(shown) + "]"
 
 
 def _positive_int(low: int, high: int) -> Callable[[str], int]:
@@ -227,6 +373,7 @@ def _positive_int(low: int, high: int) -> Callable[[str], int]:
 
 _LABEL_NAME = re.compile(r"^[a-zA-Z_][a-zA-Z0-9_]*$")
 _HEADER_NAME = re.compile(r"^[A-Za-z0-9!#$%&'*+.^_`|~-]+$")
+_HOST = re.compile(r"[\w.-]+")  # \w: internationalised names too
 
 
 def _label(text: str) -> str:
@@ -278,9 +425,9 @@ OPTIONS: tuple[Option, ...] = (
     Option("remote_write_url", "Prometheus remote-write receiver URL (VictoriaMetrics, vmagent, "
            "Prometheus with --web.enable-remote-write-receiver, Mimir, Thanos); repeat the flag "
            "or separate with commas for several. Without any receiver: stdout.", _urls,
-           commands=("run",), repeatable=True),
+           commands=("run",), repeatable=True, show=_shown_urls),
     Option("pushgateway_url", "Pushgateway base URL. Latest values only, no timestamps and no "
-           "history: prefer remote-write.", _url, commands=("run",)),
+           "history: prefer remote-write.", _url, commands=("run",), show=_shown_one_url),
     Option("pushgateway_job", "Pushgateway 'job' of the grouping key (default gpu-sidecar); the "
            "key adds namespace and pod (or instance=hostname).", _label, commands=("run",)),
     Option("pushgateway_delete_on_exit", "Delete this pod's Pushgateway group at shutdown.",
@@ -304,26 +451,30 @@ OPTIONS: tuple[Option, ...] = (
            "(default 30); Retry-After from the receiver is honoured up to 300.",
            _seconds(0.1, 3600), commands=("run",)),
     Option("bearer_token_file", "File holding a bearer token for the receivers; re-read when "
-           "it changes (rotated Secrets).", _readable_file, commands=("run",)),
-    Option("basic_auth_user", "Basic-auth user name for the receivers.", str, commands=("run",)),
-    Option("basic_auth_password_file", "File holding the basic-auth password.", _readable_file,
-           commands=("run",)),
+           "it changes (rotated Secrets).", _secret_file, commands=("run",),
+           show=_shown_secret_path),
+    Option("basic_auth_user", "Basic-auth user name for the receivers.", _basic_auth_user,
+           commands=("run",), show=_hidden),
+    Option("basic_auth_password_file", "File holding the basic-auth password.", _secret_file,
+           commands=("run",), show=_shown_secret_path),
     Option("ca_file", "PEM file of the CA that signed the receivers' certificates.",
            _readable_file, commands=("run",)),
     Option("cert_file", "Client certificate (PEM) for mutual TLS.", _readable_file,
            commands=("run",)),
-    Option("key_file", "Private key (PEM) of the client certificate.", _readable_file,
-           commands=("run",)),
+    Option("key_file", "Private key (PEM) of the client certificate.", _secret_file,
+           commands=("run",), show=_shown_secret_path),
     Option("insecure_skip_verify", "Do not verify the receivers' TLS certificates (testing "
            "only).", _bool, flag_only=True, commands=("run",)),
     Option("header", "Extra HTTP header NAME=VALUE on every push (e.g. X-Scope-OrgID=tenant for "
            "Mimir); repeatable, or comma-separated.",
-           _pairs("header", lambda k: bool(_HEADER_NAME.match(k))), commands=("run",),
-           repeatable=True),
+           _pairs("header", "X-Scope-OrgID=tenant", "letters, digits and !#$%&'*+.^_`|~-",
+                  lambda k: bool(_HEADER_NAME.match(k))),
+           commands=("run",), repeatable=True, show=_shown_pairs),
     Option("extra_label", "Extra label NAME=VALUE on every pushed series (e.g. cluster=prod); "
            "repeatable, or comma-separated.",
-           _pairs("label", lambda k: bool(_LABEL_NAME.match(k)) and not k.startswith("__")),
-           commands=("run",), repeatable=True),
+           _pairs("label", "cluster=prod", "letters, digits and '_'; not starting with a digit or '__'",
+                  lambda k: bool(_LABEL_NAME.match(k)) and not k.startswith("__")),
+           commands=("run",), repeatable=True, show=_shown_pairs),
 )
 OPTION_BY_NAME = {o.name: o for o in OPTIONS}
 assert set(OPTION_BY_NAME) == {f.name for f in fields(Config)}
@@ -362,10 +513,7 @@ def build(command: str, args: argparse.Namespace, env: Mapping[str, str] = os.en
         try:
             values[opt.name] = opt.parse(raw)
         except ValueError as exc:
-            raise ConfigError(
-                f"{origin}={raw!r}: {exc}. Fix the value of {opt.flag} / {opt.env} "
-                f"(see gpu-sidecar {command} --help)."
-            ) from None
+            raise ConfigError(_refused(opt, origin, raw, exc, command)) from None
     unknown = sorted(k for k in env if k.startswith(ENV_PREFIX) and
                      k.removeprefix(ENV_PREFIX).lower() not in OPTION_BY_NAME)
     if unknown:
@@ -398,6 +546,15 @@ def build(command: str, args: argparse.Namespace, env: Mapping[str, str] = os.en
     if config.once and config.has_receivers:
         raise ConfigError("--once prints to stdout; it does not combine with receivers")
     return config
+
+
+def _refused(opt: Option, origin: str, raw: str, exc: ValueError, command: str) -> str:
+    """The error for a value ``opt`` refused: quoted as ``opt.show`` allows, which for values that
+    may hold a secret is masked or not at all (the message goes to terminals and pod logs)."""
+    shown = opt.show(raw)
+    where = origin if shown is None else f"{origin}={shown}"
+    return (f"{where}: {exc}. Fix the value of {opt.flag} / {opt.env} "
+            f"(see gpu-sidecar {command} --help).")
 
 
 def describe(config: Config) -> dict[str, Any]:

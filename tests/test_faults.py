@@ -17,9 +17,13 @@ import time
 from pathlib import Path
 
 import pytest
+import structlog
 
-from sidecar.sinks.delivery import FAILURE_REASONS
-from sidecar.spool import DROP_REASONS, STATES
+from sidecar.remote_write import Batch, Encoder, compress
+from sidecar.samples import Series
+from sidecar.sinks.delivery import FAILURE_REASONS, HttpOptions
+from sidecar.sinks.remote_write import RemoteWriteSink
+from sidecar.spool import DROP_REASONS, STATES, Spool
 from tests.conftest import ROOT
 from tests.receivers import Agent, FaultProxy, VictoriaMetrics, running
 
@@ -55,6 +59,14 @@ def stored_equals_sampled_but(vm: VictoriaMetrics, agent: Agent) -> set:
         assert stored[key] == pytest.approx(sampled[key], rel=VM_REL), key
     assert not set(stored) - set(sampled), "stored what was never sampled"
     return set(sampled) - set(stored)
+
+
+def sigterm_and_wait(agent: Agent) -> float:
+    """SIGTERM the agent, check it exits 0; the seconds it took."""
+    agent.signal(signal.SIGTERM)
+    signalled = time.monotonic()
+    assert agent.wait() == 0, "".join(agent.err)[-2000:]
+    return time.monotonic() - signalled
 
 
 def stopped(agent: Agent) -> dict:
@@ -192,13 +204,10 @@ def test_a_slow_receiver_is_caught_up_by_merging_the_backlog(tmp_path):
         agent = Agent(args(proxy.url, tmp_path / "spool", "--push-interval", "0.2",
                            "--push-timeout", "5")).start()
         time.sleep(6.0)
-        agent.signal(signal.SIGTERM)
-        signalled = time.monotonic()
-        assert agent.wait() == 0
-        assert time.monotonic() - signalled < 5.5
+        assert sigterm_and_wait(agent) < 5.5
         assert stopped(agent)["all_delivered"] is True
         assert stored_equals_sampled_but(vm, agent) == set()
-    sealed = len({ts for _, _, ts, _ in agent.sampled()}) / 1  # cycles, one batch per push
+    sealed = len({ts for _, _, ts, _ in agent.sampled()})  # a batch a cycle at this push interval
     assert len(proxy.log) < sealed / 2, "each request carried several spooled batches"
 
 
@@ -208,10 +217,7 @@ def test_a_hanging_receiver_does_not_hold_shutdown_past_its_timeout(tmp_path):
         agent = Agent(args(proxy.url, tmp_path / "spool", "--shutdown-timeout", "2",
                            "--push-timeout", "30")).start()
         time.sleep(2.0)
-        agent.signal(signal.SIGTERM)
-        signalled = time.monotonic()
-        assert agent.wait() == 0
-        assert time.monotonic() - signalled < 2.5
+        assert sigterm_and_wait(agent) < 2.5
     assert stopped(agent)["all_delivered"] is False
     assert list((tmp_path / "spool").rglob("*.batch")), "what was not sent stays in the spool"
 
@@ -226,10 +232,7 @@ def test_sigterm_just_after_the_receiver_returns_sends_the_whole_backlog(tmp_pat
         time.sleep(12.0)  # long enough for the backoff to reach several seconds
         vm.start()
         time.sleep(1.0)
-        agent.signal(signal.SIGTERM)
-        signalled = time.monotonic()
-        assert agent.wait() == 0
-        assert time.monotonic() - signalled < 5.5
+        assert sigterm_and_wait(agent) < 5.5
         assert stopped(agent)["all_delivered"] is True
         assert stored_equals_sampled_but(vm, agent) == set()
 
@@ -359,3 +362,60 @@ def test_a_receiver_echoing_the_request_never_puts_a_secret_in_the_log(tmp_path)
     for secret in ("tok-0a1b2c3d4e5f", "hdr-9z8y7x", "pw-secret-77"):
         assert secret not in text
     assert json.dumps(refused[0])  # the log line is whole JSON
+
+
+# -- the sender itself (in process: the faults are inside the agent) ----------------------------
+
+
+def _sink(url: str, spool_dir: Path) -> tuple[RemoteWriteSink, Spool]:
+    spool = Spool(spool_dir, max_bytes=1 << 20)
+    options = HttpOptions(timeout_s=5, initial_backoff_s=0.05, max_backoff_s=0.1)
+    return RemoteWriteSink(url, spool, options, push_interval_s=0.0), spool
+
+
+def _until(condition, timeout: float = 10.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and not condition():
+        time.sleep(0.02)
+    return condition()
+
+
+def test_an_unexpected_error_in_the_sender_is_logged_counted_and_retried(tmp_path, monkeypatch):
+    proxy = FaultProxy("http://127.0.0.1:9/unused", lambda n, body: (204, {}, b""))
+    sink, spool = _sink(proxy.url, tmp_path / "spool")
+    real, calls = spool.oldest, []
+
+    def fails_once():
+        calls.append(1)
+        if len(calls) == 1:
+            raise RuntimeError("controller reset")
+        return real()
+
+    monkeypatch.setattr(spool, "oldest", fails_once)
+    with running(proxy), structlog.testing.capture_logs() as logs:
+        sink.start()
+        sink.emit([Series("x", (), 1.0, 1000)])
+        assert _until(lambda: len(proxy.log) == 1), "the sender died"
+        assert sink.close(time.monotonic() + 2)
+    assert sink.failures["internal"] == 1
+    errors = [e for e in logs if e["event"] == "sender_error"]
+    assert len(errors) == 1 and "controller reset" in errors[0]["error"]
+    assert sink.samples_pushed == 1
+
+
+def test_a_spooled_batch_that_cannot_be_merged_is_sent_alone_and_the_rest_flows(tmp_path):
+    vm = VictoriaMetrics(tmp_path).start()
+    garbage = b"checksummed, but not snappy"
+    proxy = FaultProxy(vm.write_url, lambda n, body: (400, {}, b"bad snappy")
+                       if body == garbage else None)
+    with running(vm, proxy):
+        sink, spool = _sink(proxy.url, tmp_path / "spool")
+        spool.put(garbage, samples=3)  # e.g. written by an older version, or bit rot with its CRC
+        good = Batch()
+        good.add([Series("after_the_bad_one", (("k", "v"),), 2.5, 1_700_000_000_000)])
+        spool.put(compress(Encoder().write_request(good.series)), samples=1)
+        sink.start()
+        assert _until(lambda: len(spool) == 0)
+        assert sink.close(time.monotonic() + 2)
+        assert [(n, v) for n, _, _, v in vm.settled(1)] == [("after_the_bad_one", 2.5)]
+    assert spool.dropped_samples["rejected"] == 3

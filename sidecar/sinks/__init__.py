@@ -12,14 +12,19 @@ from sidecar.samples import Labels, Series
 
 
 def redact_url(url: str) -> str:
-    """``url`` without its user-info part, for logs and errors."""
+    """``url`` without its user-info part and with query values masked (some vendors take a
+    licence key there), for logs and errors."""
     parts = urlsplit(url)
     if parts.username or parts.password:
         host = parts.hostname or ""
         if parts.port:
             host = f"{host}:{parts.port}"
-        return urlunsplit(parts._replace(netloc=host))
-    return url
+        parts = parts._replace(netloc=host)
+    if parts.query:
+        masked = "&".join(f"{k}=***" if eq else "***"
+                          for k, eq, _ in (p.partition("=") for p in parts.query.split("&")))
+        parts = parts._replace(query=masked)
+    return urlunsplit(parts._replace(fragment=""))
 
 
 class Sink(Protocol):

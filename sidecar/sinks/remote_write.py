@@ -238,10 +238,13 @@ class RemoteWriteSink:
         head = batches[0]
         body, samples = head.body, head.samples
         if len(batches) > 1:
-            merged = Batch()
-            for b in batches:
-                decode(decompress(b.body), into=merged)
-            body, samples = compress(self.encoder.write_request(merged.series)), len(merged)
+            try:
+                merged = Batch()
+                for b in batches:
+                    decode(decompress(b.body), into=merged)
+                body, samples = compress(self.encoder.write_request(merged.series)), len(merged)
+            except Exception:  # a batch we cannot read back: send the head alone, as written
+                batches = [head]
         attempts = 0
         try:
             for attempt in retrying(self.options, stop=self._give_up(head), sleep=self._sleep,
