@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import hashlib
 import os
 import re
 import signal
@@ -13,6 +14,7 @@ import time
 from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, NoReturn
+from urllib.parse import urlsplit
 
 import structlog
 
@@ -151,21 +153,18 @@ def _sinks(cfg: config.Config, spool_root: str) -> list[Sink]:
         from sidecar.sinks.remote_write import RemoteWriteSink, sink_name
         from sidecar.spool import Spool
 
-        try:
-            os.makedirs(spool_root, mode=0o700, exist_ok=True)
-            os.chmod(spool_root, 0o700)  # batches carry pod names and figures: private to us
-        except OSError as exc:
-            raise SpoolError(
-                f"spool directory {spool_root} is not writable ({exc.strerror}); mount a writable "
-                "emptyDir there or set --spool-dir / GPU_SIDECAR_SPOOL_DIR") from exc
+        _private_root(spool_root)
         seen: Counter[str] = Counter()
+        per_host = Counter(_old_spool_dir(u) for u in cfg.remote_write_url)
         for url in cfg.remote_write_url:
             # one spool and one sink label per URL, even for two URLs on one host:port
             name = sink_name(url)
             seen[name] += 1
             if seen[name] > 1:
                 name = f"{name}#{seen[name]}"
-            directory = os.path.join(spool_root, _safe_dir(name))
+            directory = os.path.join(spool_root, _spool_dir(name, url))
+            if per_host[_old_spool_dir(url)] == 1:
+                _adopt_old_spool(os.path.join(spool_root, _old_spool_dir(url)), directory)
             sinks.append(RemoteWriteSink(url, Spool(directory, cfg.spool_max_bytes), http,
                                          name=name, push_interval_s=cfg.push_interval,
                                          max_batch_samples=cfg.batch_max_samples))
@@ -183,6 +182,48 @@ def _sinks(cfg: config.Config, spool_root: str) -> list[Sink]:
 
 def _safe_dir(name: str) -> str:
     return "".join(c if c.isalnum() or c in "-." else "_" for c in name)
+
+
+def _spool_dir(name: str, url: str) -> str:
+    """The sink's name made safe for a path, plus a short digest of its URL (credentials left
+    out): two URLs whose names read alike on disk still get two directories."""
+    from sidecar.sinks import redact_url
+
+    digest = hashlib.sha256(redact_url(url).encode()).hexdigest()[:8]
+    return f"{_safe_dir(name)}-{digest}"
+
+
+def _old_spool_dir(url: str) -> str:
+    """Where earlier releases kept a URL's spool: one directory per host and port."""
+    parts = urlsplit(url)
+    port = parts.port or (443 if parts.scheme == "https" else 80)
+    return _safe_dir(f"remote_write:{parts.hostname}:{port}")
+
+
+def _adopt_old_spool(old: str, new: str) -> None:
+    """An upgrade must not orphan a backlog: the old directory becomes the URL's new one."""
+    if os.path.isdir(old) and not os.path.exists(new):
+        try:
+            os.rename(old, new)
+        except OSError as exc:
+            log.error("spool_not_adopted", old=old, new=new, error=exc.strerror,
+                      effect="batches of the earlier release stay unsent in the old directory")
+            return
+        log.info("spool_adopted", old=old, new=new, note="spool of an earlier release")
+
+
+def _private_root(root: str) -> None:
+    """The spool root, created 0700: batches carry pod names and figures. A root the agent does
+    not own (a Kubernetes emptyDir belongs to root) keeps its mode: the per-URL directories
+    inside it are 0700 anyway, and only the owner may chmod."""
+    try:
+        os.makedirs(root, mode=0o700, exist_ok=True)
+        if os.stat(root).st_uid == os.getuid():
+            os.chmod(root, 0o700)
+    except OSError as exc:
+        raise SpoolError(
+            f"spool directory {root} is not writable ({exc.strerror}); mount a writable "
+            "emptyDir there or set --spool-dir / GPU_SIDECAR_SPOOL_DIR") from exc
 
 
 def run(cfg: config.Config) -> int:

@@ -15,6 +15,7 @@ body (u32) | body, where the body is one cycle as an uncompressed remote-write `
 
 from __future__ import annotations
 
+import errno
 import os
 import struct
 import zlib
@@ -43,9 +44,13 @@ class Journal:
         The file is opened for each record rather than held open: an agent that holds no file
         open for writing between cycles does not stop its volume from being remounted (and
         three system calls a cycle cost nothing next to sampling)."""
+        data = RECORD.pack(len(body), zlib.crc32(body)) + body
         fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
         try:
-            os.write(fd, RECORD.pack(len(body), zlib.crc32(body)) + body)
+            before = os.fstat(fd).st_size
+            if os.write(fd, data) != len(data):  # a nearly full disk: no torn record left
+                os.ftruncate(fd, before)
+                raise OSError(errno.ENOSPC, "short write to the journal (disk full)")
         finally:
             os.close(fd)
         self.records += 1

@@ -112,9 +112,13 @@ class Spool:
             with contextlib.suppress(OSError):
                 for entry in sorted((self.dir / where).iterdir()):
                     self._aside[where][entry] = _size(entry)
-        # a journal left by a crash keeps its number: new batches come after it
+        # a journal left by a crash keeps its number: new batches come after it, and after the
+        # kept copies too, so that a new copy never replaces an older one of the same number
         unsealed = [seq for seq, _ in journal.leftovers(self.dir)]
-        self._next = max([*self._index, *unsealed], default=0) + 1
+        kept = [int(m.group(1)) for where in ASIDE for p in self._aside[where]
+                if (m := NAME.match(p.name))]
+        self._next = max([*self._index, *unsealed, *kept], default=0) + 1
+        self._in_flight: frozenset[int] = frozenset()
         self._trim(0)
         if self._index:
             log.info("spool_replay", directory=str(self.dir), batches=len(self._index),
@@ -189,7 +193,6 @@ class Spool:
                 log.error("batch_larger_than_spool", bytes=len(data), max_bytes=self.max_bytes,
                           samples=samples, hint="raise --spool-max-bytes or lower --push-interval")
                 return None
-            self._trim(len(data))
             if seq is None:
                 seq = self._next
                 self._next += 1
@@ -222,6 +225,8 @@ class Spool:
             before_publish()
         with self._lock:
             self._index[seq] = (path, len(data), samples)
+            # trimmed once the new batch is safe: a write that fails must not cost older ones
+            self._trim(0)
         return SpooledBatch(seq, path, samples, body)
 
     def _trim(self, incoming: int) -> None:
@@ -238,9 +243,13 @@ class Spool:
                 if where == "rejected":
                     log.info("spool_trimmed_kept_copy", batch=path.name, kept_in=where,
                              max_bytes=self.max_bytes)
-        while self._index and total + incoming > self.max_bytes:
-            oldest = min(self._index)
-            path, size, old_samples = self._index.pop(oldest)
+        while total + incoming > self.max_bytes:
+            # the batches of the request in flight stay: the receiver may be storing them now
+            # (the bound is exceeded by at most one request meanwhile)
+            waiting = [seq for seq in self._index if seq not in self._in_flight]
+            if len(waiting) <= 1:
+                break  # the newest batch stays whatever the bound: it was just written
+            path, size, old_samples = self._index.pop(min(waiting))
             with contextlib.suppress(OSError):
                 path.unlink()
             total -= size
@@ -307,14 +316,15 @@ class Spool:
             total += samples
         return out
 
+    def in_flight(self, batches: list[SpooledBatch]) -> None:
+        """The batches of the request being sent: the size bound leaves them alone."""
+        with self._lock:
+            self._in_flight = frozenset(b.seq for b in batches)
+
     def remove(self, batch: SpooledBatch) -> bool:
-        """The receiver accepted ``batch``. If the size bound dropped it while it was in flight,
-        it was delivered after all: take it back out of the dropped counts."""
+        """The receiver accepted ``batch``: forget it."""
         with self._lock:
             held = self._index.pop(batch.seq, None) is not None
-            if not held:
-                self.dropped_batches["spool_full"] -= 1
-                self.dropped_samples["spool_full"] -= batch.samples
         try:
             batch.path.unlink()
         except FileNotFoundError:
@@ -333,12 +343,12 @@ class Spool:
         return self._move(batch.seq, "rejected", batch.samples)
 
     def _move(self, seq: int, where: str, samples: int, reason: str | None = None) -> Path:
+        target = self.dir / where / f"{seq:020d}.batch"
         with self._lock:
             entry = self._index.pop(seq, None)
+            if entry is None:
+                return target  # already gone (and counted) some other way
             self._count_drop(reason or where, samples)
-        target = self.dir / where / f"{seq:020d}.batch"
-        if entry is None:
-            return target
         try:
             target.parent.mkdir(exist_ok=True, mode=0o700)
             os.replace(entry[0], target)

@@ -7,10 +7,12 @@ and log lines: each condition is counted, logged once when it starts, and cleare
 
 from __future__ import annotations
 
+import base64
 import contextlib
 import json
 import os
 import signal
+import stat
 import subprocess
 import sys
 import time
@@ -19,6 +21,7 @@ from pathlib import Path
 import pytest
 import structlog
 
+from sidecar.cli import _private_root
 from sidecar.remote_write import Batch, Encoder, compress
 from sidecar.samples import Series
 from sidecar.sinks.delivery import FAILURE_REASONS, HttpOptions
@@ -346,8 +349,11 @@ def test_a_receiver_echoing_the_request_never_puts_a_secret_in_the_log(tmp_path)
     token = tmp_path / "token"
     token.write_text("tok-0a1b2c3d4e5f\n")
 
+    basic = base64.b64encode(b"u:pw-secret-77")
+
     def echo(n: int, body: bytes) -> tuple[int, dict, bytes]:
-        return 401, {}, b"denied for Authorization: Bearer tok-0a1b2c3d4e5f, X-Key hdr-9z8y7x"
+        return 401, {}, (b"denied for Authorization: Bearer tok-0a1b2c3d4e5f, X-Key hdr-9z8y7x, "
+                         b"Authorization: Basic " + basic)
 
     proxy = FaultProxy("http://127.0.0.1:9/unused", echo)
     with running(proxy):
@@ -359,7 +365,7 @@ def test_a_receiver_echoing_the_request_never_puts_a_secret_in_the_log(tmp_path)
     text = "".join(agent.err) + "".join(agent.out)
     refused = events(agent, "batch_refused")
     assert refused and "***" in refused[0]["receiver_said"]
-    for secret in ("tok-0a1b2c3d4e5f", "hdr-9z8y7x", "pw-secret-77"):
+    for secret in ("tok-0a1b2c3d4e5f", "hdr-9z8y7x", "pw-secret-77", basic.decode()):
         assert secret not in text
     assert json.dumps(refused[0])  # the log line is whole JSON
 
@@ -419,3 +425,30 @@ def test_a_spooled_batch_that_cannot_be_merged_is_sent_alone_and_the_rest_flows(
         assert sink.close(time.monotonic() + 2)
         assert [(n, v) for n, _, _, v in vm.settled(1)] == [("after_the_bad_one", 2.5)]
     assert spool.dropped_samples["rejected"] == 3
+
+
+def test_a_spool_root_owned_by_someone_else_keeps_its_mode_and_the_agent_starts(tmp_path):
+    """A Kubernetes emptyDir belongs to root, mode 0777, and the agent runs as 65532: only the
+    owner may chmod it, so the agent must not try (the per-URL directories are 0700)."""
+    root = tmp_path / "emptydir"
+    root.mkdir()
+    root.chmod(0o777)
+    os.chown(root, 12345, 12345)
+    _private_root(str(root))
+    assert stat.S_IMODE(root.stat().st_mode) == 0o777
+
+
+def test_the_spool_of_an_earlier_release_is_adopted_and_sent(tmp_path):
+    vm = VictoriaMetrics(tmp_path).start()
+    with running(vm):
+        host_port = vm.write_url.split("/")[2].replace(":", "_")
+        old = Spool(tmp_path / "spool" / f"remote_write_{host_port}", max_bytes=1 << 20)
+        left = Batch()
+        left.add([Series("left_by_the_old_release", (), 7.0, 1_700_000_000_000)])
+        old.put(compress(Encoder().write_request(left.series)), samples=1)
+        old.close()
+        agent = Agent(args(vm.write_url, tmp_path / "spool")).start()
+        time.sleep(1.5)
+        assert agent.stop() == 0
+        assert ("left_by_the_old_release", (), 1_700_000_000_000, 7.0) in vm.settled()
+    assert len(events(agent, "spool_adopted")) == 1

@@ -122,3 +122,31 @@ def test_kept_copies_count_against_the_bound_and_go_first(tmp_path):
     assert sorted(p.name for p in (tmp_path / "rejected").iterdir()) == ["00000000000000000002.batch"]
     assert spool.dropped_samples["spool_full"] == 0  # nothing waiting was lost for the copies
 
+
+
+def test_the_batches_of_the_request_in_flight_are_never_dropped_for_room(tmp_path):
+    body = b"x" * 1000
+    size = HEADER.size + len(body)
+    spool = Spool(tmp_path, max_bytes=3 * size)
+    first = spool.put(body, samples=1)
+    spool.in_flight([first])  # the receiver may be storing it right now
+    for _ in range(3):
+        spool.put(body, samples=10)
+    assert spool.oldest().seq == first.seq
+    assert spool.dropped_samples["spool_full"] == 10  # the next oldest went instead
+    spool.in_flight([])
+    spool.remove(first)
+    assert spool.dropped_samples["spool_full"] == 10  # a counter never goes down
+
+
+def test_a_failed_write_costs_no_older_batch(tmp_path):
+    body = b"x" * 1000
+    size = HEADER.size + len(body)
+    spool = Spool(tmp_path, max_bytes=2 * size)
+    spool.put(body, samples=1)
+    spool.put(body, samples=2)
+    blocker = tmp_path / "00000000000000000003.tmp"
+    blocker.mkdir()  # the temporary file cannot be created: the write fails
+    assert spool.put(body, samples=3) is None
+    assert len(spool) == 2 and spool.dropped_samples["spool_full"] == 0
+    assert spool.dropped_samples["spool_write_failed"] == 3

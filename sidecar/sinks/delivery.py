@@ -8,6 +8,7 @@ never appear in a log line or an error: URLs are logged without their user-info 
 
 from __future__ import annotations
 
+import base64
 import contextlib
 import email.utils
 import os
@@ -118,9 +119,14 @@ class Http:
                 out.append(self._token.value())
             if self._password is not None:
                 out.append(self._password.value())
-        password = urlsplit(url).password if "@" in url else None
-        if password:
-            out += [password, unquote(password)]
+        parts = urlsplit(url) if "@" in url else None
+        if parts is not None and parts.password:
+            out += [parts.password, unquote(parts.password),
+                    _basic(unquote(parts.username or ""), unquote(parts.password))]
+        with contextlib.suppress(OSError):
+            auth = self.auth()
+            if auth is not None:
+                out.append(_basic(*auth))  # what an echoed "Authorization: Basic ..." carries
         return [v for v in out if len(v) >= 3]
 
     def request(self, method: str, url: str, *, data: bytes | None = None,
@@ -147,6 +153,10 @@ class Http:
         receiver said is shortened and has every configured secret masked."""
         url = response.request.url if response.request is not None else ""
         check(response, self.secrets(url or ""))
+
+
+def _basic(user: str, password: str) -> str:
+    return base64.b64encode(f"{user}:{password}".encode()).decode()
 
 
 def parse_retry_after(value: str | None) -> float | None:

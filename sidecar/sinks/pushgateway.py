@@ -103,6 +103,8 @@ class PushgatewaySink:
         self._stop = threading.Event()
         self._failing = False
         self._thread = threading.Thread(target=self._run, name="sender-pushgateway", daemon=True)
+        self._final: threading.Thread | None = None
+        self._done = threading.Event()
 
     def start(self) -> None:
         self._thread.start()
@@ -172,27 +174,31 @@ class PushgatewaySink:
             self._push_latest(lambda _s: self._stop.is_set() or self._wake.is_set())
 
     def begin_close(self, deadline: float) -> None:
-        self.http.deadline = deadline
-
-    def close(self, deadline: float) -> bool:
+        """The final push (and the group's deletion when asked) starts now, beside the other
+        sinks' draining, rather than after them."""
         self.http.deadline = deadline
         self._stop.set()
         self._wake.set()
-        self._thread.join(timeout=max(0.0, deadline - time.monotonic()))
-        done = threading.Event()
+        self._done = threading.Event()
 
         def final() -> None:
+            self._thread.join(timeout=max(0.0, deadline - time.monotonic()))
             self._stop.clear()
             self._push_latest(lambda _s: time.monotonic() >= deadline)
             if self.delete_on_exit:
                 self._delete(deadline)
-            done.set()
+            self._done.set()
 
-        worker = threading.Thread(target=final, daemon=True)
-        worker.start()
-        worker.join(timeout=max(0.1, deadline - time.monotonic()))
+        self._final = threading.Thread(target=final, name="pushgateway-final", daemon=True)
+        self._final.start()
+
+    def close(self, deadline: float) -> bool:
+        if self._final is None:
+            self.begin_close(deadline)
+        assert self._final is not None
+        self._final.join(timeout=max(0.0, deadline - time.monotonic()))
         self._stop.set()
-        return done.is_set()
+        return self._done.is_set()
 
     def _delete(self, deadline: float) -> None:
         try:

@@ -16,6 +16,7 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Callable
+from pathlib import Path
 from urllib.parse import urlsplit
 
 import structlog
@@ -35,6 +36,13 @@ from sidecar.sinks.delivery import (
 from sidecar.spool import STATES, Spool, SpooledBatch, log_count
 
 log = structlog.get_logger("sidecar.remote_write")
+
+
+def _forget(path: Path) -> None:
+    """Delete a journal; one that cannot be deleted (read-only volume, a directory of that
+    name) is left where it is: start-up must never fail on it."""
+    with contextlib.suppress(OSError):
+        path.unlink()
 
 
 def sink_name(url: str) -> str:
@@ -96,7 +104,7 @@ class RemoteWriteSink:
             if seq == self._journal.seq:
                 continue
             if self.spool.holds(seq):  # sealed, but the crash came before the journal went
-                path.unlink(missing_ok=True)
+                _forget(path)
                 continue
             batch = Batch()
             try:
@@ -106,12 +114,13 @@ class RemoteWriteSink:
                 log.error("journal_unreadable", journal=path.name, error=str(exc),
                           effect="the samples it held are lost")
             if len(batch):
-                self.spool.put(compress(self.encoder.write_request(batch.series)), len(batch),
-                               seq=seq, before_publish=lambda p=path: p.unlink(missing_ok=True))
-                log.info("journal_replayed", sink=self.name, journal=path.name,
-                         samples=len(batch), note="the open batch of a run that did not stop")
-            else:
-                path.unlink(missing_ok=True)
+                body = compress(self.encoder.write_request(batch.series))
+                if self.spool.put(body, len(batch), seq=seq,
+                                  before_publish=lambda p=path: _forget(p)) is not None:
+                    log.info("journal_replayed", sink=self.name, journal=path.name,
+                             samples=len(batch), note="the open batch of a run that did not stop")
+                    continue
+            _forget(path)  # empty, unreadable, or counted as lost by the spool
 
     def emit(self, series: list[Series]) -> None:
         cycle = Batch()
@@ -198,6 +207,8 @@ class RemoteWriteSink:
             except Exception as exc:  # the sender must never die silently
                 errors += 1
                 self.failures["internal"] += 1
+                if self._stop.is_set():
+                    return  # closed: the interpreter may be finalising, say nothing more
                 log.exception("sender_error", sink=self.name, error=repr(exc), count=errors,
                               effect="retrying; samples wait in the spool")
                 self._sleep(min(30.0, 0.5 * 2 ** min(errors, 6)))
@@ -246,6 +257,7 @@ class RemoteWriteSink:
             except Exception:  # a batch we cannot read back: send the head alone, as written
                 batches = [head]
         attempts = 0
+        self.spool.in_flight(batches)
         try:
             for attempt in retrying(self.options, stop=self._give_up(head), sleep=self._sleep,
                                     closing=self._draining.is_set):
@@ -256,6 +268,8 @@ class RemoteWriteSink:
             if len(batches) > 1:  # find the batch the receiver objects to; the others go on
                 for b in batches:
                     self._deliver([b])
+                    if self.spool.holds(b.seq) or self._stop.is_set():
+                        return  # not delivered (stopping, or past the deadline): keep the order
                 return
             self.failures[f"http_{exc.status}"] += 1
             aside = self.spool.set_aside(head)
@@ -266,10 +280,10 @@ class RemoteWriteSink:
             return
         except Retryable:
             return  # stopping, or the batch left the spool; the loop decides what is next
+        finally:
+            self.spool.in_flight([])
         for b in batches:
-            if not self.spool.remove(b):
-                log.info("dropped_batch_delivered_after_all", sink=self.name, samples=b.samples,
-                         note="the size bound dropped it while it was in flight; not lost")
+            self.spool.remove(b)
         self.samples_pushed += samples
         self.batches_pushed += len(batches)
         self.last_success_time = time.time()
@@ -286,7 +300,7 @@ class RemoteWriteSink:
             self.http.check(response)
         except Retryable as exc:
             self.failures[exc.reason] += 1
-            if self._failing_since is None:
+            if self._failing_since is None and not self._stop.is_set():
                 self._failing_since = started
                 log.warning("push_failing", sink=self.name, reason=exc.reason, detail=str(exc),
                             retry_after_s=exc.retry_after,
