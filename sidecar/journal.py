@@ -9,8 +9,9 @@ spool under its own number, so the send order stays the sampling order.
 
 Records are appended with ``write(2)`` and not fsynced: a process that dies keeps what it wrote
 (the kernel has it), which is the failure this is for; a node that loses power may lose the
-journal's tail, which the per-record CRC detects. Record layout: body length (u32) | CRC-32 of
-body (u32) | body, where the body is one cycle as an uncompressed remote-write ``WriteRequest``.
+journal's tail, which the per-record CRC detects. Record layout: body length (u32) | samples
+(u32) | CRC-32 of body (u32) | body, where the body is one cycle as an uncompressed remote-write
+``WriteRequest``: the sealed batch is these bodies joined, so a replay needs no decoding.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ import zlib
 from collections.abc import Iterator
 from pathlib import Path
 
-RECORD = struct.Struct("<II")
+RECORD = struct.Struct("<III")
 SUFFIX = ".journal"
 
 
@@ -38,13 +39,13 @@ class Journal:
         self.path = journal_path(directory, seq)
         self.records = 0
 
-    def append(self, body: bytes) -> None:
+    def append(self, body: bytes, samples: int) -> None:
         """Raises OSError when the disk refuses; the caller counts that and goes on.
 
         The file is opened for each record rather than held open: an agent that holds no file
         open for writing between cycles does not stop its volume from being remounted (and
         three system calls a cycle cost nothing next to sampling)."""
-        data = RECORD.pack(len(body), zlib.crc32(body)) + body
+        data = RECORD.pack(len(body), samples, zlib.crc32(body)) + body
         fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
         try:
             before = os.fstat(fd).st_size
@@ -61,16 +62,17 @@ class Journal:
             self.path.unlink(missing_ok=True)
 
 
-def read_records(path: Path) -> Iterator[bytes]:
-    """The intact records of a journal, in order, up to the first torn or damaged one."""
+def read_records(path: Path) -> Iterator[tuple[bytes, int]]:
+    """The intact records of a journal, (body, samples) in order, up to the first torn or
+    damaged one."""
     data = path.read_bytes()
     offset = 0
     while offset + RECORD.size <= len(data):
-        length, crc = RECORD.unpack_from(data, offset)
+        length, samples, crc = RECORD.unpack_from(data, offset)
         body = data[offset + RECORD.size:offset + RECORD.size + length]
         if len(body) != length or zlib.crc32(body) != crc:
             return
-        yield body
+        yield body, samples
         offset += RECORD.size + length
 
 

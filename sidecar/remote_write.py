@@ -1,19 +1,22 @@
 """Prometheus remote-write 1.0 bodies: a protobuf ``WriteRequest``, snappy block-compressed.
 
 The message is four nested types (WriteRequest > TimeSeries > Label, Sample), so it is written
-directly in protobuf wire format rather than through generated classes: the label block of a
-series is the same every cycle and is encoded once, and every sample of a cycle shares one
-timestamp varint. The tests decode the output with the real protobuf runtime, and the benchmark
-compares it against building the same message with protobuf.
+directly in protobuf wire format rather than through generated classes. The agent encodes each
+cycle once (``Encoder.cycle``: one TimeSeries per series, the bytes before each value kept from
+cycle to cycle) and builds every request by joining such encodings: WriteRequests concatenate
+into a WriteRequest, so a batch, a merged backlog and a replayed journal are never decoded and
+encoded again. The tests decode the output with the real protobuf runtime, and the benchmark
+compares the encoding against building the same message with protobuf.
 
 Rules from the spec followed here: labels sorted by name with ``__name__`` among them, names
-unique per series, samples of a series in timestamp order, timestamps in milliseconds.
+unique per series, samples of a series in timestamp order (cycles are joined in time order),
+timestamps in milliseconds.
 """
 
 from __future__ import annotations
 
 import struct
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 import cramjam
@@ -68,11 +71,6 @@ class Batch:
             self.series.setdefault((s.name, s.labels), []).append((s.timestamp_ms, s.value))
             self.samples += 1
 
-    def merge(self, other: Batch) -> None:
-        for key, points in other.series.items():
-            self.series.setdefault(key, []).extend(points)
-        self.samples += other.samples
-
     def __len__(self) -> int:
         return self.samples
 
@@ -82,9 +80,38 @@ class Encoder:
 
     def __init__(self, max_cached_series: int = 50_000) -> None:
         self._labels: dict[SeriesKey, bytes] = {}
+        self._prefixes: dict[tuple[str, Labels, int], bytes] = {}
         self._max = max_cached_series
 
+    def cycle(self, series: Iterable[Series]) -> bytes:
+        """One cycle as a WriteRequest with one TimeSeries per series (Prometheus' own sender
+        writes one per sample too). Requests are made of these joined: a batch is its cycles
+        side by side, a merged backlog its batches side by side, a journal replay its records;
+        nothing is ever decoded and encoded again. Per series, the bytes before the value are
+        kept from cycle to cycle, so a cycle costs a lookup, a pack and a join per series."""
+        if len(self._prefixes) > self._max:
+            self._prefixes.clear()
+        pack = _DOUBLE.pack
+        prefixes = self._prefixes
+        tails: dict[int, bytes] = {}
+        out: list[bytes] = []
+        for s in series:
+            tail = tails.get(s.timestamp_ms)
+            if tail is None:
+                tail = tails[s.timestamp_ms] = b"\x10" + varint(s.timestamp_ms)
+            key = (s.name, s.labels, len(tail))
+            prefix = prefixes.get(key)
+            if prefix is None:
+                labels = encode_labels(s.name, s.labels)
+                sample = 9 + len(tail)  # Sample = 0x09 double (9 bytes) + 0x10 varint
+                prefix = prefixes[key] = (b"\x0a" + varint(len(labels) + 2 + sample) + labels
+                                          + b"\x12" + bytes((sample,)) + b"\x09")
+            out.append(prefix + pack(s.value) + tail)
+        return b"".join(out)
+
     def write_request(self, series: dict[SeriesKey, list[tuple[int, float]]]) -> bytes:
+        """A batch grouped by series, one TimeSeries each with its samples in order: the
+        compact form, for bodies built in one go (tests, the encoding benchmark)."""
         if len(self._labels) > self._max:
             self._labels.clear()
         pack = _DOUBLE.pack
@@ -119,66 +146,3 @@ def decompress(body: bytes) -> bytes:
     return bytes(cramjam.snappy.decompress_raw(body))
 
 
-
-def _read_varint(data: bytes, pos: int) -> tuple[int, int]:
-    value = shift = 0
-    while True:
-        byte = data[pos]
-        pos += 1
-        value |= (byte & 0x7F) << shift
-        if byte < 0x80:
-            return value, pos
-        shift += 7
-
-
-def _fields(data: bytes) -> Iterator[tuple[int, int, bytes | int]]:
-    """(field number, wire type, payload) of one protobuf message; unknown fields included."""
-    pos, end = 0, len(data)
-    while pos < end:
-        key, pos = _read_varint(data, pos)
-        number, wire = key >> 3, key & 7
-        if wire == 0:
-            value, pos = _read_varint(data, pos)
-            yield number, wire, value
-        elif wire == 1:
-            yield number, wire, data[pos:pos + 8]
-            pos += 8
-        elif wire == 2:
-            length, pos = _read_varint(data, pos)
-            yield number, wire, data[pos:pos + length]
-            pos += length
-        elif wire == 5:
-            yield number, wire, data[pos:pos + 4]
-            pos += 4
-        else:
-            raise ValueError(f"unsupported protobuf wire type {wire}")
-
-
-def decode(payload: bytes, into: Batch | None = None) -> Batch:
-    """A WriteRequest back into a batch. Used off the hot path only: to replay the journal of a
-    batch that a crash left unsealed, and to merge spooled batches into one request when a
-    backlog has built up."""
-    batch = into if into is not None else Batch()
-    for number, _, ts_bytes in _fields(payload):
-        if number != 1:
-            continue
-        name, labels, points = "", [], []
-        for field_no, _, part in _fields(ts_bytes):  # type: ignore[arg-type]
-            if field_no == 1:
-                pair = {n: bytes(v).decode() for n, _, v in _fields(part)}  # type: ignore[arg-type]
-                if pair.get(1) == "__name__":
-                    name = pair.get(2, "")
-                else:
-                    labels.append((pair.get(1, ""), pair.get(2, "")))
-            elif field_no == 2:
-                value, ts = 0.0, 0
-                for n, _, v in _fields(part):  # type: ignore[arg-type]
-                    if n == 1:
-                        value = _DOUBLE.unpack(v)[0]  # type: ignore[arg-type]
-                    elif n == 2:
-                        ts = v - (1 << 64) if v >= 1 << 63 else v  # type: ignore[operator]
-                points.append((ts, value))
-        key = (name, tuple(sorted(labels)))
-        batch.series.setdefault(key, []).extend(points)
-        batch.samples += len(points)
-    return batch

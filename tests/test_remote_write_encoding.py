@@ -97,3 +97,28 @@ def test_encoder_agrees_with_protobuf_for_any_series(items):
         assert [t for t, _ in got[key]] == [t for t, _ in want]
         # bit for bit: -0.0 is not 0.0, and Prometheus' stale marker is one NaN among many
         assert [bits(v) for _, v in got[key]] == [bits(v) for _, v in want]
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(series_strategy, min_size=1, max_size=5))
+def test_cycles_joined_are_one_write_request_with_every_sample_in_order(cycles):
+    """What the agent sends: each cycle encoded once, a request is cycles (or batches) joined."""
+    encoder = Encoder()
+    expected: dict = {}
+    for ts, items in enumerate(cycles, start=1_700_000_000_000):
+        for name, labels, _, value in items:
+            expected.setdefault((name, tuple(sorted(labels.items()))), []).append((ts, value))
+    body = b"".join(encoder.cycle([Series(n, tuple(sorted(lab.items())), v, ts)
+                                   for n, lab, _, v in items])
+                    for ts, items in enumerate(cycles, start=1_700_000_000_000))
+    wr = WriteRequest()
+    wr.ParseFromString(body)
+    got: dict = {}
+    for series in wr.timeseries:
+        labels = [(lab.name, lab.value) for lab in series.labels]
+        assert labels == sorted(labels)
+        d = dict(labels)
+        name = d.pop("__name__")
+        got.setdefault((name, tuple(sorted(d.items()))), []).extend(
+            (s.timestamp, bits(s.value)) for s in series.samples)
+    assert got == {k: [(t, bits(v)) for t, v in pts] for k, pts in expected.items()}

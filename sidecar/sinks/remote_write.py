@@ -22,7 +22,7 @@ from urllib.parse import urlsplit
 import structlog
 
 from sidecar import journal
-from sidecar.remote_write import CONTENT_HEADERS, Batch, Encoder, compress, decode, decompress
+from sidecar.remote_write import CONTENT_HEADERS, Encoder, compress, decompress
 from sidecar.samples import Labels, Series
 from sidecar.sinks.delivery import (
     FAILURE_REASONS,
@@ -74,7 +74,8 @@ class RemoteWriteSink:
         self.max_batch_samples = max_batch_samples
         self.clock = clock
         self.encoder = Encoder()
-        self.batch = Batch()
+        self._cycles: list[bytes] = []  # the open batch: each cycle encoded once, as journaled
+        self._open_samples = 0
         self.last_flush = clock()
         self.samples_pushed = 0
         self.batches_pushed = 0
@@ -106,37 +107,36 @@ class RemoteWriteSink:
             if self.spool.holds(seq):  # sealed, but the crash came before the journal went
                 _forget(path)
                 continue
-            batch = Batch()
+            records: list[tuple[bytes, int]] = []
             try:
-                for record in journal.read_records(path):
-                    decode(record, into=batch)
-            except (OSError, ValueError, IndexError) as exc:
-                log.error("journal_unreadable", journal=path.name, error=str(exc),
+                records = list(journal.read_records(path))
+            except OSError as exc:
+                log.error("journal_unreadable", journal=path.name, error=exc.strerror,
                           effect="the samples it held are lost")
-            if len(batch):
-                body = compress(self.encoder.write_request(batch.series))
-                if self.spool.put(body, len(batch), seq=seq,
+            samples = sum(n for _, n in records)
+            if samples:
+                body = compress(b"".join(body for body, _ in records))
+                if self.spool.put(body, samples, seq=seq,
                                   before_publish=lambda p=path: _forget(p)) is not None:
                     log.info("journal_replayed", sink=self.name, journal=path.name,
-                             samples=len(batch), note="the open batch of a run that did not stop")
+                             samples=samples, note="the open batch of a run that did not stop")
                     continue
             _forget(path)  # empty, unreadable, or counted as lost by the spool
 
     def emit(self, series: list[Series]) -> None:
-        cycle = Batch()
-        cycle.add(series)
-        record = self.encoder.write_request(cycle.series)
+        record = self.encoder.cycle(series)
         with self._lock:
-            self._append_journal(record)
-            self.batch.merge(cycle)
-            due = (len(self.batch) >= self.max_batch_samples
+            self._append_journal(record, len(series))
+            self._cycles.append(record)
+            self._open_samples += len(series)
+            due = (self._open_samples >= self.max_batch_samples
                    or self.clock() - self.last_flush >= self.push_interval_s)
         if due:
             self.flush()
 
-    def _append_journal(self, record: bytes) -> None:
+    def _append_journal(self, record: bytes, samples: int) -> None:
         try:
-            self._journal.append(record)
+            self._journal.append(record, samples)
         except OSError as exc:
             if not self._journal_failing:
                 self._journal_failing = True
@@ -152,15 +152,16 @@ class RemoteWriteSink:
     def flush(self) -> None:
         """Seal the open batch into the spool; the sender takes it from there."""
         with self._lock:
-            batch, self.batch = self.batch, Batch()
+            cycles, samples = self._cycles, self._open_samples
+            self._cycles, self._open_samples = [], 0
             sealed, self._journal = self._journal, journal.Journal(self.spool.dir,
                                                                   self.spool.reserve())
             self.last_flush = self.clock()
-        if not len(batch):
+        if not samples:
             self._discard(sealed)
             return
-        body = compress(self.encoder.write_request(batch.series))
-        if self.spool.put(body, len(batch), seq=sealed.seq,
+        body = compress(b"".join(cycles))
+        if self.spool.put(body, samples, seq=sealed.seq,
                           before_publish=lambda: self._discard(sealed)) is None:
             self._discard(sealed)  # counted as lost: it must not come back at the next start
         self._wake.set()
@@ -249,21 +250,26 @@ class RemoteWriteSink:
         head = batches[0]
         body, samples = head.body, head.samples
         if len(batches) > 1:
-            try:
-                merged = Batch()
-                for b in batches:
-                    decode(decompress(b.body), into=merged)
-                body, samples = compress(self.encoder.write_request(merged.series)), len(merged)
+            try:  # requests are WriteRequests joined: a merged backlog is its batches joined
+                body = compress(b"".join(decompress(b.body) for b in batches))
+                samples = sum(b.samples for b in batches)
             except Exception:  # a batch we cannot read back: send the head alone, as written
                 batches = [head]
         attempts = 0
-        self.spool.in_flight(batches)
         try:
             for attempt in retrying(self.options, stop=self._give_up(head), sleep=self._sleep,
                                     closing=self._draining.is_set):
                 with attempt:
                     attempts += 1
-                    self._post(body)
+                    # while on the wire (not while waiting to retry) the size bound leaves
+                    # these batches alone: the receiver may be storing them
+                    self.spool.in_flight(batches)
+                    try:
+                        if not all(self.spool.holds(b.seq) for b in batches):
+                            return  # the bound took one while we waited: start afresh
+                        self._post(body)
+                    finally:
+                        self.spool.in_flight([])
         except Refused as exc:
             if len(batches) > 1:  # find the batch the receiver objects to; the others go on
                 for b in batches:
@@ -280,8 +286,6 @@ class RemoteWriteSink:
             return
         except Retryable:
             return  # stopping, or the batch left the spool; the loop decides what is next
-        finally:
-            self.spool.in_flight([])
         for b in batches:
             self.spool.remove(b)
         self.samples_pushed += samples
