@@ -17,7 +17,7 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import structlog
 
@@ -37,6 +37,7 @@ class _Merged:
     counts: list[int]
     total: float
     updated: float
+    retired: set[int] = field(default_factory=set)  # pids refused: they use older buckets
 
 
 class AppState:
@@ -101,6 +102,15 @@ class AppState:
             raise protocol.Rejected("too_many_gpus", f"more than {MAX_APP_GPUS} GPUs announced")
 
     def _store(self, message: protocol.Message, now: float) -> None:
+        if isinstance(message, protocol.Round):
+            # whole or not at all: every GPU is checked before anything is kept
+            for uuid in {*message.gpus, *(a.gpu for a in message.allocators),
+                         *(h.gpu for h in message.latency)}:
+                self._check_gpu(uuid)
+            self._store(protocol.Hello(message.pid, message.gpus), now)
+            for part in (*message.allocators, *message.latency):
+                self._store(part, now)
+            return
         if isinstance(message, protocol.Hello):
             for uuid in message.gpus:
                 self._check_gpu(uuid)
@@ -148,11 +158,17 @@ class AppState:
     def _merge(self, message: protocol.Latency, key: tuple[str, int], now: float) -> None:
         merged = self._merged.get(message.gpu)
         if merged is not None and merged.bounds != message.bounds:
-            raise protocol.Rejected(
-                "bucket_mismatch",
-                f"latency bounds differ from those already used for {message.gpu}; "
-                "every process on a GPU must use the same buckets",
-            )
+            if key[1] in merged.retired:
+                raise protocol.Rejected(
+                    "bucket_mismatch",
+                    f"latency bounds differ from those now used for {message.gpu}; "
+                    "every process on a GPU must use the same buckets",
+                )
+            # a process brings other buckets (a redeploy, or a restart under the same pid):
+            # its layout is taken and the GPU's histogram restarts from zero, as a counter
+            # reset does; processes still on the old layout are refused from then on, so two
+            # live layouts never take turns
+            merged = self._relayout(message, now)
         last = self._last_latency.get(key)
         counts = message.counts
         if last is not None and all(c >= p for c, p in zip(counts, last[0], strict=True)) and \
@@ -167,6 +183,22 @@ class AppState:
         merged.total += dsum
         merged.updated = now
         self._last_latency[key] = (counts, message.sum, now)
+
+    def _relayout(self, message: protocol.Latency, now: float) -> _Merged:
+        old = self._merged[message.gpu]
+        on_old = {k for k in self._last_latency if k[0] == message.gpu}
+        for k in on_old:
+            del self._last_latency[k]
+        retired = (old.retired | {pid for _, pid in on_old})
+        if len(retired) > MAX_PROCESSES_PER_GPU:
+            retired = set(sorted(retired)[-MAX_PROCESSES_PER_GPU:])
+        log.warning("latency_buckets_changed", gpu_uuid=message.gpu, pid=message.pid,
+                    old_bounds=list(old.bounds), new_bounds=list(message.bounds),
+                    effect="the GPU's latency histogram restarts with the new buckets; "
+                           "processes still on the old buckets are refused")
+        merged = self._merged[message.gpu] = _Merged(
+            message.bounds, [0] * (len(message.bounds) + 1), 0.0, now, retired)
+        return merged
 
     def announced(self) -> list[str]:
         with self._lock:

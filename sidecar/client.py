@@ -329,7 +329,8 @@ class Publisher:
         return self._sender.send(data)
 
     def publish(self) -> None:
-        """One round: hello, each device's allocator figures, the latency histogram."""
+        """One round, in one datagram: the GPUs, each device's allocator figures, the latency
+        histogram (several datagrams only past ``protocol.MAX_MESSAGE_BYTES``)."""
         try:
             with self._lock:
                 self._publish()
@@ -351,20 +352,20 @@ class Publisher:
         gpus = list(dict.fromkeys([*self.gpus, *(uuid for uuid, _ in devices.values())]))
         if not gpus:
             return
-        def send(data: bytes) -> bool:
-            return self._sender.send(data, patience=3)
-
-        send(protocol.encode(protocol.Hello(self._pid, tuple(gpus[: protocol.MAX_GPUS]))))
+        allocators = []
         for index, (uuid, fig) in devices.items():
             snap = self._snap.get(index, {})
-            send(encode_allocator(self._pid, uuid, fig["reserved_bytes"], fig["allocated_bytes"],
-                                  fig["active_bytes"], fig["inactive_split_bytes"],
-                                  fig["alloc_retries"], fig["ooms"],
-                                  snap.get("largest_free_block_bytes"),
-                                  snap.get("private_pool_bytes")))
+            allocators.append(protocol.Allocator(
+                self._pid, uuid, fig["reserved_bytes"], fig["allocated_bytes"],
+                fig["active_bytes"], fig["inactive_split_bytes"], fig["alloc_retries"],
+                fig["ooms"], snap.get("largest_free_block_bytes"), snap.get("private_pool_bytes")))
         counts, total = self.histogram.snapshot()
-        if counts[-1]:
-            send(encode_latency(self._pid, gpus[0], self.histogram.bounds, counts, total))
+        latency = (protocol.Latency(self._pid, gpus[0], self.histogram.bounds, counts, total),) \
+            if counts[-1] else ()
+        round_ = protocol.Round(self._pid, tuple(gpus[: protocol.MAX_GPUS]), tuple(allocators),
+                                latency)
+        for data in protocol.split_round(round_):
+            self._sender.send(data, patience=3)
 
     # -- life cycle ------------------------------------------------------------------------
 
@@ -470,13 +471,6 @@ def encode_allocator(pid: int, gpu: str, reserved: int, allocated: int, active: 
     if private is not None:
         data += b',"private_pool_bytes":%d' % private
     return data + b"}"
-
-
-def encode_latency(pid: int, gpu: str, bounds: Sequence[float], counts: Sequence[int],
-                   total: float) -> bytes:
-    return (f'{{"v":1,"kind":"latency","pid":{pid},"gpu":"{gpu}","bounds":['
-            f'{",".join(map(repr, bounds))}],"counts":[{",".join(map(str, counts))}],'
-            f'"sum":{total!r}}}').encode()
 
 
 # -- the process-wide default publisher ----------------------------------------------------

@@ -13,6 +13,17 @@ format version (``v``), its ``kind`` and the sender's ``pid``. Kinds:
 ``latency``    ``gpu``, ``bounds`` (finite, strictly increasing upper bounds in seconds, at most
                64), ``counts`` (cumulative counts, one per bound plus one for +Inf, never
                decreasing) and ``sum`` (seconds). Counts are cumulative since the process started.
+``round``      one publish round of one process in one datagram: ``gpus`` (as in hello),
+               ``allocators`` (a list of allocator objects: ``gpu`` and the allocator fields)
+               and ``latency`` (a list of latency objects: ``gpu``, ``bounds``, ``counts``,
+               ``sum``). The kernel queues only ``net.unix.max_dgram_qlen`` (10 by default, and
+               a pod cannot raise it) datagrams per socket, so a round of 8 GPUs sent as 17
+               messages loses some whenever a few processes publish at once; as one it does not.
+               A round larger than ``MAX_MESSAGE_BYTES`` (about 14 GPUs with their histograms)
+               is split by the sender into several rounds, each a whole part of the GPUs.
+
+The single-purpose kinds stay accepted, so clients and agents of different releases work
+together. A round is validated whole: one bad part refuses the round (counted by reason).
 
 Unknown fields are rejected rather than ignored: a typo must not pass for a missing figure, and
 a new field is a new version.
@@ -41,7 +52,8 @@ DEFAULT_LATENCY_BOUNDS: tuple[float, ...] = (
     0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0,
 )
 
-UUID_RE = re.compile(r"^(GPU|MIG)-[0-9A-Za-z][0-9A-Za-z/\-]{3,95}$")
+# \Z, not $: "$" also matches before a trailing newline, which would reach a label
+UUID_RE = re.compile(r"\A(GPU|MIG)-[0-9A-Za-z][0-9A-Za-z/\-]{3,95}\Z")
 
 ALLOCATOR_REQUIRED = (
     "reserved_bytes",
@@ -57,7 +69,10 @@ _FIELDS = {
     "hello": frozenset((*_COMMON, "gpus")),
     "allocator": frozenset((*_COMMON, "gpu", *ALLOCATOR_REQUIRED, *ALLOCATOR_OPTIONAL)),
     "latency": frozenset((*_COMMON, "gpu", "bounds", "counts", "sum")),
+    "round": frozenset((*_COMMON, "gpus", "allocators", "latency")),
 }
+_ALLOCATOR_ITEM = frozenset(("gpu", *ALLOCATOR_REQUIRED, *ALLOCATOR_OPTIONAL))
+_LATENCY_ITEM = frozenset(("gpu", "bounds", "counts", "sum"))
 
 
 class Rejected(ValueError):
@@ -97,7 +112,15 @@ class Latency:
     sum: float
 
 
-Message = Hello | Allocator | Latency
+@dataclass(frozen=True, slots=True)
+class Round:
+    pid: int
+    gpus: tuple[str, ...]
+    allocators: tuple[Allocator, ...] = ()
+    latency: tuple[Latency, ...] = ()
+
+
+Message = Hello | Allocator | Latency | Round
 
 
 def encode(message: Message) -> bytes:
@@ -106,21 +129,48 @@ def encode(message: Message) -> bytes:
     if isinstance(message, Hello):
         body |= {"kind": "hello", "pid": message.pid, "gpus": list(message.gpus)}
     elif isinstance(message, Allocator):
-        body |= {"kind": "allocator", "pid": message.pid, "gpu": message.gpu}
-        for name in ALLOCATOR_REQUIRED:
-            body[name] = getattr(message, name)
-        for name in ALLOCATOR_OPTIONAL:
-            value = getattr(message, name)
-            if value is not None:
-                body[name] = value
-    else:
+        body |= {"kind": "allocator", "pid": message.pid, **_allocator_body(message)}
+    elif isinstance(message, Latency):
         body |= {"kind": "latency", "pid": message.pid, "gpu": message.gpu,
                  "bounds": list(message.bounds), "counts": list(message.counts),
                  "sum": message.sum}
+    else:
+        body |= {"kind": "round", "pid": message.pid, "gpus": list(message.gpus),
+                 "allocators": [_allocator_body(a) for a in message.allocators],
+                 "latency": [{"gpu": h.gpu, "bounds": list(h.bounds), "counts": list(h.counts),
+                              "sum": h.sum} for h in message.latency]}
     data = json.dumps(body, separators=(",", ":"), allow_nan=False).encode()
     if len(data) > MAX_MESSAGE_BYTES:
         raise ValueError(f"message of {len(data)} bytes exceeds {MAX_MESSAGE_BYTES}")
     return data
+
+
+def split_round(message: Round) -> list[bytes]:
+    """The datagrams for a round: one, or several rounds each carrying whole GPUs when one
+    would exceed ``MAX_MESSAGE_BYTES``."""
+    try:
+        return [encode(message)]
+    except ValueError:
+        if len(message.allocators) + len(message.latency) <= 1:
+            raise
+    gpus = sorted({a.gpu for a in message.allocators} | {h.gpu for h in message.latency})
+    if len(gpus) <= 1:
+        raise ValueError("one GPU's figures exceed the message size")
+    halves = (set(gpus[: len(gpus) // 2]), set(gpus[len(gpus) // 2:]))
+    return [data for half in halves for data in split_round(Round(
+        message.pid, message.gpus, tuple(a for a in message.allocators if a.gpu in half),
+        tuple(h for h in message.latency if h.gpu in half)))]
+
+
+def _allocator_body(message: Allocator) -> dict[str, Any]:
+    body: dict[str, Any] = {"gpu": message.gpu}
+    for name in ALLOCATOR_REQUIRED:
+        body[name] = getattr(message, name)
+    for name in ALLOCATOR_OPTIONAL:
+        value = getattr(message, name)
+        if value is not None:
+            body[name] = value
+    return body
 
 
 def _reject_constant(name: str) -> Any:
@@ -152,24 +202,52 @@ def decode(data: bytes) -> Message:
         raise Rejected("unknown_field", f"unknown fields for {kind}: {sorted(unknown)[:5]}")
     pid = _int(body, "pid", 1, 1 << 22)
     if kind == "hello":
-        gpus = body.get("gpus")
-        if not isinstance(gpus, list) or not gpus or len(gpus) > MAX_GPUS:
-            raise Rejected("bad_type", f"'gpus' must be a list of 1..{MAX_GPUS} GPU UUIDs")
-        return Hello(pid, tuple(_uuid(g) for g in gpus))
+        return Hello(pid, _gpus(body))
+    if kind == "round":
+        return _round(body, pid)
     gpu = _uuid(body.get("gpu"))
     if kind == "allocator":
-        figures = {name: _int(body, name, 0, MAX_BYTES) for name in ALLOCATOR_REQUIRED}
-        optional = {
-            name: _int(body, name, 0, MAX_BYTES) for name in ALLOCATOR_OPTIONAL if name in body
-        }
-        reserved = figures["reserved_bytes"]
-        for name in ("allocated_bytes", "active_bytes", "inactive_split_bytes",
-                     *optional.keys()):
-            value = figures.get(name, optional.get(name))
-            if value is not None and value > reserved:
-                raise Rejected("inconsistent", f"{name}={value} exceeds reserved_bytes={reserved}")
-        return Allocator(pid, gpu, **figures, **optional)
+        return _allocator(body, pid, gpu)
     return _latency(body, pid, gpu)
+
+
+def _gpus(body: dict[str, Any]) -> tuple[str, ...]:
+    gpus = body.get("gpus")
+    if not isinstance(gpus, list) or not gpus or len(gpus) > MAX_GPUS:
+        raise Rejected("bad_type", f"'gpus' must be a list of 1..{MAX_GPUS} GPU UUIDs")
+    return tuple(_uuid(g) for g in gpus)
+
+
+def _round(body: dict[str, Any], pid: int) -> Round:
+    parts = []
+    for name, allowed in (("allocators", _ALLOCATOR_ITEM), ("latency", _LATENCY_ITEM)):
+        items = body.get(name, [])
+        if not isinstance(items, list) or len(items) > MAX_GPUS:
+            raise Rejected("bad_type", f"'{name}' must be a list of at most {MAX_GPUS} objects")
+        for item in items:
+            if not isinstance(item, dict):
+                raise Rejected("bad_type", f"every entry of '{name}' is a JSON object")
+            unknown = set(item) - allowed
+            if unknown:
+                raise Rejected("unknown_field", f"unknown fields in {name}: {sorted(unknown)[:5]}")
+        parts.append(items)
+    allocators = tuple(_allocator(a, pid, _uuid(a.get("gpu"))) for a in parts[0])
+    latency = tuple(_latency(h, pid, _uuid(h.get("gpu"))) for h in parts[1])
+    return Round(pid, _gpus(body), allocators, latency)
+
+
+def _allocator(body: dict[str, Any], pid: int, gpu: str) -> Allocator:
+    figures = {name: _int(body, name, 0, MAX_BYTES) for name in ALLOCATOR_REQUIRED}
+    optional = {
+        name: _int(body, name, 0, MAX_BYTES) for name in ALLOCATOR_OPTIONAL if name in body
+    }
+    reserved = figures["reserved_bytes"]
+    for name in ("allocated_bytes", "active_bytes", "inactive_split_bytes",
+                 *optional.keys()):
+        value = figures.get(name, optional.get(name))
+        if value is not None and value > reserved:
+            raise Rejected("inconsistent", f"{name}={value} exceeds reserved_bytes={reserved}")
+    return Allocator(pid, gpu, **figures, **optional)
 
 
 def _latency(body: dict[str, Any], pid: int, gpu: str) -> Latency:

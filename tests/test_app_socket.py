@@ -133,12 +133,60 @@ def test_latency_histograms_merge_across_processes_and_survive_a_restart():
     assert h.bounds == (0.1, 0.2)
 
 
-def test_a_process_with_other_buckets_is_rejected_not_mixed_in():
+def test_a_redeploy_with_other_buckets_restarts_the_histogram_and_old_layouts_are_refused():
     state = AppState()
     state.feed(raw(latency(pid=1)))
-    assert state.feed(raw(latency(pid=2, bounds=(0.1, 0.3)))) is None
-    assert state.rejected == {"bucket_mismatch": 1}
     assert state.figures(GPU).latency.counts == (1, 5, 7)
+    # the new process of a redeploy, other buckets: taken, the histogram restarts from zero
+    assert state.feed(raw(latency(pid=2, counts=(2, 3, 4, 4), bounds=(0.1, 0.3, 0.9)))) is not None
+    h = state.figures(GPU).latency
+    assert h.bounds == (0.1, 0.3, 0.9) and h.counts == (2, 3, 4, 4)
+    # the old process, still alive on the old buckets, is refused: the layouts never alternate
+    assert state.feed(raw(latency(pid=1, counts=(2, 6, 9)))) is None
+    assert state.rejected == {"bucket_mismatch": 1}
+    assert state.feed(raw(latency(pid=2, counts=(3, 4, 5, 6), bounds=(0.1, 0.3, 0.9))))
+    assert state.figures(GPU).latency.counts == (3, 4, 5, 6)
+
+
+def test_a_round_carries_every_gpu_of_a_process_in_one_datagram_and_is_kept_whole_or_not():
+    other = "GPU-22222222-3333-4444-5555-666666666666"
+    state = AppState(known_gpu={GPU, other}.__contains__)
+    body = {"v": 1, "kind": "round", "pid": 9, "gpus": [GPU, other],
+            "allocators": [{k: v for k, v in alloc(gpu=g).items() if k not in ("v", "kind", "pid")}
+                           for g in (GPU, other)],
+            "latency": [{k: v for k, v in latency(pid=9).items() if k not in ("v", "kind", "pid")}]}
+    assert state.feed(raw(body)) is not None
+    assert set(state.announced()) == {GPU, other}
+    assert state.figures(other).allocators[0].pid == 9
+    assert state.figures(GPU).latency.counts == (1, 5, 7)
+    stranger = "GPU-99999999-3333-4444-5555-666666666666"  # not on this node
+    bad = {**body, "pid": 10, "gpus": [GPU, stranger]}
+    assert state.feed(raw(bad)) is None and state.rejected == {"unknown_gpu": 1}
+    assert all(a.pid == 9 for a in state.figures(GPU).allocators)  # nothing of it was kept
+
+
+def test_a_round_too_large_for_one_datagram_is_split_into_whole_gpus():
+    gpus = [f"GPU-{i:08d}-3333-4444-5555-666666666666" for i in range(40)]
+    message = protocol.Round(
+        5, tuple(gpus),
+        tuple(protocol.Allocator(5, g, 100, 50, 50, 10, 1, 0, 40, 0) for g in gpus),
+        tuple(protocol.Latency(5, g, protocol.DEFAULT_LATENCY_BOUNDS,
+                               tuple(range(len(protocol.DEFAULT_LATENCY_BOUNDS) + 1)), 1.5)
+              for g in gpus))
+    parts = [protocol.decode(d) for d in protocol.split_round(message)]
+    assert len(parts) > 1 and all(len(protocol.encode(p)) <= protocol.MAX_MESSAGE_BYTES
+                                  for p in parts)
+    assert sorted(a.gpu for p in parts for a in p.allocators) == sorted(gpus)
+    assert sorted(h.gpu for p in parts for h in p.latency) == sorted(gpus)
+    for p in parts:  # a GPU's figures are never split across two datagrams
+        assert {a.gpu for a in p.allocators} == {h.gpu for h in p.latency}
+
+
+@pytest.mark.parametrize("uuid", [GPU + "\n", "GPU-abcd\n", GPU + "\r", " " + GPU, GPU + '"'])
+def test_a_uuid_with_anything_around_it_never_reaches_a_label(uuid):
+    state = AppState()
+    assert state.feed(raw({"v": 1, "kind": "hello", "pid": 3, "gpus": [uuid]})) is None
+    assert state.rejected == {"bad_uuid": 1} and state.announced() == []
 
 
 def test_per_process_state_is_bounded():
@@ -222,3 +270,40 @@ def test_regular_file_at_the_socket_path_is_an_error_not_deleted(sock_path):
     with pytest.raises(SocketInUse, match="not a socket"):
         bind_datagram(sock_path)
     assert Path(sock_path).read_text() == "precious"
+
+
+def test_eight_processes_on_eight_gpus_publishing_at_once_lose_no_round(tmp_path):
+    """The kernel queues 10 datagrams per socket: a round of 8 GPUs as 17 messages from each of
+    8 processes (136 at once) overflowed it; as one datagram each (8 at once) nothing is lost."""
+    gpus = tuple(f"GPU-{i:08d}-3333-4444-5555-666666666666" for i in range(8))
+    state = AppState()
+    app_socket = AppSocket(str(tmp_path / "app.sock"), state)
+    app_socket.start()
+    senders = [socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) for _ in range(8)]
+    refused = 0
+    try:
+        for s in senders:
+            s.setblocking(False)
+        for round_no in range(20):
+            for pid, s in enumerate(senders, start=1000):
+                message = protocol.Round(
+                    pid, gpus,
+                    tuple(protocol.Allocator(pid, g, 64 << 30, 20 << 30, 20 << 30, 1 << 30,
+                                             round_no, 0) for g in gpus),
+                    tuple(protocol.Latency(pid, g, protocol.DEFAULT_LATENCY_BOUNDS,
+                                           (round_no,) * 16, 0.5 * round_no) for g in gpus))
+                (data,) = protocol.split_round(message)
+                try:
+                    s.sendto(data, app_socket.path)
+                except BlockingIOError:
+                    refused += 1
+            time.sleep(0.05)
+        deadline = time.monotonic() + 5
+        while state.accepted < 160 and time.monotonic() < deadline:
+            time.sleep(0.01)
+    finally:
+        for s in senders:
+            s.close()
+        app_socket.stop()
+    assert refused == 0 and state.accepted == 160 and not state.rejected
+    assert all(len(state.figures(g).allocators) == 8 for g in gpus)

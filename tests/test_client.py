@@ -164,9 +164,11 @@ def test_client_messages_are_valid_protocol_messages(tmp_path):
     messages = [protocol.decode(m) for m in drain(received)]
     pid = os.getpid()
     assert messages[0] == protocol.Allocator(pid, GPU, 10, 4, 4, 1, 2, 0, 3, 5)
-    assert messages[1] == protocol.Hello(pid, (GPU,))
-    latency = messages[2]
-    assert isinstance(latency, protocol.Latency) and latency.counts[-1] == 2
+    assert len(messages) == 2, "a publish round is one datagram"
+    round_ = messages[1]
+    assert isinstance(round_, protocol.Round) and round_.gpus == (GPU,)
+    (latency,) = round_.latency
+    assert latency.gpu == GPU and latency.counts[-1] == 2
     assert latency.bounds == protocol.DEFAULT_LATENCY_BOUNDS and latency.sum == pytest.approx(0.38)
     assert not pub.send_allocator('GPU-x"}', reserved_bytes=1, allocated_bytes=1)  # no raise
 
@@ -253,8 +255,8 @@ def test_a_forked_worker_publishes_with_its_own_pid_socket_histogram_and_thread(
     latest: dict[int, protocol.Latency] = {}
     for m in drain(received):
         msg = protocol.decode(m)
-        if isinstance(msg, protocol.Latency):
-            latest[msg.pid] = msg
+        if isinstance(msg, protocol.Round) and msg.latency:
+            latest[msg.pid] = msg.latency[0]
     assert latest[child].counts[-1] == 3  # its own requests, not the parent's five
     assert latest[os.getpid()].counts[-1] == 5
 
@@ -324,10 +326,10 @@ def test_a_torch_process_reports_only_the_devices_it_uses_with_torchs_uuids(tmp_
     received = bind(tmp_path / "s.sock")
     pub = Publisher(str(tmp_path / "s.sock"), snapshot_interval_s=60)
     pub.publish()
-    messages = [protocol.decode(m) for m in drain(received)]
+    (round_,) = [protocol.decode(m) for m in drain(received)]
     uuid = "GPU-0c4b24ac-fb68-413f-6f0c-54be2b5a94c1"
-    assert messages[0] == protocol.Hello(os.getpid(), (uuid,))
-    alloc = messages[1]
+    assert round_.pid == os.getpid() and round_.gpus == (uuid,)
+    (alloc,) = round_.allocators
     assert alloc.gpu == uuid and alloc.reserved_bytes == 10 * GiB and alloc.alloc_retries == 3
     assert alloc.largest_free_block_bytes == 8 * MiB and alloc.private_pool_bytes == 32 * MiB
     pub.publish()

@@ -73,19 +73,21 @@ class SimulatedApp:
         self._sock.setblocking(False)
         self._thread = threading.Thread(target=self._loop, name="simulated-app", daemon=True)
 
-    def send(self, message: protocol.Message) -> None:
+    def send(self, data: bytes) -> None:
         try:
-            self._sock.sendto(protocol.encode(message), self.path)
+            self._sock.sendto(data, self.path)
             self.sent += 1
         except OSError:
             self.dropped += 1
 
     def publish(self) -> None:
+        """One round, as the client sends it: every GPU in one datagram."""
         elapsed = self.clock() - self._start
-        self.send(protocol.Hello(self.pid, tuple(self.gpus)))
-        for gpu in self.gpus:
-            for message in profile_messages(self.profile, gpu, self.pid, elapsed):
-                self.send(message)
+        parts = [profile_messages(self.profile, gpu, self.pid, elapsed) for gpu in self.gpus]
+        round_ = protocol.Round(self.pid, tuple(self.gpus), tuple(a for a, _ in parts),
+                                tuple(h for _, h in parts))
+        for data in protocol.split_round(round_):
+            self.send(data)
 
     def _loop(self) -> None:
         while not self._stop.is_set():
