@@ -66,6 +66,10 @@ class AppState:
         self._alloc: dict[tuple[str, int], tuple[float, AllocatorFigures]] = {}
         self._last_latency: dict[tuple[str, int], tuple[tuple[int, ...], float, float]] = {}
         self._merged: dict[str, _Merged] = {}
+        # retries and OOMs per GPU, the agent's own counters: each message adds its process's
+        # increase, a restarted process (its counts went down) adds its counts afresh
+        self._counted: dict[tuple[str, int], tuple[int, int]] = {}
+        self._counters: dict[str, list[int]] = {}
         self._stale_logged: set[tuple[str, int]] = set()
         self._reject_log: dict[str, tuple[float, int]] = {}
 
@@ -134,14 +138,26 @@ class AppState:
                 private_pool_bytes=message.private_pool_bytes,
             )
             self._alloc[key] = (now, figures)
+            self._count(key, message.alloc_retries, message.ooms)
         else:
             self._merge(message, key, now)
         self._announced.setdefault(message.gpu, None)
         self._stale_logged.discard(key)
 
+    def _count(self, key: tuple[str, int], retries: int, ooms: int) -> None:
+        last = self._counted.get(key)
+        totals = self._counters.setdefault(key[0], [0, 0])
+        if last is not None and retries >= last[0] and ooms >= last[1]:
+            totals[0] += retries - last[0]
+            totals[1] += ooms - last[1]
+        else:  # first message of this process, or it restarted
+            totals[0] += retries
+            totals[1] += ooms
+        self._counted[key] = (retries, ooms)
+
     def _make_room(self, gpu: str, now: float) -> None:
         """Bound the per-process state: forget processes silent past the staleness window first."""
-        keys = {k for k in (*self._alloc, *self._last_latency) if k[0] == gpu}
+        keys = {k for k in (*self._alloc, *self._last_latency, *self._counted) if k[0] == gpu}
         if len(keys) < MAX_PROCESSES_PER_GPU:
             return
         horizon = now - self.stale_after_s
@@ -151,6 +167,7 @@ class AppState:
             if max(alloc[0] if alloc else -1e18, lat[2] if lat else -1e18) < horizon:
                 self._alloc.pop(key, None)
                 self._last_latency.pop(key, None)
+                self._counted.pop(key, None)
                 return
         raise protocol.Rejected("too_many_processes",
                                 f"more than {MAX_PROCESSES_PER_GPU} live processes on {gpu}")
@@ -228,8 +245,9 @@ class AppState:
                 if merged.updated >= horizon:
                     latency[gpu] = LatencyHistogram(merged.bounds, tuple(merged.counts),
                                                     merged.total)
+            counters = {gpu: tuple(self._counters.get(gpu, (0, 0))) for gpu in allocators}
         return {gpu: AppFigures(tuple(sorted(allocators.get(gpu, ()), key=_by_pid)),
-                                latency.get(gpu))
+                                latency.get(gpu), *counters.get(gpu, (None, None)))
                 for gpu in allocators.keys() | latency.keys()}
 
     def _log_stale(self, key: tuple[str, int], age: float) -> None:
@@ -237,7 +255,8 @@ class AppState:
             self._stale_logged.add(key)
             log.warning("app_figures_stale", gpu_uuid=key[0], pid=key[1], age_s=round(age, 1),
                         stale_after_s=self.stale_after_s,
-                        effect="allocator series of this process stop until it publishes again")
+                        effect="this process leaves the GPU's allocator sums until it "
+                               "publishes again")
 
 
 NO_FIGURES = AppFigures()

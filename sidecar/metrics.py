@@ -69,6 +69,9 @@ METRICS: tuple[MetricSpec, ...] = (
        "cudaMalloc failed, the cache was flushed and the allocation retried."),
     _m("gpu_allocator_ooms_total", "counter", "errors", "memory", "app: num_ooms",
        "Out-of-memory errors raised by the allocator."),
+    _m("gpu_app_processes", "gauge", "processes", "memory", "app",
+       "Processes publishing allocator figures for this GPU; the allocator series are their sum "
+       "(ratios from the sums, retries and OOMs kept across process restarts)."),
     # IO
     _m("gpu_pcie_tx_bytes_per_second", "gauge", "bytes/s", "io",
        "NVML field 197 deltas, else GPM PCIE_TX, else nvmlDeviceGetPcieThroughput(TX)",
@@ -155,8 +158,11 @@ def render_markdown() -> str:
         "a test fails when this file is out of date.",
         "",
         "Every GPU series carries `gpu_uuid`, `gpu_name`, `gpu_index` and, when configured, `namespace`,",
-        "`pod`, `container`, `node` (see the README, *Pod identity*). Series from the app carry `pid`",
-        "only when several processes share a GPU. A figure a GPU cannot give is absent, never zero.",
+        "`pod`, `container`, `node` (see the README, *Pod identity*). Series from the app are one set",
+        "per GPU whatever the number of processes on it: bytes summed over the GPU's live processes,",
+        "ratios computed from those sums, the largest free block of any one process, retries and",
+        "OOMs as counters that survive process restarts, and `gpu_app_processes`; no `pid` label.",
+        "A figure a GPU cannot give is absent, never zero.",
         "Histograms are sent as `_bucket{le=...}`, `_sum` and `_count` series.",
         "",
     ]

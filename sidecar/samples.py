@@ -99,8 +99,14 @@ class LatencyHistogram:
 
 @dataclass(frozen=True, slots=True)
 class AppFigures:
+    """What the GPU's live processes said. ``alloc_retries`` and ``ooms`` are the agent's own
+    counters over every process the GPU has had (they survive a process restart, as the
+    latency histogram does); None takes the sum of the live processes' figures."""
+
     allocators: tuple[AllocatorFigures, ...] = ()
     latency: LatencyHistogram | None = None
+    alloc_retries: int | None = None
+    ooms: int | None = None
 
 
 class GpuSample(NamedTuple):
@@ -172,24 +178,34 @@ def sample_series(
 
 
 def _app_series(app: AppFigures, labels: Labels, ts: int) -> Iterator[Series]:
+    """One set of series per GPU however many processes use it (cardinality): bytes summed over
+    the live processes, ratios computed from those sums, the largest free block of any one
+    process (a request is served from one process's cache), and how many processes there are."""
     allocators = app.allocators
-    shared = len(allocators) > 1
-    for a in allocators:
-        alabels = _with(labels, pid=str(a.pid)) if shared else labels
+    if allocators:
+        reserved = sum(a.reserved_bytes for a in allocators)
+        allocated = sum(a.allocated_bytes for a in allocators)
+        largest = [a.largest_free_block_bytes for a in allocators
+                   if a.largest_free_block_bytes is not None]
+        private = [a.private_pool_bytes for a in allocators if a.private_pool_bytes is not None]
+        retries = app.alloc_retries if app.alloc_retries is not None else \
+            sum(a.alloc_retries for a in allocators)
+        ooms = app.ooms if app.ooms is not None else sum(a.ooms for a in allocators)
         fig: tuple[tuple[str, float | int | None], ...] = (
-            ("gpu_memory_fragmentation_ratio",
-             ratio(a.reserved_bytes - a.allocated_bytes, a.reserved_bytes)),
-            ("gpu_allocator_nonreleasable_ratio", ratio(a.inactive_split_bytes, a.reserved_bytes)),
-            ("gpu_allocator_largest_free_block_bytes", a.largest_free_block_bytes),
-            ("gpu_allocator_reserved_bytes", a.reserved_bytes),
-            ("gpu_allocator_allocated_bytes", a.allocated_bytes),
-            ("gpu_allocator_private_pool_bytes", a.private_pool_bytes),
-            ("gpu_allocator_alloc_retries_total", a.alloc_retries),
-            ("gpu_allocator_ooms_total", a.ooms),
+            ("gpu_memory_fragmentation_ratio", ratio(reserved - allocated, reserved)),
+            ("gpu_allocator_nonreleasable_ratio",
+             ratio(sum(a.inactive_split_bytes for a in allocators), reserved)),
+            ("gpu_allocator_largest_free_block_bytes", max(largest) if largest else None),
+            ("gpu_allocator_reserved_bytes", reserved),
+            ("gpu_allocator_allocated_bytes", allocated),
+            ("gpu_allocator_private_pool_bytes", sum(private) if private else None),
+            ("gpu_allocator_alloc_retries_total", retries),
+            ("gpu_allocator_ooms_total", ooms),
+            ("gpu_app_processes", len(allocators)),
         )
         for name, value in fig:
             if value is not None:
-                yield Series(name, alabels, float(value), ts)
+                yield Series(name, labels, float(value), ts)
 
     hist = app.latency
     if hist is not None:

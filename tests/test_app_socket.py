@@ -307,3 +307,15 @@ def test_eight_processes_on_eight_gpus_publishing_at_once_lose_no_round(tmp_path
         app_socket.stop()
     assert refused == 0 and state.accepted == 160 and not state.rejected
     assert all(len(state.figures(g).allocators) == 8 for g in gpus)
+
+
+def test_retries_and_ooms_are_counters_of_the_gpu_that_survive_process_restarts():
+    state = AppState()
+    state.feed(raw(alloc(pid=1, alloc_retries=5, ooms=1)))
+    state.feed(raw(alloc(pid=2, alloc_retries=2, ooms=0)))
+    f = state.figures(GPU)
+    assert (f.alloc_retries, f.ooms) == (7, 1)
+    state.feed(raw(alloc(pid=1, alloc_retries=6, ooms=1)))  # +1
+    state.feed(raw(alloc(pid=2, alloc_retries=1, ooms=0)))  # pid 2 restarted: its 1 is new
+    f = state.figures(GPU)
+    assert (f.alloc_retries, f.ooms) == (9, 1) and len(f.allocators) == 2

@@ -76,6 +76,7 @@ def test_client_figures_arrive_in_victoriametrics_labelled_with_the_gpu(tmp_path
         assert buckets == expected
         assert stored[("inference_request_duration_seconds_count", key)] == 9
         assert abs(stored[("inference_request_duration_seconds_sum", key)] - 16.474) < 1e-9
+        assert stored[("gpu_app_processes", key)] == 1
         # only the client's GPU: the other simulated GPU was never announced
         assert not any(dict(labels).get("gpu_uuid") == simulated_uuid("healthy", 0)
                        for _, labels, _, _ in rows)

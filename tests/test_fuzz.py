@@ -10,14 +10,16 @@ from __future__ import annotations
 import json
 import math
 import random
+import re
 import socket
 import time
 
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from sidecar import protocol
 from sidecar.app_socket import AppSocket, AppState
+from sidecar.samples import AppFigures, GpuIdentity, GpuSample, sample_series
 
 GPUS = ["GPU-0c4b24ac-fb68-413f-6f0c-54be2b5a94c7", "GPU-18f9fd34-4f90-8419-eed6-00c6bc203962"]
 STRANGER = "GPU-99999999-9999-9999-9999-999999999999"
@@ -166,3 +168,36 @@ def test_hundred_thousand_datagrams_through_the_real_socket(tmp_path):
         app.stop()
     assert state.accepted == expected_valid
     assert dict(state.rejected) == expected_reasons
+
+
+LABEL_VALUE = re.compile(r"\A[0-9A-Za-z_.+/:\- ()]*\Z")  # no control character, quote, backslash
+
+
+@settings(max_examples=400, deadline=None)
+@given(st.lists(st.text(max_size=40), min_size=1, max_size=6), st.integers(1, 1 << 22))
+@example(["\n"], 7).via("the trailing newline that a '$' in the pattern let through")
+def test_no_string_from_the_socket_reaches_a_label_unless_it_is_a_whole_uuid(texts, pid):
+    """Arbitrary strings, alone and glued to a real UUID, in every field that names a GPU, in
+    every kind (the other fields are numbers): what is exported is only ever a whole UUID."""
+    state = AppState()  # --no-nvml: no NVML list of GPUs to hide behind
+    candidates = [*texts, *(GPUS[0] + t for t in texts), *(t + GPUS[0] for t in texts)]
+    for text in candidates:
+        for body in (
+            {"v": 1, "kind": "hello", "pid": pid, "gpus": [text]},
+            {"v": 1, "kind": "allocator", "pid": pid, "gpu": text, "reserved_bytes": 10,
+             "allocated_bytes": 5, "active_bytes": 5, "inactive_split_bytes": 1,
+             "alloc_retries": 0, "ooms": 0},
+            {"v": 1, "kind": "latency", "pid": pid, "gpu": text, "bounds": [0.1],
+             "counts": [1, 2], "sum": 0.3},
+            {"v": 1, "kind": "round", "pid": pid, "gpus": [text], "allocators": [],
+             "latency": [{"gpu": text, "bounds": [0.1], "counts": [1, 2], "sum": 0.3}]},
+        ):
+            state.feed(json.dumps(body).encode())
+    figures = state.all_figures()
+    for uuid in {*state.announced(), *figures}:
+        assert protocol.UUID_RE.match(uuid) and "\n" not in uuid
+        identity = GpuIdentity(uuid=uuid, name="unknown (no NVML)", index="unknown")
+        sample = GpuSample(identity, 1, app=figures.get(uuid, AppFigures()))
+        for series in sample_series(sample, {}):
+            for _, value in series.labels:
+                assert LABEL_VALUE.match(value), (series.name, value)

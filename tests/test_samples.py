@@ -70,11 +70,20 @@ def test_fragmentation_is_the_empty_share_of_the_cache_not_memory_usage():
     assert "pid" not in dict(series["gpu_memory_fragmentation_ratio"][0].labels)
 
 
-def test_pid_label_appears_only_when_several_processes_share_the_gpu():
-    figs = tuple(AllocatorFigures(pid, 100, 50, 50, 0, 0, 0) for pid in (11, 22))
+def test_several_processes_on_a_gpu_make_one_set_of_series_from_their_sums():
+    figs = (AllocatorFigures(11, 100, 50, 50, 10, 2, 0, 30, None),
+            AllocatorFigures(22, 300, 250, 250, 30, 1, 1, 20, 64))
     series = by_name(sample_series(GpuSample(ID, 1, app=AppFigures(figs)), {}))
-    pids = sorted(dict(s.labels)["pid"] for s in series["gpu_memory_fragmentation_ratio"])
-    assert pids == ["11", "22"]
+    assert all(len(v) == 1 and "pid" not in dict(v[0].labels) for v in series.values())
+    value = {name: v[0].value for name, v in series.items()}
+    assert value["gpu_allocator_reserved_bytes"] == 400
+    assert value["gpu_allocator_allocated_bytes"] == 300
+    assert value["gpu_memory_fragmentation_ratio"] == 100 / 400  # from the sums, not a mean
+    assert value["gpu_allocator_nonreleasable_ratio"] == 40 / 400
+    assert value["gpu_allocator_largest_free_block_bytes"] == 30  # one process's cache serves
+    assert value["gpu_allocator_private_pool_bytes"] == 64
+    assert value["gpu_allocator_alloc_retries_total"] == 3
+    assert value["gpu_app_processes"] == 2
 
 
 def test_latency_histogram_series_are_cumulative_with_inf_bucket():
