@@ -55,14 +55,18 @@ class AppState:
         stale_after_s: float = 30.0,
         known_gpu: Callable[[str], bool] | None = None,
         clock: Callable[[], float] = time.monotonic,
+        max_processes: int = MAX_PROCESSES_PER_GPU,
+        max_gpus: int = MAX_APP_GPUS,
     ) -> None:
         self.stale_after_s = stale_after_s
+        self.max_processes = max_processes
+        self.max_gpus = max_gpus
         self.known_gpu = known_gpu
         self.clock = clock
         self.accepted = 0
         self.rejected: Counter[str] = Counter()
         self._lock = threading.Lock()
-        self._announced: dict[str, None] = {}
+        self._announced: dict[str, float] = {}  # GPU -> when the app last named it
         self._alloc: dict[tuple[str, int], tuple[float, AllocatorFigures]] = {}
         self._last_latency: dict[tuple[str, int], tuple[tuple[int, ...], float, float]] = {}
         self._merged: dict[str, _Merged] = {}
@@ -102,8 +106,12 @@ class AppState:
     def _check_gpu(self, uuid: str) -> None:
         if self.known_gpu is not None and not self.known_gpu(uuid):
             raise protocol.Rejected("unknown_gpu", f"GPU {uuid} is not on this node")
-        if uuid not in self._announced and len(self._announced) >= MAX_APP_GPUS:
-            raise protocol.Rejected("too_many_gpus", f"more than {MAX_APP_GPUS} GPUs announced")
+        if uuid not in self._announced and len(self._announced) >= self.max_gpus:
+            self._forget_quiet_gpus(self.clock())
+            if len(self._announced) >= self.max_gpus:
+                raise protocol.Rejected(
+                    "too_many_gpus", f"more than {self.max_gpus} GPUs announced; raise "
+                    "--app-max-gpus if the pod really has that many")
 
     def _store(self, message: protocol.Message, now: float) -> None:
         if isinstance(message, protocol.Round):
@@ -119,7 +127,7 @@ class AppState:
             for uuid in message.gpus:
                 self._check_gpu(uuid)
             for uuid in message.gpus:
-                self._announced.setdefault(uuid, None)
+                self._announced[uuid] = now
             return
         self._check_gpu(message.gpu)
         key = (message.gpu, message.pid)
@@ -141,7 +149,7 @@ class AppState:
             self._count(key, message.alloc_retries, message.ooms)
         else:
             self._merge(message, key, now)
-        self._announced.setdefault(message.gpu, None)
+        self._announced[message.gpu] = now
         self._stale_logged.discard(key)
 
     def _count(self, key: tuple[str, int], retries: int, ooms: int) -> None:
@@ -158,7 +166,7 @@ class AppState:
     def _make_room(self, gpu: str, now: float) -> None:
         """Bound the per-process state: forget processes silent past the staleness window first."""
         keys = {k for k in (*self._alloc, *self._last_latency, *self._counted) if k[0] == gpu}
-        if len(keys) < MAX_PROCESSES_PER_GPU:
+        if len(keys) < self.max_processes:
             return
         horizon = now - self.stale_after_s
         for key in keys:
@@ -170,7 +178,8 @@ class AppState:
                 self._counted.pop(key, None)
                 return
         raise protocol.Rejected("too_many_processes",
-                                f"more than {MAX_PROCESSES_PER_GPU} live processes on {gpu}")
+                                f"more than {self.max_processes} live processes on {gpu}; raise "
+                                "--app-max-processes if that many really publish")
 
     def _merge(self, message: protocol.Latency, key: tuple[str, int], now: float) -> None:
         merged = self._merged.get(message.gpu)
@@ -219,7 +228,24 @@ class AppState:
 
     def announced(self) -> list[str]:
         with self._lock:
+            self._forget_quiet_gpus(self.clock())
             return list(self._announced)
+
+    def _forget_quiet_gpus(self, now: float) -> None:
+        """GPUs the app has not named for --app-stale-after are forgotten, with what was kept
+        for them (lock held): a pod's GPUs change over its life, and the table stays bounded."""
+        horizon = now - self.stale_after_s
+        for gpu, seen in [(g, t) for g, t in self._announced.items() if t < horizon]:
+            del self._announced[gpu]
+            self._merged.pop(gpu, None)
+            self._counters.pop(gpu, None)
+            for key in [k for k in (*self._alloc, *self._last_latency, *self._counted)
+                        if k[0] == gpu]:
+                self._alloc.pop(key, None)
+                self._last_latency.pop(key, None)
+                self._counted.pop(key, None)
+            log.info("app_gpu_forgotten", gpu_uuid=gpu, silent_s=round(now - seen, 1),
+                     note="the app has not named this GPU for --app-stale-after seconds")
 
     def figures(self, gpu: str) -> AppFigures:
         """What the app said about ``gpu`` within the staleness window."""

@@ -36,6 +36,8 @@ class Config:
     gpus: str = "announced"
     socket: str = protocol.DEFAULT_SOCKET_PATH
     app_stale_after: float = 30.0
+    app_max_processes: int = 256
+    app_max_gpus: int = 64
     pcie_peak_bytes_per_second: float | None = None
     gpu_retry_interval: float = 30.0
     no_nvml: bool = False
@@ -392,7 +394,14 @@ OPTIONS: tuple[Option, ...] = (
            f"{protocol.DEFAULT_SOCKET_PATH}; the client reads {protocol.SOCKET_ENV} too). With "
            "--simulate and no path given, a private temporary one.", _socket_path),
     Option("app_stale_after", "Seconds after which an app's silent allocator and latency figures "
-           "stop being exported (default 30).", _seconds(1, 86400)),
+           "stop being exported, and a GPU it no longer announces is forgotten (default 30).",
+           _seconds(1, 86400)),
+    Option("app_max_processes", "Most publishing processes tracked per GPU (default 256); "
+           "beyond it, once no tracked process is silent past --app-stale-after, messages are "
+           "refused (reason too_many_processes).", _positive_int(1, 4096), commands=("run",)),
+    Option("app_max_gpus", "Most GPUs the app may announce (default 64); with NVML only its "
+           "visible GPUs are accepted anyway (reasons too_many_gpus, unknown_gpu).",
+           _positive_int(1, 1024), commands=("run",)),
     Option("pcie_peak_bytes_per_second", "Calibrated per-direction PCIe peak in bytes/s to divide "
            "by instead of the link's theoretical maximum (default: from max link gen x width).",
            _positive_float),

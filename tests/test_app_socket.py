@@ -115,7 +115,7 @@ def test_allocator_figures_are_kept_per_process_and_expire_when_the_app_goes_qui
     assert [a.pid for a in state.figures(GPU).allocators] == [200]
     clock.advance(20)
     assert state.figures(GPU).allocators == ()
-    assert state.announced() == [GPU]  # the GPU stays the pod's
+    assert state.announced() == []  # silent past --app-stale-after: the GPU is forgotten too
 
 
 def test_latency_histograms_merge_across_processes_and_survive_a_restart():
@@ -319,3 +319,25 @@ def test_retries_and_ooms_are_counters_of_the_gpu_that_survive_process_restarts(
     state.feed(raw(alloc(pid=2, alloc_retries=1, ooms=0)))  # pid 2 restarted: its 1 is new
     f = state.figures(GPU)
     assert (f.alloc_retries, f.ooms) == (9, 1) and len(f.allocators) == 2
+
+
+def test_a_gpu_the_app_stops_naming_is_forgotten_with_what_was_kept_for_it():
+    clock = ManualClock()
+    state = AppState(stale_after_s=30, clock=clock)
+    state.feed(raw(alloc(pid=1)))
+    state.feed(raw(latency(pid=1)))
+    assert state.announced() == [GPU]
+    clock.advance(31.0)
+    assert state.announced() == [] and state.all_figures() == {}
+    state.feed(raw(alloc(pid=1)))  # back: counted afresh, as a restart
+    assert state.announced() == [GPU] and state.figures(GPU).alloc_retries == 3
+
+
+def test_the_bounds_are_options_and_say_which_option_to_raise():
+    state = AppState(max_processes=2, max_gpus=1)
+    other = "GPU-22222222-3333-4444-5555-666666666666"
+    for pid in (1, 2, 3):
+        state.feed(raw(alloc(pid=pid)))
+    state.feed(raw(alloc(gpu=other)))
+    assert state.rejected == {"too_many_processes": 1, "too_many_gpus": 1}
+    assert len(state.figures(GPU).allocators) == 2
