@@ -74,7 +74,8 @@ class AppState:
         # increase, a restarted process (its counts went down) adds its counts afresh
         self._counted: dict[tuple[str, int], tuple[int, int]] = {}
         self._counters: dict[str, list[int]] = {}
-        self._stale_logged: set[tuple[str, int]] = set()
+        self._stale = 0  # processes that went quiet, for the log's running count
+        self._pids: dict[str, set[int]] = {}  # per GPU, the processes with any state kept
         self._reject_log: dict[str, tuple[float, int]] = {}
 
     def feed(self, data: bytes) -> protocol.Message | None:
@@ -131,8 +132,10 @@ class AppState:
             return
         self._check_gpu(message.gpu)
         key = (message.gpu, message.pid)
-        if key not in self._alloc and key not in self._last_latency:
-            self._make_room(message.gpu, now)
+        pids = self._pids.setdefault(message.gpu, set())
+        if message.pid not in pids:
+            self._make_room(message.gpu, pids, now)
+            pids.add(message.pid)
         if isinstance(message, protocol.Allocator):
             figures = AllocatorFigures(
                 pid=message.pid,
@@ -150,7 +153,6 @@ class AppState:
         else:
             self._merge(message, key, now)
         self._announced[message.gpu] = now
-        self._stale_logged.discard(key)
 
     def _count(self, key: tuple[str, int], retries: int, ooms: int) -> None:
         last = self._counted.get(key)
@@ -163,19 +165,19 @@ class AppState:
             totals[1] += ooms
         self._counted[key] = (retries, ooms)
 
-    def _make_room(self, gpu: str, now: float) -> None:
-        """Bound the per-process state: forget processes silent past the staleness window first."""
-        keys = {k for k in (*self._alloc, *self._last_latency, *self._counted) if k[0] == gpu}
-        if len(keys) < self.max_processes:
+    def _make_room(self, gpu: str, pids: set[int], now: float) -> None:
+        """Bound the per-process state: forget processes silent past the staleness window first.
+        Only this GPU's processes are looked at, and only when it is full."""
+        if len(pids) < self.max_processes:
             return
         horizon = now - self.stale_after_s
-        for key in keys:
+        for pid in pids:
+            key = (gpu, pid)
             alloc = self._alloc.get(key)
             lat = self._last_latency.get(key)
             if max(alloc[0] if alloc else -1e18, lat[2] if lat else -1e18) < horizon:
-                self._alloc.pop(key, None)
-                self._last_latency.pop(key, None)
-                self._counted.pop(key, None)
+                self._forget(key)
+                pids.discard(pid)
                 return
         raise protocol.Rejected("too_many_processes",
                                 f"more than {self.max_processes} live processes on {gpu}; raise "
@@ -239,11 +241,8 @@ class AppState:
             del self._announced[gpu]
             self._merged.pop(gpu, None)
             self._counters.pop(gpu, None)
-            for key in [k for k in (*self._alloc, *self._last_latency, *self._counted)
-                        if k[0] == gpu]:
-                self._alloc.pop(key, None)
-                self._last_latency.pop(key, None)
-                self._counted.pop(key, None)
+            for pid in self._pids.pop(gpu, ()):
+                self._forget((gpu, pid))
             log.info("app_gpu_forgotten", gpu_uuid=gpu, silent_s=round(now - seen, 1),
                      note="the app has not named this GPU for --app-stale-after seconds")
 
@@ -276,12 +275,19 @@ class AppState:
                                 latency.get(gpu), *counters.get(gpu, (None, None)))
                 for gpu in allocators.keys() | latency.keys()}
 
+    def _forget(self, key: tuple[str, int]) -> None:
+        self._alloc.pop(key, None)
+        self._last_latency.pop(key, None)
+        self._counted.pop(key, None)
+
     def _log_stale(self, key: tuple[str, int], age: float) -> None:
-        if key not in self._stale_logged:
-            self._stale_logged.add(key)
+        """Logged at the 1st, 10th, 100th, ... process that went quiet: workers that restart
+        all day must not write a line each."""
+        self._stale += 1
+        if 10 ** (len(str(self._stale)) - 1) == self._stale:
             log.warning("app_figures_stale", gpu_uuid=key[0], pid=key[1], age_s=round(age, 1),
-                        stale_after_s=self.stale_after_s,
-                        effect="this process leaves the GPU's allocator sums until it "
+                        stale_after_s=self.stale_after_s, processes_gone_quiet=self._stale,
+                        effect="a quiet process leaves its GPU's allocator sums until it "
                                "publishes again")
 
 

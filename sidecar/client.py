@@ -23,6 +23,7 @@ import atexit
 import contextlib
 import functools
 import os
+import random
 import socket
 import sys
 import threading
@@ -405,7 +406,8 @@ class Publisher:
             now = time.monotonic()
             if now >= next_publish:
                 self.publish()
-                next_publish = now + self.interval_s
+                # +-10 %: workers forked together must not all publish in the same instant
+                next_publish = now + self.interval_s * random.uniform(0.9, 1.1)
             else:
                 self.histogram.drain()
             self._stop.wait(min(DRAIN_EVERY_S, max(0.0, next_publish - time.monotonic())))
