@@ -51,13 +51,12 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-from _report import finish, heading  # noqa: E402
+from _report import cpu_seconds, finish, heading, status_mib  # noqa: E402
 
 from sidecar import protocol  # noqa: E402
 from sidecar.simulate.app import profile_messages  # noqa: E402
 from sidecar.simulate.scenarios import AppProfile  # noqa: E402
 
-TICK = os.sysconf("SC_CLK_TCK")
 PROFILE = AppProfile()
 WARM_S = 600.0  # publishers as if up 10 minutes: real histograms
 
@@ -79,18 +78,6 @@ PLACEHOLDER_PID = (1 << 22) - 1
 
 def uuid(i: int) -> str:
     return f"GPU-{i:08x}-aaaa-bbbb-cccc-dddddddddddd"
-
-
-def cpu_seconds(pid: int) -> float:
-    fields_ = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields_[11]) + int(fields_[12])) / TICK  # utime, stime (fields 14, 15)
-
-
-def status_mib(pid: int, key: str) -> float:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith(key + ":"):
-            return int(line.split()[1]) / 1024
-    raise KeyError(key)
 
 
 def task_cpu_ns(pid: int) -> int:

@@ -39,7 +39,7 @@ import requests
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-from _report import finish, heading  # noqa: E402
+from _report import cpu_seconds, finish, heading, status_mib  # noqa: E402
 
 from tests.receivers import VictoriaMetrics  # noqa: E402
 
@@ -48,7 +48,6 @@ PYTHON = str(ROOT / ".venv" / "bin" / "python")
 INTERVAL = 0.1
 GPUS = 8
 TARGET = 1.10
-TICK = os.sysconf("SC_CLK_TCK")
 
 
 @dataclass
@@ -87,18 +86,6 @@ class Run:
     @property
     def ms_per_cycle(self) -> float:
         return 1000 * self.cpu_s / self.cycles if self.cycles else float("nan")
-
-
-def cpu_seconds(pid: int) -> float:
-    fields_ = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields_[11]) + int(fields_[12])) / TICK  # utime, stime (fields 14, 15)
-
-
-def status_mib(pid: int, key: str) -> float:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith(key + ":"):
-            return int(line.split()[1]) / 1024
-    raise KeyError(key)
 
 
 def source_digest() -> str:
