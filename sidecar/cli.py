@@ -14,7 +14,6 @@ import time
 from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, NoReturn
-from urllib.parse import urlsplit
 
 import structlog
 
@@ -195,9 +194,9 @@ def _spool_dir(name: str, url: str) -> str:
 
 def _old_spool_dir(url: str) -> str:
     """Where earlier releases kept a URL's spool: one directory per host and port."""
-    parts = urlsplit(url)
-    port = parts.port or (443 if parts.scheme == "https" else 80)
-    return _safe_dir(f"remote_write:{parts.hostname}:{port}")
+    from sidecar.sinks.remote_write import host_port
+
+    return _safe_dir(f"remote_write:{host_port(url)}")
 
 
 def _adopt_old_spool(old: str, new: str) -> None:

@@ -16,6 +16,7 @@ journal's tail, which the per-record CRC detects. Record layout: body length (u3
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import struct
@@ -57,9 +58,17 @@ class Journal:
         self.records += 1
 
     def discard(self) -> None:
-        """The batch is sealed in the spool: the journal has nothing left to recover."""
+        """The batch is sealed in the spool (or counted as lost): nothing left to recover."""
         if self.records:
-            self.path.unlink(missing_ok=True)
+            remove(self.path)
+
+
+def remove(path: Path) -> None:
+    """Delete a journal. One that cannot be deleted (a read-only volume, a directory of that
+    name) stays where it is: the next start replays it, which sends nothing twice (its batch was
+    not spooled either), and start-up never fails on it."""
+    with contextlib.suppress(OSError):
+        path.unlink()
 
 
 def read_records(path: Path) -> Iterator[tuple[bytes, int]]:

@@ -91,8 +91,6 @@ class Spool:
             probe = self.dir / ".write-test"
             probe.write_bytes(b"")
             probe.unlink()
-        except SpoolLocked:
-            raise
         except OSError as exc:
             self.close()
             raise SpoolError(
@@ -119,7 +117,7 @@ class Spool:
                 if (m := NAME.match(p.name))]
         self._next = max([*self._index, *unsealed, *kept], default=0) + 1
         self._in_flight: frozenset[int] = frozenset()
-        self._trim(0)
+        self._trim()
         if self._index:
             log.info("spool_replay", directory=str(self.dir), batches=len(self._index),
                      bytes=self.bytes())
@@ -226,16 +224,16 @@ class Spool:
         with self._lock:
             self._index[seq] = (path, len(data), samples)
             # trimmed once the new batch is safe: a write that fails must not cost older ones
-            self._trim(0)
+            self._trim()
         return SpooledBatch(seq, path, samples, body)
 
-    def _trim(self, incoming: int) -> None:
-        """Make room for ``incoming`` bytes under the bound (lock held): kept copies first."""
+    def _trim(self) -> None:
+        """Bring the spool back under its bound (lock held): kept copies first."""
         total = (sum(size for _, size, _ in self._index.values())
                  + sum(sum(kept.values()) for kept in self._aside.values()))
         for where in ASIDE:
             kept = self._aside[where]
-            while kept and total + incoming > self.max_bytes:
+            while kept and total > self.max_bytes:
                 path = next(iter(kept))
                 total -= kept.pop(path)
                 with contextlib.suppress(OSError):
@@ -243,7 +241,7 @@ class Spool:
                 if where == "rejected":
                     log.info("spool_trimmed_kept_copy", batch=path.name, kept_in=where,
                              max_bytes=self.max_bytes)
-        while total + incoming > self.max_bytes:
+        while total > self.max_bytes:
             # the batches of the request in flight stay: the receiver may be storing them now
             # (the bound is exceeded by at most one request meanwhile)
             waiting = [seq for seq in self._index if seq not in self._in_flight]
@@ -358,7 +356,7 @@ class Spool:
             return target
         with self._lock:
             self._aside[where][target] = entry[1]
-            self._trim(0)
+            self._trim()
         return target
 
 

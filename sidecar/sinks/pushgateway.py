@@ -179,7 +179,6 @@ class PushgatewaySink:
         self.http.deadline = deadline
         self._stop.set()
         self._wake.set()
-        self._done = threading.Event()
 
         def final() -> None:
             self._thread.join(timeout=max(0.0, deadline - time.monotonic()))

@@ -11,12 +11,10 @@ receiver slower than the push interval is caught up rather than left behind for 
 
 from __future__ import annotations
 
-import contextlib
 import threading
 import time
 from collections import Counter
 from collections.abc import Callable
-from pathlib import Path
 from urllib.parse import urlsplit
 
 import structlog
@@ -38,19 +36,15 @@ from sidecar.spool import STATES, Spool, SpooledBatch, log_count
 log = structlog.get_logger("sidecar.remote_write")
 
 
-def _forget(path: Path) -> None:
-    """Delete a journal; one that cannot be deleted (read-only volume, a directory of that
-    name) is left where it is: start-up must never fail on it."""
-    with contextlib.suppress(OSError):
-        path.unlink()
+def host_port(url: str) -> str:
+    parts = urlsplit(url)
+    return f"{parts.hostname}:{parts.port or (443 if parts.scheme == 'https' else 80)}"
 
 
 def sink_name(url: str) -> str:
     """The ``sink`` label: scheme-less host, port and path, so two URLs on one host:port (two
     tenants, two paths) are told apart; query and user-info stay out of labels."""
-    parts = urlsplit(url)
-    port = parts.port or (443 if parts.scheme == "https" else 80)
-    return f"remote_write:{parts.hostname}:{port}{parts.path.rstrip('/')}"
+    return f"remote_write:{host_port(url)}{urlsplit(url).path.rstrip('/')}"
 
 
 class RemoteWriteSink:
@@ -105,7 +99,7 @@ class RemoteWriteSink:
             if seq == self._journal.seq:
                 continue
             if self.spool.holds(seq):  # sealed, but the crash came before the journal went
-                _forget(path)
+                journal.remove(path)
                 continue
             records: list[tuple[bytes, int]] = []
             try:
@@ -117,11 +111,11 @@ class RemoteWriteSink:
             if samples:
                 body = compress(b"".join(body for body, _ in records))
                 if self.spool.put(body, samples, seq=seq,
-                                  before_publish=lambda p=path: _forget(p)) is not None:
+                                  before_publish=lambda p=path: journal.remove(p)) is not None:
                     log.info("journal_replayed", sink=self.name, journal=path.name,
                              samples=samples, note="the open batch of a run that did not stop")
                     continue
-            _forget(path)  # empty, unreadable, or counted as lost by the spool
+            journal.remove(path)  # empty, unreadable, or counted as lost by the spool
 
     def emit(self, series: list[Series]) -> None:
         record = self.encoder.cycle(series)
@@ -158,20 +152,12 @@ class RemoteWriteSink:
                                                                   self.spool.reserve())
             self.last_flush = self.clock()
         if not samples:
-            self._discard(sealed)
+            sealed.discard()
             return
         body = compress(b"".join(cycles))
-        if self.spool.put(body, samples, seq=sealed.seq,
-                          before_publish=lambda: self._discard(sealed)) is None:
-            self._discard(sealed)  # counted as lost: it must not come back at the next start
+        if self.spool.put(body, samples, seq=sealed.seq, before_publish=sealed.discard) is None:
+            sealed.discard()  # counted as lost: it must not come back at the next start
         self._wake.set()
-
-    @staticmethod
-    def _discard(sealed: journal.Journal) -> None:
-        # on a read-only volume the journal stays: the next start replays what it holds (the
-        # batch was not spooled either, so nothing is sent twice)
-        with contextlib.suppress(OSError):
-            sealed.discard()
 
     def begin_close(self, deadline: float) -> None:
         """Shutdown starts: seal the open batch, cut backoff sleeps and request timeouts to the
@@ -189,7 +175,7 @@ class RemoteWriteSink:
         self._thread.join(timeout=max(0.0, deadline - time.monotonic()))
         self._stop.set()
         self._wake.set()
-        self._discard(self._journal)
+        self._journal.discard()
         left = len(self.spool)
         if left:
             log.warning("shutdown_left_in_spool", sink=self.name, batches=left,
