@@ -251,7 +251,8 @@ def test_sigkill_then_restart_on_the_same_spool_loses_at_most_the_cycle_in_progr
     spool = tmp_path / "spool"
     first = Agent(push_args(vm.write_url, spool, "--push-interval", push_interval))
     first.start()
-    time.sleep(3.0)
+    # killed once it has sampled for a while, however slowly it started on a loaded machine
+    assert wait_for(lambda: len({ts for _, _, ts, _ in first.sampled()}) >= 12, timeout=30)
     first.signal(signal.SIGKILL)
     first.wait()
     assert list(spool.rglob("*.batch")) or list(spool.rglob("*.journal"))
