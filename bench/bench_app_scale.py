@@ -20,14 +20,22 @@ as JSON lines on its stdout), and publish to its Unix datagram socket with non-b
 
 2. **Pid churn.** 64 GPUs x 256 processes per GPU, from one publisher process with fake pids
    (the protocol takes the pid from the message body): every pid's round for the 64 GPUs is split
-   by ``protocol.split_round`` into 8 datagrams. A load phase sends every pid's round once, then
-   ``CHURN_S`` seconds of churn: each second 10 % of the pids are retired (they go silent) and as
-   many fresh pid numbers join; every live pid publishes every ``REFRESH_S`` seconds (inside the
-   agent's ``--app-stale-after 5``). Pacing: a refused send is retried after a short sleep until
-   the second is over, and what is left at the end of its second is dropped and counted
-   ("unsent"). Agent at ``--interval 2``. Sampled: VmRSS every second, VmHWM at the end, the
-   series of the last full cycle, ``gpu_app_processes`` per GPU. Target: RSS <= 64 MiB at that
-   load; a run that could not deliver the load does not establish it and counts as missed.
+   by ``protocol.split_round`` into as few datagrams as fit 8 KiB (5). A load phase sends every
+   pid's round once, then ``CHURN_S`` seconds of churn: each second 10 % of the pids are retired
+   (they go silent) and as many fresh pid numbers join; every live pid publishes every
+   ``REFRESH_S`` seconds (the client's default interval), the agent keeps the default
+   ``--app-stale-after 30`` and ``--app-max-processes 256``, so a retired pid holds its slot for
+   30 s and the table stays at its bound. Pacing: the pid-rounds due in a second are spread
+   over it (as the client's jitter spreads real workers); a refused send is retried after a
+   short sleep, and a round still not sent 1 s after its slot is dropped and counted
+   ("unsent"). Agent at ``--interval 2``. Three runs: stdout only; remote-write to a real
+   VictoriaMetrics as deployed (default push interval, disk spool) plus stdout; the same with
+   ``--app-process-series``. Sampled: VmRSS every second, VmHWM at the end, the series of every
+   cycle, ``gpu_app_processes`` per GPU. Targets, for both runs without
+   ``--app-process-series`` (that one is reported): RSS <= 64 MiB at that load, and the GPU
+   series of every cycle within the docs' formula (``docs/metrics.md``: 9 allocator series +
+   buckets + 3 per GPU without NVML); a run that could not deliver the load
+   or did not fill the table does not establish them and counts as missed.
 """
 
 from __future__ import annotations
@@ -56,6 +64,7 @@ from _report import cpu_seconds, finish, heading, status_mib  # noqa: E402
 from sidecar import protocol  # noqa: E402
 from sidecar.simulate.app import profile_messages  # noqa: E402
 from sidecar.simulate.scenarios import AppProfile  # noqa: E402
+from tests.receivers import VictoriaMetrics  # noqa: E402
 
 PROFILE = AppProfile()
 WARM_S = 600.0  # publishers as if up 10 minutes: real histograms
@@ -69,8 +78,11 @@ CHURN_GPUS = 64
 CHURN_PIDS = 256
 CHURN_S = 60
 CHURN_SHARE = 0.10
-REFRESH_S = 2
-STALE_S = 5
+REFRESH_S = 5
+STALE_S = 30
+MAX_PROCESSES = 256
+PER_GPU_SERIES = 9 + len(protocol.DEFAULT_LATENCY_BOUNDS) + 3  # docs/metrics.md, without NVML
+PER_PROCESS_SERIES = 3
 LOAD_MAX_S = 30.0
 RSS_LIMIT_MIB = 64.0
 PLACEHOLDER_PID = (1 << 22) - 1
@@ -134,6 +146,18 @@ class Agent:
                     reason = row["labels"].get("reason", "?")
                     rejected[reason] = max(rejected.get(reason, 0.0), row["value"])
         return accepted, rejected
+
+    def last_value(self, name: str) -> float:
+        """The largest value of a self series on stdout, summed over its label sets."""
+        best: dict[str, float] = {}
+        with self.out.open("rb") as f:
+            for line in f:
+                if name.encode() in line:
+                    row = json.loads(line)
+                    if row["name"] == name:
+                        key = json.dumps(row["labels"], sort_keys=True)
+                        best[key] = max(best.get(key, 0.0), row["value"])
+        return sum(best.values())
 
     def log_events(self) -> Counter[str]:
         events: Counter[str] = Counter()
@@ -287,8 +311,26 @@ class Pacer:
             time.sleep(min(left, max(0.0, self.next_rss - time.monotonic()) + 0.001))
 
 
-def churn_run(tmp: Path) -> dict:
-    agent = Agent(tmp, "churn", "--interval", "2", "--app-stale-after", str(STALE_S))
+def churn_run(tmp: Path, remote_write: bool, per_process: bool) -> dict:
+    name = f"churn-{int(remote_write)}{int(per_process)}"
+    if not remote_write:
+        return churn_against(tmp, name, per_process, None)
+    (tmp / f"{name}-vm").mkdir()
+    vm = VictoriaMetrics(tmp / f"{name}-vm").start()
+    try:
+        return churn_against(tmp, name, per_process, vm)
+    finally:
+        vm.stop()
+
+
+def churn_against(tmp: Path, name: str, per_process: bool, vm: VictoriaMetrics | None) -> dict:
+    """The agent writing its series to stdout (for the series count), and with ``vm`` as
+    deployed too: remote-write to a real VictoriaMetrics (default push interval, disk spool)."""
+    push = ["--remote-write-url", vm.write_url, "--spool-dir", str(tmp / name / "spool")] \
+        if vm is not None else []
+    agent = Agent(tmp, name, "--interval", "2",
+                  "--app-stale-after", str(STALE_S), "--app-max-processes", str(MAX_PROCESSES),
+                  *push, *(["--app-process-series"] if per_process else []))
     time.sleep(1.0)
     before = status_mib(agent.pid, "VmRSS")
     templates = Templates()
@@ -327,17 +369,23 @@ def churn_run(tmp: Path) -> dict:
             born[pid] = tick
         live.extend(fresh)
         due = [pid for pid in live if (tick - born[pid]) % REFRESH_S == 0]
-        datagrams = [d for pid in due for d in templates.round(pid)]
-        planned += len(datagrams)
-        pacer.send(datagrams, tick_at + 1.0)
+        planned += len(due) * per_round
+        for j, pid in enumerate(due):  # spread over the second, as the client's jitter does
+            slot = tick_at + 0.9 * j / len(due)
+            pacer.wait(slot)
+            pacer.send(templates.round(pid), slot + 1.0)
     pacer.wait(churn_start + CHURN_S + 2.5)  # one more agent cycle
     cpu_churn = cpu_seconds(agent.pid) - cpu_loaded
     rss_end = status_mib(agent.pid, "VmRSS")
     hwm = status_mib(agent.pid, "VmHWM")
     code = agent.stop()
     accepted, rejected = agent.counters()
+    pushed = stored = None
+    if vm is not None:
+        pushed = agent.last_value("gpu_sidecar_samples_pushed_total")
+        stored = len(vm.settled(int(pushed)))
     churn_rss = [mib for t, mib in pacer.rss if t >= churn_start - pacer.t0]
-    cycles = series_per_cycle(agent.out)
+    cycles = series_per_cycle(agent.out, per_process)
     return {"before": before, "load_planned": load_planned, "load_sent": load_sent,
             "load_s": load_s, "rss_loaded": rss_loaded, "planned": planned,
             "sent": pacer.sent - load_sent, "unsent": pacer.unsent - (load_planned - load_sent),
@@ -347,24 +395,38 @@ def churn_run(tmp: Path) -> dict:
             statistics.median(churn_rss), "rss_max": max(mib for _, mib in pacer.rss),
             "rss_end": rss_end, "hwm": hwm, "accepted": accepted, "rejected": rejected,
             "cpu_churn": cpu_churn, "exit": code, "per_round": per_round,
-            "events": agent.log_events(), **cycles}
+            "events": agent.log_events(), "per_process": per_process,
+            "remote_write": vm is not None, "pushed": pushed,
+            "stored": stored, **cycles}
 
 
-def series_per_cycle(path: Path) -> dict:
+def series_per_cycle(path: Path, per_process: bool) -> dict:
     """Lines per cycle (timestamp_ms) and gpu_app_processes per GPU, for the last full cycle:
     the one before the cycle written at SIGTERM."""
     lines: Counter[int] = Counter()
+    gpu_lines: Counter[int] = Counter()  # the GPU series, not the agent's own
     processes: dict[int, list[float]] = {}
     with path.open("rb") as f:
         for line in f:
             row = json.loads(line)
             lines[row["timestamp_ms"]] += 1
+            if "gpu_uuid" in row["labels"]:
+                gpu_lines[row["timestamp_ms"]] += 1
             if row["name"] == "gpu_app_processes":
                 processes.setdefault(row["timestamp_ms"], []).append(row["value"])
     stamps = sorted(lines)
     last = stamps[-2] if len(stamps) > 1 else stamps[-1]
     counts = processes.get(last, [0.0])
+    # the formula: per GPU with figures that cycle, the fixed set (plus 3 per live process with
+    # --app-process-series), never above its bound at the limits
+    per = PER_PROCESS_SERIES if per_process else 0
+    bound = CHURN_GPUS * (PER_GPU_SERIES + per * MAX_PROCESSES)
+    over = sum(1 for t in stamps if gpu_lines[t] > min(bound, sum(
+        PER_GPU_SERIES + per * n for n in processes.get(t, []))))
     return {"cycles": len(stamps), "series": lines[last], "max_series": max(lines.values()),
+            "max_gpu_series": max(gpu_lines.values()), "cycles_over_formula": over,
+            "bound": bound, "peak": max((min(v) for v in processes.values()
+                                         if len(v) == CHURN_GPUS), default=0),
             "gpus_seen": len(processes.get(last, [])), "procs_min": min(counts),
             "procs_median": statistics.median(counts), "procs_max": max(counts)}
 
@@ -426,55 +488,84 @@ def delivery_report(runs: list[dict]) -> tuple[list[str], bool]:
     return [*lines, "", *notes], ok
 
 
-def churn_report(r: dict) -> tuple[list[str], bool]:
-    load_ok = r["load_sent"] == r["load_planned"]
-    churn_ok = r["unsent"] <= 0.01 * r["planned"]
-    rss_ok = r["hwm"] <= RSS_LIMIT_MIB
-    ok = load_ok and churn_ok and rss_ok
-    if ok:
-        verdict = "met"
-    elif rss_ok:
-        verdict = ("**missed: not established** - RSS stayed under the limit, but the load was "
-                   "not delivered (see the rows above), so the state measured is smaller than "
-                   "the one the target is about")
-    else:
-        verdict = "**missed**"
-    rejected = ", ".join(f"{k} {v:.0f}" for k, v in sorted(r["rejected"].items())) or "none"
-    events = r["events"]
+def churn_report(runs: list[dict]) -> tuple[list[str], bool]:
+    """One column per run; the targets are judged on the default run only."""
+    verdicts = []
+    for r in runs:
+        r["load_ok"] = r["load_sent"] == r["load_planned"]
+        r["churn_ok"] = r["unsent"] <= 0.01 * r["planned"]
+        r["full"] = r["peak"] >= MAX_PROCESSES
+        r["series_ok"] = r["cycles_over_formula"] == 0
+        established = r["load_ok"] and r["churn_ok"] and r["full"]
+        if r["per_process"]:
+            verdicts.append("reported, no target")
+        elif not established:
+            verdicts.append("**missed: not established** (load not delivered or table not full)")
+        else:
+            verdicts.append("met" if r["hwm"] <= RSS_LIMIT_MIB else "**missed**")
+    judged = [i for i, r in enumerate(runs) if not r["per_process"]]
+    ok = all(verdicts[i] == "met" and runs[i]["series_ok"] for i in judged)
+    default = runs[judged[0]]
+
+    def column(r: dict) -> str:
+        return ("remote-write + stdout" if r["remote_write"] else "stdout only") + \
+            (", `--app-process-series`" if r["per_process"] else "")
+
+    def row(label: str, cell) -> str:
+        return f"| {label} | " + " | ".join(cell(r) for r in runs) + " |"
+
+    def rejected(r: dict) -> str:
+        return ", ".join(f"{k} {v:.0f}" for k, v in sorted(r["rejected"].items())) or "none"
+
     lines = [
         f"{CHURN_GPUS} GPUs x {CHURN_PIDS} pids per GPU from one publisher (fake pids), "
-        f"{r['per_round']} datagrams per pid-round; agent `--interval 2 "
-        f"--app-stale-after {STALE_S}`; churn {CHURN_S} s, {pct(CHURN_SHARE)} of the pids "
-        f"replaced every second, every live pid publishing every {REFRESH_S} s.",
+        f"{default['per_round']} datagrams per pid-round; agent `--interval 2 --app-stale-after "
+        f"{STALE_S} --app-max-processes {MAX_PROCESSES}`, remote-write to a real VictoriaMetrics "
+        f"(default push interval and spool) and stdout; churn {CHURN_S} s, "
+        f"{pct(CHURN_SHARE)} of the pids replaced every second, every live pid publishing "
+        f"every {REFRESH_S} s.",
         "",
-        "| measure | value |",
-        "|---|---|",
-        f"| load: datagrams sent of planned (pid-rounds x {r['per_round']}) | "
-        f"{r['load_sent']} of {r['load_planned']} in {r['load_s']:.1f} s (limit "
-        f"{LOAD_MAX_S:g} s): {'delivered' if load_ok else '**not delivered**'} |",
-        f"| churn: datagrams sent of planned / dropped at the end of their second | "
-        f"{r['sent']} of {r['planned']} / {r['unsent']}"
-        f"{'' if churn_ok else ' (**load not delivered**)'} |",
-        f"| kernel refusals retried (whole run) | {r['refused']} |",
-        f"| pids retired / pid numbers used | {r['retired']} / {r['pids_used']} |",
-        f"| agent: accepted / rejected by reason | {r['accepted']:.0f} / {rejected} |",
-        f"| agent CPU during churn (utime+stime) | {r['cpu_churn']:.1f} s in {CHURN_S + 2.5:g} s "
-        f"({pct(r['cpu_churn'] / (CHURN_S + 2.5))} of one core) |",
-        f"| live processes per GPU the agent exports (`gpu_app_processes`, last full cycle: "
-        f"min / median / max) | {r['procs_min']:.0f} / {r['procs_median']:.0f} / "
-        f"{r['procs_max']:.0f} over {r['gpus_seen']} GPUs |",
-        f"| series in the last full cycle (max of any cycle) | {r['series']} ({r['max_series']}), "
-        f"{r['cycles']} cycles |",
-        f"| warnings logged: app_figures_stale / app_message_rejected | "
-        f"{events.get('app_figures_stale', 0)} / {events.get('app_message_rejected', 0)} |",
-        f"| VmRSS: idle / after load / churn first 10 s median / last 10 s median / max sampled "
-        f"/ end | {r['before']:.1f} / {r['rss_loaded']:.1f} / {r['rss_first']:.1f} / "
-        f"{r['rss_last']:.1f} / {r['rss_max']:.1f} / {r['rss_end']:.1f} MiB |",
-        f"| **VmHWM** (target <= {RSS_LIMIT_MIB:g} MiB at this load) | **{r['hwm']:.1f} MiB**: "
-        f"{verdict} |",
+        "| measure | " + " | ".join(column(r) for r in runs) + " |",
+        "|---|" + "---|" * len(runs),
+        row("load: datagrams sent of planned", lambda r: f"{r['load_sent']} of "
+            f"{r['load_planned']} in {r['load_s']:.1f} s"
+            + ("" if r["load_ok"] else " (**not delivered**)")),
+        row("churn: datagrams sent of planned / dropped (still refused 1 s after their slot)",
+            lambda r: f"{r['sent']} of {r['planned']} / {r['unsent']}"
+            + ("" if r["churn_ok"] else " (**load not delivered**)")),
+        row("kernel refusals retried (whole run)", lambda r: str(r["refused"])),
+        row("pids retired / pid numbers used", lambda r: f"{r['retired']} / {r['pids_used']}"),
+        row("agent: accepted / rejected by reason",
+            lambda r: f"{r['accepted']:.0f} / {rejected(r)}"),
+        row("agent CPU during churn (utime+stime)", lambda r: f"{r['cpu_churn']:.1f} s in "
+            f"{CHURN_S + 2.5:g} s ({pct(r['cpu_churn'] / (CHURN_S + 2.5))} of one core)"),
+        row("processes per GPU the agent exports (`gpu_app_processes`): last full cycle min / "
+            f"median / max; fullest cycle's least full GPU (full at {MAX_PROCESSES})",
+            lambda r: f"{r['procs_min']:.0f} / {r['procs_median']:.0f} / {r['procs_max']:.0f} "
+            f"over {r['gpus_seen']} GPUs; {r['peak']:.0f}"
+            + ("" if r["full"] else " (**never full**)")),
+        row("GPU series per cycle: max of any cycle / bound at the limits / cycles above the "
+            "formula", lambda r: f"{r['max_gpu_series']} / {r['bound']} / "
+            f"{r['cycles_over_formula']} of {r['cycles']}"
+            + ("" if r["series_ok"] else " (**formula broken**)")),
+        row("remote-write: samples pushed by the agent's last stdout cycle / stored in "
+            "VictoriaMetrics after its exit (its last push comes after that cycle)",
+            lambda r: f"{r['pushed']:.0f} / {r['stored']}" if r["remote_write"] else "-"),
+        row("all series in the last full cycle (max of any cycle)",
+            lambda r: f"{r['series']} ({r['max_series']})"),
+        row("warnings logged: app_figures_stale / app_message_rejected",
+            lambda r: f"{r['events'].get('app_figures_stale', 0)} / "
+            f"{r['events'].get('app_message_rejected', 0)}"),
+        row("VmRSS: idle / after load / churn first 10 s median / last 10 s median / max "
+            "sampled / end", lambda r: f"{r['before']:.1f} / {r['rss_loaded']:.1f} / "
+            f"{r['rss_first']:.1f} / {r['rss_last']:.1f} / {r['rss_max']:.1f} / "
+            f"{r['rss_end']:.1f} MiB"),
+        row(f"**VmHWM** (target <= {RSS_LIMIT_MIB:g} MiB, without `--app-process-series`)",
+            lambda r: f"**{r['hwm']:.1f} MiB**: {verdicts[runs.index(r)]}"),
     ]
-    if r["exit"]:
-        lines.append(f"\nagent exit code after SIGTERM: {r['exit']}")
+    for r in runs:
+        if r["exit"]:
+            lines.append(f"\nagent exit code after SIGTERM ({column(r)}): {r['exit']}")
     return lines, ok
 
 
@@ -496,7 +587,8 @@ def main() -> int:
         lines += ["", "### Delivery", "", *part]
         ok = ok and met
     if args.only in (None, "churn"):
-        part, met = churn_report(churn_run(tmp))
+        part, met = churn_report([churn_run(tmp, False, False), churn_run(tmp, True, False),
+                                  churn_run(tmp, True, True)])
         lines += ["", "### Memory under pid churn", "", *part]
         ok = ok and met
     lines += ["", f"Wall time {time.monotonic() - started:.0f} s."]

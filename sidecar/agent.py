@@ -127,7 +127,8 @@ class Agent:
         samples, available = self.collect()
         series: list[Series] = []
         for sample in samples:
-            series.extend(sample_series(sample, self.pod, self._labels(sample.identity)))
+            series.extend(sample_series(sample, self.pod, self._labels(sample.identity),
+                                        per_process=self.config.app_process_series))
         ts = samples[0].timestamp_ms if samples else int(self.wall() * 1000)
         self.last_cycle_s = self.clock() - started
         series.extend(self.self_series(ts, available))

@@ -57,10 +57,14 @@ class AppState:
         clock: Callable[[], float] = time.monotonic,
         max_processes: int = MAX_PROCESSES_PER_GPU,
         max_gpus: int = MAX_APP_GPUS,
+        max_buckets: int = protocol.MAX_BUCKETS,
+        max_message_bytes: int = protocol.MAX_MESSAGE_BYTES,
     ) -> None:
         self.stale_after_s = stale_after_s
         self.max_processes = max_processes
         self.max_gpus = max_gpus
+        self.max_buckets = max_buckets
+        self.max_message_bytes = max_message_bytes
         self.known_gpu = known_gpu
         self.clock = clock
         self.accepted = 0
@@ -75,13 +79,16 @@ class AppState:
         self._counted: dict[tuple[str, int], tuple[int, int]] = {}
         self._counters: dict[str, list[int]] = {}
         self._stale = 0  # processes that went quiet, for the log's running count
-        self._pids: dict[str, set[int]] = {}  # per GPU, the processes with any state kept
+        # per GPU, the processes with any state kept -> when last heard, least recent first
+        # (re-inserted on every message), so the slot to reclaim is always the first
+        self._pids: dict[str, dict[int, float]] = {}
         self._reject_log: dict[str, tuple[float, int]] = {}
 
     def feed(self, data: bytes) -> protocol.Message | None:
         """Validate and store one datagram; None when it was rejected (and counted)."""
         try:
-            message = protocol.decode(data)
+            message = protocol.decode(data, max_bytes=self.max_message_bytes,
+                                      max_buckets=self.max_buckets)
             with self._lock:
                 self._store(message, self.clock())
                 self.accepted += 1
@@ -104,55 +111,58 @@ class AppState:
                     similar_since_last_log=suppressed,
                     hint="fix the sender; valid messages are unaffected")
 
-    def _check_gpu(self, uuid: str) -> None:
-        if self.known_gpu is not None and not self.known_gpu(uuid):
-            raise protocol.Rejected("unknown_gpu", f"GPU {uuid} is not on this node")
-        if uuid not in self._announced and len(self._announced) >= self.max_gpus:
+    def _check_gpus(self, gpus: set[str]) -> None:
+        if self.known_gpu is not None:
+            for uuid in gpus:
+                if not self.known_gpu(uuid):
+                    raise protocol.Rejected("unknown_gpu", f"GPU {uuid} is not on this node")
+        new = len(gpus - self._announced.keys())
+        if new and len(self._announced) + new > self.max_gpus:
             self._forget_quiet_gpus(self.clock())
-            if len(self._announced) >= self.max_gpus:
+            if len(self._announced) + len(gpus - self._announced.keys()) > self.max_gpus:
                 raise protocol.Rejected(
                     "too_many_gpus", f"more than {self.max_gpus} GPUs announced; raise "
                     "--app-max-gpus if the pod really has that many")
 
     def _store(self, message: protocol.Message, now: float) -> None:
+        """Every kind is a round: GPUs named, and figures per GPU. Whole or not at all: every
+        GPU, and room for the process on each, is checked before anything is kept."""
+        parts: tuple[protocol.Allocator | protocol.Latency, ...]
         if isinstance(message, protocol.Round):
-            # whole or not at all: every GPU is checked before anything is kept
-            for uuid in {*message.gpus, *(a.gpu for a in message.allocators),
-                         *(h.gpu for h in message.latency)}:
-                self._check_gpu(uuid)
-            self._store(protocol.Hello(message.pid, message.gpus), now)
-            for part in (*message.allocators, *message.latency):
-                self._store(part, now)
-            return
-        if isinstance(message, protocol.Hello):
-            for uuid in message.gpus:
-                self._check_gpu(uuid)
-            for uuid in message.gpus:
-                self._announced[uuid] = now
-            return
-        self._check_gpu(message.gpu)
-        key = (message.gpu, message.pid)
-        pids = self._pids.setdefault(message.gpu, set())
-        if message.pid not in pids:
-            self._make_room(message.gpu, pids, now)
-            pids.add(message.pid)
-        if isinstance(message, protocol.Allocator):
-            figures = AllocatorFigures(
-                pid=message.pid,
-                reserved_bytes=message.reserved_bytes,
-                allocated_bytes=message.allocated_bytes,
-                active_bytes=message.active_bytes,
-                inactive_split_bytes=message.inactive_split_bytes,
-                alloc_retries=message.alloc_retries,
-                ooms=message.ooms,
-                largest_free_block_bytes=message.largest_free_block_bytes,
-                private_pool_bytes=message.private_pool_bytes,
-            )
-            self._alloc[key] = (now, figures)
-            self._count(key, message.alloc_retries, message.ooms)
+            named, parts = set(message.gpus), (*message.allocators, *message.latency)
+        elif isinstance(message, protocol.Hello):
+            named, parts = set(message.gpus), ()
         else:
-            self._merge(message, key, now)
-        self._announced[message.gpu] = now
+            named, parts = set(), (message,)
+        with_figures = {part.gpu for part in parts}
+        self._check_gpus(named | with_figures)
+        pid = message.pid
+        for uuid in with_figures:
+            pids = self._pids.setdefault(uuid, {})
+            if pid not in pids:
+                self._make_room(uuid, pids, now)
+        for uuid in named | with_figures:
+            self._announced[uuid] = now
+        for part in parts:
+            key = (part.gpu, pid)
+            pids = self._pids[part.gpu]
+            pids.pop(pid, None)
+            pids[pid] = now
+            if isinstance(part, protocol.Allocator):
+                self._alloc[key] = (now, AllocatorFigures(
+                    pid=pid,
+                    reserved_bytes=part.reserved_bytes,
+                    allocated_bytes=part.allocated_bytes,
+                    active_bytes=part.active_bytes,
+                    inactive_split_bytes=part.inactive_split_bytes,
+                    alloc_retries=part.alloc_retries,
+                    ooms=part.ooms,
+                    largest_free_block_bytes=part.largest_free_block_bytes,
+                    private_pool_bytes=part.private_pool_bytes,
+                ))
+                self._count(key, part.alloc_retries, part.ooms)
+            else:
+                self._merge(part, key, now)
 
     def _count(self, key: tuple[str, int], retries: int, ooms: int) -> None:
         last = self._counted.get(key)
@@ -165,23 +175,18 @@ class AppState:
             totals[1] += ooms
         self._counted[key] = (retries, ooms)
 
-    def _make_room(self, gpu: str, pids: set[int], now: float) -> None:
-        """Bound the per-process state: forget processes silent past the staleness window first.
-        Only this GPU's processes are looked at, and only when it is full."""
+    def _make_room(self, gpu: str, pids: dict[int, float], now: float) -> None:
+        """Bound the per-process state: a full GPU reclaims the slot of its least recently
+        heard process if that one has been silent past the staleness window, else refuses."""
         if len(pids) < self.max_processes:
             return
-        horizon = now - self.stale_after_s
-        for pid in pids:
-            key = (gpu, pid)
-            alloc = self._alloc.get(key)
-            lat = self._last_latency.get(key)
-            if max(alloc[0] if alloc else -1e18, lat[2] if lat else -1e18) < horizon:
-                self._forget(key)
-                pids.discard(pid)
-                return
-        raise protocol.Rejected("too_many_processes",
-                                f"more than {self.max_processes} live processes on {gpu}; raise "
-                                "--app-max-processes if that many really publish")
+        oldest, seen = next(iter(pids.items()))
+        if seen >= now - self.stale_after_s:
+            raise protocol.Rejected(
+                "too_many_processes", f"more than {self.max_processes} live processes on {gpu}; "
+                "raise --app-max-processes if that many really publish")
+        self._forget((gpu, oldest))
+        del pids[oldest]
 
     def _merge(self, message: protocol.Latency, key: tuple[str, int], now: float) -> None:
         merged = self._merged.get(message.gpu)
@@ -218,8 +223,8 @@ class AppState:
         for k in on_old:
             del self._last_latency[k]
         retired = (old.retired | {pid for _, pid in on_old})
-        if len(retired) > MAX_PROCESSES_PER_GPU:
-            retired = set(sorted(retired)[-MAX_PROCESSES_PER_GPU:])
+        if len(retired) > self.max_processes:
+            retired = set(sorted(retired)[-self.max_processes:])
         log.warning("latency_buckets_changed", gpu_uuid=message.gpu, pid=message.pid,
                     old_bounds=list(old.bounds), new_bounds=list(message.bounds),
                     effect="the GPU's latency histogram restarts with the new buckets; "
@@ -323,7 +328,8 @@ class AppSocket:
     def _serve(self) -> None:
         sock = self._sock
         assert sock is not None
-        buf = bytearray(protocol.MAX_MESSAGE_BYTES + 1)
+        limit = self.state.max_message_bytes
+        buf = bytearray(limit + 1)
         view = memoryview(buf)
         while not self._stop.is_set():
             try:
@@ -338,9 +344,10 @@ class AppSocket:
                 continue
             if self._stop.is_set():
                 return
-            if n > protocol.MAX_MESSAGE_BYTES:
+            if n > limit:
                 self.state.reject(protocol.Rejected(
-                    "too_large", f"datagram of {n} bytes exceeds {protocol.MAX_MESSAGE_BYTES}"))
+                    "too_large", f"datagram of {n} bytes exceeds {limit}; split it "
+                    "(protocol.split_round) or raise --app-max-message-bytes"))
                 continue
             self.state.feed(bytes(view[:n]))
 

@@ -248,7 +248,9 @@ def run(cfg: config.Config) -> int:
             visible = {i.uuid for i in source.devices()}
             known = visible.__contains__
         state = AppState(stale_after_s=cfg.app_stale_after, known_gpu=known,
-                         max_processes=cfg.app_max_processes, max_gpus=cfg.app_max_gpus)
+                         max_processes=cfg.app_max_processes, max_gpus=cfg.app_max_gpus,
+                         max_buckets=cfg.app_max_buckets,
+                         max_message_bytes=cfg.app_max_message_bytes)
         app_socket = AppSocket(socket_path, state)
         app_socket.start()
         stack.callback(app_socket.stop)

@@ -38,6 +38,9 @@ class Config:
     app_stale_after: float = 30.0
     app_max_processes: int = 256
     app_max_gpus: int = 64
+    app_max_buckets: int = protocol.MAX_BUCKETS
+    app_max_message_bytes: int = protocol.MAX_MESSAGE_BYTES
+    app_process_series: bool = False
     pcie_peak_bytes_per_second: float | None = None
     gpu_retry_interval: float = 30.0
     no_nvml: bool = False
@@ -402,6 +405,17 @@ OPTIONS: tuple[Option, ...] = (
     Option("app_max_gpus", "Most GPUs the app may announce (default 64); with NVML only its "
            "visible GPUs are accepted anyway (reasons too_many_gpus, unknown_gpu).",
            _positive_int(1, 1024), commands=("run",)),
+    Option("app_max_buckets", f"Most latency buckets per histogram (default {protocol.MAX_BUCKETS}); "
+           "a histogram with more is refused (reason too_many_buckets).", _positive_int(1, 1024),
+           commands=("run",)),
+    Option("app_max_message_bytes", "Largest datagram accepted from the app, in bytes (default "
+           f"{protocol.MAX_MESSAGE_BYTES}, the size sidecar.client splits at; 1024..65536); a "
+           "larger one is refused (reason too_large).", _positive_int(1024, 65536),
+           commands=("run",)),
+    Option("app_process_series", "Also export per-process allocator series "
+           "(gpu_app_process_*, labelled pid): one set per live process, at most "
+           "--app-max-processes per GPU. Every worker restart makes new series; off by default.",
+           _bool, flag_only=True, commands=("run",)),
     Option("pcie_peak_bytes_per_second", "Calibrated per-direction PCIe peak in bytes/s to divide "
            "by instead of the link's theoretical maximum (default: from max link gen x width).",
            _positive_float),

@@ -20,7 +20,11 @@ format version (``v``), its ``kind`` and the sender's ``pid``. Kinds:
                a pod cannot raise it) datagrams per socket, so a round of 8 GPUs sent as 17
                messages loses some whenever a few processes publish at once; as one it does not.
                A round larger than ``MAX_MESSAGE_BYTES`` (about 14 GPUs with their histograms)
-               is split by the sender into several rounds, each a whole part of the GPUs.
+               is split by the sender into several rounds, each a whole part of the GPUs and
+               naming only those in its ``gpus``.
+
+The agent's bounds on size and buckets are options (``--app-max-message-bytes``,
+``--app-max-buckets``); the defaults here are what the client keeps to.
 
 The single-purpose kinds stay accepted, so clients and agents of different releases work
 together. A round is validated whole: one bad part refuses the round (counted by reason).
@@ -125,6 +129,13 @@ Message = Hello | Allocator | Latency | Round
 
 def encode(message: Message) -> bytes:
     """The datagram for ``message``; raises ValueError if it would be refused."""
+    data = _serialise(message)
+    if len(data) > MAX_MESSAGE_BYTES:
+        raise ValueError(f"message of {len(data)} bytes exceeds {MAX_MESSAGE_BYTES}")
+    return data
+
+
+def _serialise(message: Message) -> bytes:
     body: dict[str, Any] = {"v": VERSION}
     if isinstance(message, Hello):
         body |= {"kind": "hello", "pid": message.pid, "gpus": list(message.gpus)}
@@ -139,27 +150,43 @@ def encode(message: Message) -> bytes:
                  "allocators": [_allocator_body(a) for a in message.allocators],
                  "latency": [{"gpu": h.gpu, "bounds": list(h.bounds), "counts": list(h.counts),
                               "sum": h.sum} for h in message.latency]}
-    data = json.dumps(body, separators=(",", ":"), allow_nan=False).encode()
-    if len(data) > MAX_MESSAGE_BYTES:
-        raise ValueError(f"message of {len(data)} bytes exceeds {MAX_MESSAGE_BYTES}")
-    return data
+    return json.dumps(body, separators=(",", ":"), allow_nan=False).encode()
 
 
 def split_round(message: Round) -> list[bytes]:
-    """The datagrams for a round: one, or several rounds each carrying whole GPUs when one
-    would exceed ``MAX_MESSAGE_BYTES``."""
-    try:
-        return [encode(message)]
-    except ValueError:
-        if len(message.allocators) + len(message.latency) <= 1:
-            raise
-    gpus = sorted({a.gpu for a in message.allocators} | {h.gpu for h in message.latency})
-    if len(gpus) <= 1:
-        raise ValueError("one GPU's figures exceed the message size")
-    halves = (set(gpus[: len(gpus) // 2]), set(gpus[len(gpus) // 2:]))
-    return [data for half in halves for data in split_round(Round(
-        message.pid, message.gpus, tuple(a for a in message.allocators if a.gpu in half),
-        tuple(h for h in message.latency if h.gpu in half)))]
+    """The datagrams for a round: one, or as few as fit ``MAX_MESSAGE_BYTES`` when it does not,
+    each carrying whole GPUs (a GPU's figures are never split) and naming only its own GPUs in
+    ``gpus`` (the first also those without figures), so the UUID list is not repeated."""
+    data = _serialise(message)
+    if len(data) <= MAX_MESSAGE_BYTES:
+        return [data]
+    order = list(dict.fromkeys([*(a.gpu for a in message.allocators),
+                                *(h.gpu for h in message.latency)]))
+    bare = tuple(g for g in message.gpus if g not in order)
+
+    def part(gpus: list[str], first: bool) -> bytes:
+        return _serialise(Round(
+            message.pid, (*(bare if first else ()), *gpus),
+            tuple(a for a in message.allocators if a.gpu in gpus),
+            tuple(h for h in message.latency if h.gpu in gpus)))
+
+    out: list[bytes] = []
+    taken: list[str] = []
+    last = b""
+    for gpu in order:  # greedy: add GPUs while the part still fits
+        trial = part([*taken, gpu], not out)
+        if len(trial) <= MAX_MESSAGE_BYTES:
+            taken.append(gpu)
+            last = trial
+            continue
+        if not taken:
+            raise ValueError(f"the figures of {gpu} alone exceed {MAX_MESSAGE_BYTES} bytes")
+        out.append(last)
+        taken, last = [gpu], part([gpu], False)
+        if len(last) > MAX_MESSAGE_BYTES:
+            raise ValueError(f"the figures of {gpu} alone exceed {MAX_MESSAGE_BYTES} bytes")
+    out.append(last)
+    return out
 
 
 def _allocator_body(message: Allocator) -> dict[str, Any]:
@@ -177,10 +204,15 @@ def _reject_constant(name: str) -> Any:
     raise Rejected("bad_number", f"{name} is not a number JSON allows")
 
 
-def decode(data: bytes) -> Message:
-    """Parse and validate one datagram; raises ``Rejected`` with a reason and an explanation."""
-    if len(data) > MAX_MESSAGE_BYTES:
-        raise Rejected("too_large", f"datagram of {len(data)} bytes exceeds {MAX_MESSAGE_BYTES}")
+def decode(data: bytes, *, max_bytes: int = MAX_MESSAGE_BYTES,
+           max_buckets: int = MAX_BUCKETS) -> Message:
+    """Parse and validate one datagram; raises ``Rejected`` with a reason and an explanation.
+
+    ``max_bytes`` and ``max_buckets`` are the receiver's bounds (``--app-max-message-bytes``,
+    ``--app-max-buckets``); the defaults are what ``encode`` and the client keep to."""
+    if len(data) > max_bytes:
+        raise Rejected("too_large", f"datagram of {len(data)} bytes exceeds {max_bytes}; split "
+                       "it (protocol.split_round) or raise --app-max-message-bytes")
     try:
         body = json.loads(data.decode("utf-8"), parse_constant=_reject_constant)
     except Rejected:
@@ -204,11 +236,11 @@ def decode(data: bytes) -> Message:
     if kind == "hello":
         return Hello(pid, _gpus(body))
     if kind == "round":
-        return _round(body, pid)
+        return _round(body, pid, max_buckets)
     gpu = _uuid(body.get("gpu"))
     if kind == "allocator":
         return _allocator(body, pid, gpu)
-    return _latency(body, pid, gpu)
+    return _latency(body, pid, gpu, max_buckets)
 
 
 def _gpus(body: dict[str, Any]) -> tuple[str, ...]:
@@ -218,7 +250,7 @@ def _gpus(body: dict[str, Any]) -> tuple[str, ...]:
     return tuple(_uuid(g) for g in gpus)
 
 
-def _round(body: dict[str, Any], pid: int) -> Round:
+def _round(body: dict[str, Any], pid: int, max_buckets: int) -> Round:
     parts = []
     for name, allowed in (("allocators", _ALLOCATOR_ITEM), ("latency", _LATENCY_ITEM)):
         items = body.get(name, [])
@@ -232,7 +264,7 @@ def _round(body: dict[str, Any], pid: int) -> Round:
                 raise Rejected("unknown_field", f"unknown fields in {name}: {sorted(unknown)[:5]}")
         parts.append(items)
     allocators = tuple(_allocator(a, pid, _uuid(a.get("gpu"))) for a in parts[0])
-    latency = tuple(_latency(h, pid, _uuid(h.get("gpu"))) for h in parts[1])
+    latency = tuple(_latency(h, pid, _uuid(h.get("gpu")), max_buckets) for h in parts[1])
     return Round(pid, _gpus(body), allocators, latency)
 
 
@@ -250,10 +282,13 @@ def _allocator(body: dict[str, Any], pid: int, gpu: str) -> Allocator:
     return Allocator(pid, gpu, **figures, **optional)
 
 
-def _latency(body: dict[str, Any], pid: int, gpu: str) -> Latency:
+def _latency(body: dict[str, Any], pid: int, gpu: str, max_buckets: int) -> Latency:
     bounds, counts, total = body.get("bounds"), body.get("counts"), body.get("sum")
-    if not isinstance(bounds, list) or not 1 <= len(bounds) <= MAX_BUCKETS:
-        raise Rejected("bad_type", f"'bounds' must be a list of 1..{MAX_BUCKETS} numbers")
+    if not isinstance(bounds, list) or not bounds:
+        raise Rejected("bad_type", "'bounds' must be a non-empty list of numbers")
+    if len(bounds) > max_buckets:
+        raise Rejected("too_many_buckets", f"{len(bounds)} latency bounds, more than "
+                       f"{max_buckets}; use fewer buckets or raise --app-max-buckets")
     if not isinstance(counts, list) or len(counts) != len(bounds) + 1:
         raise Rejected("bad_type", "'counts' must have one entry per bound plus one for +Inf")
     clean_bounds: list[float] = []

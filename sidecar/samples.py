@@ -154,12 +154,13 @@ _LAYER_NAMES = (
 
 
 def sample_series(
-    sample: GpuSample, pod: Mapping[str, str], labels: Labels | None = None
+    sample: GpuSample, pod: Mapping[str, str], labels: Labels | None = None, *,
+    per_process: bool = False,
 ) -> list[Series]:
     """Every series of one sample, named and labelled as Contract 1 says.
 
     ``labels`` are the GPU's labels (``gpu_labels(sample.identity, pod)``) when the caller keeps
-    them from cycle to cycle."""
+    them from cycle to cycle. ``per_process`` adds the opt-in ``gpu_app_process_*`` series."""
     if labels is None:
         labels = gpu_labels(sample.identity, pod)
     ts = sample.timestamp_ms
@@ -174,7 +175,21 @@ def sample_series(
     app = sample.app
     if app.allocators or app.latency is not None:
         out.extend(_app_series(app, labels, ts))
+        if per_process:
+            out.extend(_process_series(app, labels, ts))
     return out
+
+
+def _process_series(app: AppFigures, labels: Labels, ts: int) -> Iterator[Series]:
+    """Opt-in: a few series per live process, labelled by pid. Bounded by the app state's
+    per-GPU process limit; every restarted worker is a new series for the receiver."""
+    for a in app.allocators:
+        own = _with(labels, pid=str(a.pid))
+        yield Series("gpu_app_process_reserved_bytes", own, float(a.reserved_bytes), ts)
+        yield Series("gpu_app_process_allocated_bytes", own, float(a.allocated_bytes), ts)
+        frag = ratio(a.reserved_bytes - a.allocated_bytes, a.reserved_bytes)
+        if frag is not None:
+            yield Series("gpu_app_process_fragmentation_ratio", own, frag, ts)
 
 
 def _app_series(app: AppFigures, labels: Labels, ts: int) -> Iterator[Series]:

@@ -173,13 +173,15 @@ def test_a_round_too_large_for_one_datagram_is_split_into_whole_gpus():
         tuple(protocol.Latency(5, g, protocol.DEFAULT_LATENCY_BOUNDS,
                                tuple(range(len(protocol.DEFAULT_LATENCY_BOUNDS) + 1)), 1.5)
               for g in gpus))
-    parts = [protocol.decode(d) for d in protocol.split_round(message)]
-    assert len(parts) > 1 and all(len(protocol.encode(p)) <= protocol.MAX_MESSAGE_BYTES
-                                  for p in parts)
+    data = protocol.split_round(message)
+    parts = [protocol.decode(d) for d in data]
+    assert len(parts) > 1 and all(len(d) <= protocol.MAX_MESSAGE_BYTES for d in data)
+    # as few datagrams as whole GPUs allow: no two neighbours would have fitted in one
+    assert all(len(a) + len(b) > protocol.MAX_MESSAGE_BYTES for a, b in zip(data, data[1:]))
     assert sorted(a.gpu for p in parts for a in p.allocators) == sorted(gpus)
     assert sorted(h.gpu for p in parts for h in p.latency) == sorted(gpus)
-    for p in parts:  # a GPU's figures are never split across two datagrams
-        assert {a.gpu for a in p.allocators} == {h.gpu for h in p.latency}
+    for p in parts:  # a GPU's figures are never split, and each part names only its GPUs
+        assert {a.gpu for a in p.allocators} == {h.gpu for h in p.latency} == set(p.gpus)
 
 
 @pytest.mark.parametrize("uuid", [GPU + "\n", "GPU-abcd\n", GPU + "\r", " " + GPU, GPU + '"'])
@@ -341,3 +343,34 @@ def test_the_bounds_are_options_and_say_which_option_to_raise():
     state.feed(raw(alloc(gpu=other)))
     assert state.rejected == {"too_many_processes": 1, "too_many_gpus": 1}
     assert len(state.figures(GPU).allocators) == 2
+
+
+def test_bucket_count_and_message_size_are_bounds_with_their_own_reasons(sock_path):
+    state = AppState(max_buckets=2, max_message_bytes=1024)
+    assert state.feed(raw(latency(pid=1))) is not None  # 2 bounds: at the limit
+    assert state.feed(raw(latency(pid=2, bounds=(0.1, 0.2, 0.3), counts=(1, 2, 3, 4)))) is None
+    padded = raw(alloc(pid=3)) + b" " * 1024  # valid JSON, too large for this agent
+    assert state.feed(padded) is None
+    assert state.rejected == {"too_many_buckets": 1, "too_large": 1}
+    # the socket's own receive buffer follows the option: a datagram one byte over is refused
+    app = AppSocket(sock_path, state)
+    app.start()
+    try:
+        body = raw(alloc(pid=4))
+        send_datagram(sock_path, body + b" " * (1025 - len(body)))
+        send_datagram(sock_path, body + b" " * (1024 - len(body)))
+        assert wait_until(lambda: state.accepted == 2 and state.rejected["too_large"] == 2)
+    finally:
+        app.stop()
+
+
+def test_a_round_refused_for_a_full_gpu_keeps_nothing_of_its_other_gpus():
+    other = "GPU-22222222-3333-4444-5555-666666666666"
+    state = AppState(max_processes=1)
+    state.feed(raw(alloc(pid=1, gpu=other)))  # `other` is full
+    part = {k: v for k, v in alloc().items() if k not in ("v", "kind", "pid")}
+    body = {"v": 1, "kind": "round", "pid": 2, "gpus": [GPU, other],
+            "allocators": [part, {**part, "gpu": other}], "latency": []}
+    assert state.feed(raw(body)) is None and state.rejected == {"too_many_processes": 1}
+    assert state.figures(GPU).allocators == ()  # GPU had room, yet nothing was kept there
+    assert [a.pid for a in state.figures(other).allocators] == [1]

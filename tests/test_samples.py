@@ -86,6 +86,20 @@ def test_several_processes_on_a_gpu_make_one_set_of_series_from_their_sums():
     assert value["gpu_app_processes"] == 2
 
 
+def test_per_process_series_only_when_asked_one_set_per_live_process():
+    figs = (AllocatorFigures(11, 100, 50, 50, 10, 2, 0, 30, None),
+            AllocatorFigures(22, 300, 250, 250, 30, 1, 1, 20, 64))
+    sample = GpuSample(ID, 1, app=AppFigures(figs))
+    assert not [s for s in sample_series(sample, {}) if s.name.startswith("gpu_app_process_")]
+    series = by_name(sample_series(sample, {}, per_process=True))
+    frag = {dict(s.labels)["pid"]: s.value for s in series["gpu_app_process_fragmentation_ratio"]}
+    assert frag == {"11": 0.5, "22": 50 / 300}
+    reserved = {dict(s.labels)["pid"]: s.value for s in series["gpu_app_process_reserved_bytes"]}
+    assert reserved == {"11": 100, "22": 300}
+    assert len(series["gpu_app_process_allocated_bytes"]) == 2
+    assert series["gpu_allocator_reserved_bytes"][0].value == 400  # the sums stay as they were
+
+
 def test_latency_histogram_series_are_cumulative_with_inf_bucket():
     h = LatencyHistogram((0.1, 0.25), (3, 8, 10), 1.5)
     series = by_name(sample_series(GpuSample(ID, 1, app=AppFigures((), h)), {}))
@@ -103,7 +117,7 @@ def test_every_name_produced_is_in_the_metric_table():
         IoLayer(1.0, 2.0, 10.0, 5, 16, 0, 3.0, 4.0),
         AppFigures((a,), LatencyHistogram((0.1,), (1, 2), 0.3)),
     )
-    for s in sample_series(sample, {}):
+    for s in sample_series(sample, {}, per_process=True):
         base = s.name
         for suffix in ("_bucket", "_sum", "_count"):
             if base.startswith("inference_") and base.endswith(suffix):
