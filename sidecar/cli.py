@@ -92,6 +92,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             signals.restore_defaults()
             return probe(cfg)
         return run(cfg)
+    except config.ConfigError as exc:  # found once NVML was open
+        log.error("configuration_error", error=str(exc))
+        print(f"gpu-sidecar: configuration error: {exc}", file=sys.stderr)
+        return 2
     except NvmlUnavailable as exc:
         log.error("nvml_unavailable", error=str(exc))
         print(f"gpu-sidecar: {exc}", file=sys.stderr)
@@ -121,9 +125,10 @@ def _nvml(cfg: config.Config) -> Iterator[tuple[NvmlSource | None, Scenario | No
         yield None, None
         return
     source = NvmlSource(pcie_peak_bytes_per_second=cfg.pcie_peak_bytes_per_second,
-                        lost_retry_s=cfg.gpu_retry_interval)
+                        lost_retry_s=cfg.gpu_retry_interval, interval_s=cfg.interval)
     source.open()
     try:
+        _check_named_gpus(cfg, source)
         yield source, scenario
     finally:
         source.close()
@@ -223,6 +228,18 @@ def _private_root(root: str) -> None:
         raise SpoolError(
             f"spool directory {root} is not writable ({exc.strerror}); mount a writable "
             "emptyDir there or set --spool-dir / GPU_SIDECAR_SPOOL_DIR") from exc
+
+
+def _check_named_gpus(cfg: config.Config, source: NvmlSource) -> None:
+    """GPUs named with --gpus must be among those NVML shows: a typo or a GPU the container
+    cannot see would otherwise leave the agent exporting nothing while looking healthy."""
+    visible = [i.uuid for i in source.devices()]
+    missing = [u for u in cfg.gpu_list() if u not in visible]
+    if missing:
+        raise config.ConfigError(
+            f"--gpus names {', '.join(missing)}, which NVML does not show this container; "
+            f"visible: {', '.join(visible) or 'none'}. Name visible GPUs, or use --gpus visible "
+            "(every GPU shown) or --gpus announced (the app's)")
 
 
 def run(cfg: config.Config) -> int:
@@ -344,6 +361,8 @@ def _probe_block(source: NvmlSource, ident: GpuIdentity, reading: NvmlReading | 
                  f", PCIe rate from {caps['pcie'] or 'none'}, NVLink from {caps['nvlink'] or 'none'}"
                  f" ({caps['nvlink_links']} links), replays from {caps['replay'] or 'none'}")
     lines.append(f"  link: {link}")
+    if caps.get("pcie_note"):
+        lines.append(f"  PCIe: {caps['pcie_note']}")
     if absent:
         lines.append("  absent metrics:")
         lines += [f"    {name}: {why}" for name, why in sorted(absent.items())]

@@ -139,11 +139,14 @@ class _Device:
     handle: Any
     parent_handle: Any = None  # MIG: the physical GPU
     gpu_instance_id: int | None = None
+    mig_slot: int | None = None  # MIG: its index under the parent, to re-open it
     # capabilities, decided once at open
     memory: str | None = None  # "v2" | "v1" | None
     utilization: bool = False
     gpm: bool = False
     pcie: str | None = None  # "counters" | "gpm" | "throughput" | None
+    pcie_note: str = ""  # why the byte counters were not taken, when they exist
+    pcie_max_dt: float = math.inf  # longest gap over which the counters still give a rate
     replay: str | None = None  # "field" | "call" | None
     nvlink_links: int = 0
     nvlink: str | None = None  # "counters" | "gpm" | None
@@ -176,11 +179,15 @@ class NvmlSource:
         *,
         pcie_peak_bytes_per_second: float | None = None,
         lost_retry_s: float = 30.0,
+        interval_s: float = 5.0,
         clock: Callable[[], float] = time.monotonic,
+        sleep: Callable[[float], None] = time.sleep,
     ) -> None:
         self.pcie_peak = pcie_peak_bytes_per_second
         self.lost_retry_s = lost_retry_s
+        self.interval_s = interval_s
         self.clock = clock
+        self.sleep = sleep
         self.driver_version = ""
         self.errors: Counter[str] = Counter()
         self._devices: dict[str, _Device] = {}
@@ -231,10 +238,13 @@ class NvmlSource:
 
     def capabilities(self, uuid: str) -> dict[str, Any]:
         d = self._devices[uuid]
-        return {"memory": d.memory, "utilization": d.utilization, "gpm": d.gpm, "pcie": d.pcie,
+        caps = {"memory": d.memory, "utilization": d.utilization, "gpm": d.gpm, "pcie": d.pcie,
                 "replay": d.replay, "nvlink": d.nvlink, "nvlink_links": d.nvlink_links,
                 "link_generation": d.link_generation, "link_width": d.link_width,
                 "link_max_bytes_per_second": d.link_max}
+        if d.pcie_note:
+            caps["pcie_note"] = d.pcie_note
+        return caps
 
     def is_lost(self, uuid: str) -> bool:
         dev = self._devices.get(uuid)
@@ -278,7 +288,7 @@ class NvmlSource:
                 parent_uuid=parent.identity.uuid,
             )
             dev = _Device(identity=identity, handle=mh, parent_handle=parent.handle,
-                          gpu_instance_id=pynvml.nvmlDeviceGetGpuInstanceId(mh))
+                          gpu_instance_id=pynvml.nvmlDeviceGetGpuInstanceId(mh), mig_slot=slot)
             self._detect_memory(dev)
             dev.gpm = parent.gpm
             if dev.gpm:
@@ -356,7 +366,8 @@ class NvmlSource:
         except pynvml.NVMLError as exc:
             if error_code(exc) not in _UNSUPPORTED_CODES:
                 raise
-        if probe.get(FI_TX) and probe.get(FI_RX):
+        tx, rx = probe.get(FI_TX), probe.get(FI_RX)
+        if tx and rx and self._counter_fits(dev, min(tx[1], rx[1])):
             dev.pcie = "counters"
         elif dev.gpm:
             dev.pcie = "gpm"
@@ -406,6 +417,24 @@ class NvmlSource:
             for name in GPM_METRIC_NAMES.values():
                 dev.absent[name] = gpm_why
 
+    def _counter_fits(self, dev: _Device, bits: int) -> bool:
+        """A byte counter gives a rate only if it cannot wrap twice between two readings: at
+        the link's maximum over twice the interval (a late cycle), it must stay below one wrap.
+        A 32-bit counter wraps every 4.29 GB, 15 times a second on a Gen5 x16 link."""
+        if bits >= 64:
+            return True
+        if dev.link_max is not None and dev.link_max * 2 * self.interval_s < 2**bits:
+            dev.pcie_max_dt = 2**bits / dev.link_max
+            return True
+        link = f"{dev.link_max / 1e9:.1f} GB/s" if dev.link_max else "an unknown maximum"
+        dev.pcie_note = (f"the PCIe byte counters are {bits}-bit: at the link's {link} they "
+                         f"could wrap more than once per {self.interval_s:g} s interval, so "
+                         "they are not used")
+        log.warning("pcie_counters_too_narrow", gpu_uuid=dev.identity.uuid, bits=bits,
+                    interval_s=self.interval_s, link_max_bytes_per_second=dev.link_max,
+                    effect="PCIe rates come from GPM or nvmlDeviceGetPcieThroughput instead")
+        return False
+
     def _gpm_setup(self, dev: _Device, metrics: dict[int, tuple[str, float]]) -> None:
         dev.gpm_samples = [pynvml.nvmlGpmSampleAlloc(), pynvml.nvmlGpmSampleAlloc()]
         dev.gpm_ids = metrics
@@ -426,9 +455,19 @@ class NvmlSource:
     # -- reading -------------------------------------------------------------------------------
 
     def read(self, uuids: Iterable[str]) -> dict[str, NvmlReading | None]:
-        """One reading per requested GPU; None for a GPU that is lost or unknown."""
-        now = self.clock()
+        """One reading per requested GPU; None for a GPU that is lost or unknown.
+
+        A reading closer than GPM's minimum to the previous one (the last sample taken at
+        shutdown, just after a cycle) first waits out the rest of that minimum, at most 0.1 s,
+        rather than dropping the GPM figures."""
+        uuids = list(uuids)
         devices = self._devices
+        now = self.clock()
+        last = max((d.gpm_prev_t for u in uuids if (d := devices.get(u)) is not None and d.gpm
+                    and d.gpm_prev_t is not None), default=None)
+        if last is not None and 0 <= now - last < GPM_MIN_INTERVAL_S:
+            self.sleep(GPM_MIN_INTERVAL_S - (now - last))
+            now = self.clock()
         result: dict[str, NvmlReading | None] = {}
         live: list[_Device] = []
         for uuid in uuids:
@@ -526,9 +565,16 @@ class NvmlSource:
             return False
         try:
             if dev.is_mig:
-                raise pynvml.NVMLError(pynvml.NVML_ERROR_GPU_IS_LOST)  # re-opened with its parent
-            handle = pynvml.nvmlDeviceGetHandleByUUID(dev.identity.uuid)
-            pynvml.nvmlDeviceGetUUID(handle)
+                # through its parent: the instance's slot must still hold the same UUID
+                parent = pynvml.nvmlDeviceGetHandleByUUID(dev.identity.parent_uuid)
+                handle = pynvml.nvmlDeviceGetMigDeviceHandleByIndex(parent, dev.mig_slot)
+                if pynvml.nvmlDeviceGetUUID(handle) != dev.identity.uuid:
+                    raise pynvml.NVMLError(pynvml.NVML_ERROR_NOT_FOUND)  # re-partitioned
+                dev.gpu_instance_id = pynvml.nvmlDeviceGetGpuInstanceId(handle)
+                dev.parent_handle = parent
+            else:
+                handle = pynvml.nvmlDeviceGetHandleByUUID(dev.identity.uuid)
+                pynvml.nvmlDeviceGetUUID(handle)
         except pynvml.NVMLError:
             dev.retry_at = now + self.lost_retry_s
             return False
@@ -656,7 +702,7 @@ class NvmlSource:
                 prev = dev.prev_pcie
                 if prev is not None:
                     dt = now - prev[0]
-                    if dt > 0:
+                    if 0 < dt < dev.pcie_max_dt:  # else it may have wrapped twice: no rate
                         # above four times the link: a counter reset, not traffic
                         ceiling = 4 * dev.link_max if dev.link_max else math.inf
                         tx_rate = (tx - prev[1]) % tx_mod / dt  # across at most one wrap

@@ -302,6 +302,7 @@ class FaultProxy:
         self.plan = plan
         self.delay = delay  # seconds before each answer: a slow or hanging receiver
         self.log: list[tuple[float, int, bytes]] = []
+        self.headers: list[dict[str, str]] = []  # per request, as it arrived on the wire
         self.lock = threading.Lock()
         proxy = self
 
@@ -321,6 +322,7 @@ class FaultProxy:
                 status, extra, text = answer
                 with proxy.lock:
                     proxy.log.append((time.monotonic(), status, body))
+                    proxy.headers.append(dict(self.headers.items()))
                 self.send_response(status)
                 for k, v in extra.items():
                     self.send_header(k, v)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import socket
@@ -177,7 +178,7 @@ def test_a_round_too_large_for_one_datagram_is_split_into_whole_gpus():
     parts = [protocol.decode(d) for d in data]
     assert len(parts) > 1 and all(len(d) <= protocol.MAX_MESSAGE_BYTES for d in data)
     # as few datagrams as whole GPUs allow: no two neighbours would have fitted in one
-    assert all(len(a) + len(b) > protocol.MAX_MESSAGE_BYTES for a, b in zip(data, data[1:]))
+    assert all(len(a) + len(b) > protocol.MAX_MESSAGE_BYTES for a, b in itertools.pairwise(data))
     assert sorted(a.gpu for p in parts for a in p.allocators) == sorted(gpus)
     assert sorted(h.gpu for p in parts for h in p.latency) == sorted(gpus)
     for p in parts:  # a GPU's figures are never split, and each part names only its GPUs

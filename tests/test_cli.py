@@ -184,6 +184,21 @@ def test_bad_configuration_is_refused_at_start_naming_the_option_and_the_fix(arg
     assert proc.stdout == ""
 
 
+@pytest.mark.parametrize("command", ["run", "probe"])
+def test_a_named_gpu_nvml_does_not_show_stops_the_agent_with_the_visible_uuids(command):
+    visible = [g.uuid for g in build("healthy").gpus]
+    bogus = "GPU-00000000-dead-beef-0000-000000000000"
+    proc = run_cli(command, "--simulate", "healthy", "--gpus", f"{visible[0]},{bogus}",
+                   *(["--once"] if command == "run" else []))
+    assert proc.returncode == 2, proc.stderr
+    assert f"--gpus names {bogus}, which NVML does not show" in proc.stderr
+    assert all(uuid in proc.stderr for uuid in visible)
+    assert proc.stdout == ""
+    ok = run_cli(command, "--simulate", "healthy", "--gpus", visible[0],
+                 *(["--once"] if command == "run" else []))
+    assert ok.returncode == 0, ok.stderr
+
+
 def test_environment_variables_configure_like_flags():
     proc = run_cli("run", "--once", env={"GPU_SIDECAR_SIMULATE": "healthy",
                                          "GPU_SIDECAR_OUTPUT": "json",

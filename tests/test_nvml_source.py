@@ -9,6 +9,7 @@ from dataclasses import replace
 
 import pynvml
 import pytest
+import structlog
 
 from sidecar.nvml_source import NvmlSource, NvmlUnavailable
 from sidecar.simulate import fake_nvml
@@ -101,19 +102,28 @@ def test_consecutive_gpm_intervals_each_average_their_own_span(install_fake, clo
         t += span
 
 
-def test_gpm_interval_under_100ms_is_refused_and_the_next_cycle_spans_the_whole_gap(
+def test_a_reading_within_100ms_of_the_last_waits_out_gpms_minimum_and_keeps_its_figures(
         install_fake, clock):
+    # the last sample at shutdown often lands just after a cycle: it must neither warn nor
+    # drop GPM, so the source waits out the rest of GPM's 100 ms minimum first
     install_fake([gpu(sm_occupancy=Signal(40, 0.5, 2))], clock=clock)
-    source = open_source(clock)
-    uuid = source.devices()[0].uuid
-    fake = pynvml.nvmlLib.fake
-    source.read([uuid])
-    t0 = fake.now()
-    clock.advance(0.05)
-    assert source.read([uuid])[uuid].compute.sm_occupancy_ratio is None
-    clock.advance(0.25)
-    got = source.read([uuid])[uuid].compute.sm_occupancy_ratio
-    assert got == pytest.approx(Signal(40, 0.5, 2).mean(t0, t0 + 0.30) / 100, rel=1e-9)
+    slept: list[float] = []
+
+    def sleep(seconds: float) -> None:
+        slept.append(seconds)
+        clock.advance(seconds)
+
+    with structlog.testing.capture_logs() as logs:
+        source = open_source(clock, sleep=sleep)
+        uuid = source.devices()[0].uuid
+        fake = pynvml.nvmlLib.fake
+        source.read([uuid])
+        t0 = fake.now()
+        clock.advance(0.03)
+        got = source.read([uuid])[uuid].compute.sm_occupancy_ratio
+    assert slept == [pytest.approx(0.07)]
+    assert got == pytest.approx(Signal(40, 0.5, 2).mean(t0, t0 + 0.1) / 100, rel=1e-9)
+    assert not [e for e in logs if e["log_level"] == "warning"]
 
 
 def test_a_pcie_counter_that_goes_backwards_is_a_reset_not_traffic(install_fake, clock):
@@ -133,15 +143,17 @@ def test_a_pcie_counter_that_goes_backwards_is_a_reset_not_traffic(install_fake,
     assert source.read([uuid])[uuid].io.pcie_rx_bytes_per_second == pytest.approx(50e9, rel=1e-9)
 
 
-@pytest.mark.parametrize("bits", [64, 32])
-def test_pcie_byte_counter_wrap_is_handled(install_fake, clock, bits):
+@pytest.mark.parametrize(("bits", "generation"), [(64, 5), (32, 1)])
+def test_pcie_byte_counter_wrap_is_handled(install_fake, clock, bits, generation):
     # the counter starts 1 GB below its wrap point and receives 2 GB/s: it wraps in the middle
-    # of the 1 s interval, so the second reading is below the first
+    # of the 1 s interval, so the second reading is below the first. A 32-bit counter is used
+    # only where it cannot wrap twice in an interval: a Gen1 x16 link (4 GB/s) at 1 s
     rate = 2e9
     install_fake([gpu(pcie_counter_bits=bits, pcie_counter_offset=2**bits - 10**9,
-                      pcie_rx=Signal(rate))], clock=clock)
-    source = open_source(clock)
+                      pcie_rx=Signal(rate), link_generation=generation)], clock=clock)
+    source = open_source(clock, interval_s=0.5)
     uuid = source.devices()[0].uuid
+    assert source.capabilities(uuid)["pcie"] == "counters"
     fake, g = pynvml.nvmlLib.fake, pynvml.nvmlLib.fake.gpus[0]
     before = fake.pcie_counter(g, g.pcie_rx, fake.now())
     source.read([uuid])
@@ -149,6 +161,55 @@ def test_pcie_byte_counter_wrap_is_handled(install_fake, clock, bits):
     assert fake.pcie_counter(g, g.pcie_rx, fake.now()) < before, "the test must cross the wrap"
     r = source.read([uuid])[uuid]
     assert r.io.pcie_rx_bytes_per_second == pytest.approx(rate, rel=1e-9)
+    if bits == 32:  # a gap long enough for two wraps at the link maximum gives no rate
+        clock.advance(2.0)
+        assert source.read([uuid])[uuid].io.pcie_rx_bytes_per_second is None
+
+
+@pytest.mark.parametrize(("gpm", "way"), [(True, "gpm"), (False, "throughput")])
+def test_a_32_bit_counter_that_could_wrap_twice_per_interval_is_never_used(
+        install_fake, clock, gpm, way):
+    # fields 197/198 as 32-bit values on a Gen5 x16 link: 4.29 GB is 68 ms of traffic
+    install_fake([gpu(pcie_counter_bits=32, has_gpm=gpm, pcie_tx=Signal(3e9),
+                      pcie_rx=Signal(60e9))], clock=clock)
+    with structlog.testing.capture_logs() as logs:
+        source = open_source(clock, interval_s=1.0)
+        uuid = source.devices()[0].uuid
+        for _ in range(3):
+            clock.advance(1.0)
+            r = source.read([uuid])[uuid]
+    caps = source.capabilities(uuid)
+    assert caps["pcie"] == way and "32-bit" in caps["pcie_note"]
+    assert r.io.pcie_rx_bytes_per_second == pytest.approx(60e9, rel=1e-6)
+    assert r.io.pcie_tx_bytes_per_second == pytest.approx(3e9, rel=1e-6)
+    assert [e["event"] for e in logs].count("pcie_counters_too_narrow") == 1
+
+
+def test_pcie_from_gpm_when_the_byte_counters_are_missing(install_fake, clock):
+    # GPM reports MiB/s per direction; TX and RX differ by 50x, so a swap cannot pass, and
+    # MB instead of MiB would be 4.6 % off
+    install_fake([gpu(has_pcie_counters=False)], clock=clock)
+    source = open_source(clock)
+    uuid = source.devices()[0].uuid
+    assert source.capabilities(uuid)["pcie"] == "gpm"
+    source.read([uuid])
+    clock.advance(2.0)
+    r = source.read([uuid])[uuid]
+    assert r.io.pcie_tx_bytes_per_second == pytest.approx(1e9, rel=1e-9)
+    assert r.io.pcie_rx_bytes_per_second == pytest.approx(50e9, rel=1e-9)
+
+
+def test_nvlink_from_per_link_field_counters_without_gpm(install_fake, clock):
+    # without GPM the per-link KiB counters are summed over the 18 links
+    install_fake([gpu(has_gpm=False)], clock=clock)
+    source = open_source(clock)
+    uuid = source.devices()[0].uuid
+    assert source.capabilities(uuid)["nvlink"] == "counters"
+    source.read([uuid])
+    clock.advance(2.0)
+    r = source.read([uuid])[uuid]
+    assert r.io.nvlink_tx_bytes_per_second == pytest.approx(36e9, rel=1e-6)
+    assert r.io.nvlink_rx_bytes_per_second == pytest.approx(18e9, rel=1e-6)
 
 
 def test_calibrated_peak_replaces_the_theoretical_link_maximum(install_fake, clock):
@@ -271,6 +332,31 @@ def test_mig_instances_have_their_own_uuid_memory_and_gpm_and_the_parents_link(i
     assert r[migs[0].uuid].compute.utilization_ratio is None
     assert r[migs[0].uuid].io.pcie_rx_bytes_per_second is None
     assert "MIG" in source.absent(migs[0].uuid)["gpu_pcie_rx_bytes_per_second"]
+    # nothing was asked of a MIG handle that the real library answers only for the parent
+    assert pynvml.nvmlLib.fake.mig_handle_refused == {}
+
+
+def test_a_lost_mig_instance_is_reopened_through_its_parent(install_fake, clock):
+    mig = FakeMig(1, "MIG-11111111-2222-3333-4444-555555555555", "Simulated H200 MIG 3g.71gb",
+                  71 * GiB, memory_used=Signal(5 * GiB), sm_occupancy=Signal(33))
+    fake = install_fake([gpu(mig=(mig,))], clock=clock)
+    source = open_source(clock, lost_retry_s=2.0)
+    assert source.read([mig.uuid])[mig.uuid] is not None
+    start = fake.now()
+    for key, (index, g, m) in list(fake._devices.items()):  # the GPU falls off the bus
+        fake._devices[key] = (index, replace(g, lost_between=(start, start + 5.0)), m)
+    fake.gpus[0] = replace(fake.gpus[0], lost_between=(start, start + 5.0))
+    clock.advance(1.0)
+    assert source.read([mig.uuid])[mig.uuid] is None and source.is_lost(mig.uuid)
+    clock.advance(2.5)  # retried, the GPU still lost
+    assert source.read([mig.uuid])[mig.uuid] is None
+    clock.advance(2.5)  # back
+    first = source.read([mig.uuid])[mig.uuid]
+    assert first is not None and first.memory.used_bytes == 5 * GiB
+    clock.advance(1.0)
+    again = source.read([mig.uuid])[mig.uuid]
+    assert again.compute.sm_occupancy_ratio == pytest.approx(0.33)  # GPM through the parent
+    assert not source.is_lost(mig.uuid) and fake.mig_handle_refused == {}
 
 
 @pytest.mark.parametrize("name", ["healthy", "pcie-saturated", "fragmented", "low-occupancy",

@@ -172,6 +172,26 @@ def decoded_span(body: bytes) -> tuple[int, int]:
     return min(stamps), max(stamps)
 
 
+def test_remote_write_requests_carry_the_headers_the_protocol_requires(tmp_path):
+    """Checked on the wire in front of a real receiver: VictoriaMetrics and Prometheus 2.42
+    accept requests without the version header, a newer receiver may not."""
+    vm = VictoriaMetrics(tmp_path).start()
+    proxy = FaultProxy(vm.write_url, lambda n, body: None)
+    with running(vm, proxy):
+        agent = Agent(push_args(proxy.url, tmp_path / "spool"))
+        run_for(agent, 1.5)
+        assert proxy.headers, "no request reached the receiver"
+        info = next(r for r in agent.sampled() if r[0] == "gpu_sidecar_info")
+        version = dict(info[1])["version"]
+        for headers in proxy.headers:
+            got = {k.lower(): v for k, v in headers.items()}
+            assert got["content-type"] == "application/x-protobuf"
+            assert got["content-encoding"] == "snappy"
+            assert got["x-prometheus-remote-write-version"] == "0.1.0"
+            assert got["user-agent"] == f"gpu-sidecar/{version}"
+        assert {status for _, status, _ in proxy.log} == {204}  # and the receiver took them
+
+
 def test_500s_are_retried_and_batches_arrive_in_order(tmp_path):
     vm = VictoriaMetrics(tmp_path).start()
     proxy = FaultProxy(vm.write_url,
@@ -289,7 +309,15 @@ def test_sigterm_takes_a_last_sample_and_flushes_within_the_timeout(tmp_path):
         assert agent.wait() == 0
         assert time.monotonic() - started < 3.0
         sampled = as_map(agent.sampled())
-        assert max(k[2] for k in sampled) >= signalled * 1000 - 50  # the last sample
+        last = max(k[2] for k in sampled)
+        assert last >= signalled * 1000 - 50  # the last sample
+        # which keeps its GPM figures even when it lands within 100 ms of the cycle before
+        # (half the time at --interval 0.2), and says nothing about it
+        gpus = {dict(k[1])["gpu_uuid"] for k in sampled if "gpu_uuid" in dict(k[1])}
+        occupancy = {dict(k[1])["gpu_uuid"] for k in sampled
+                     if k[0] == "gpu_sm_occupancy_ratio" and k[2] == last}
+        assert occupancy == gpus
+        assert not [e for e in agent.events() if e.get("event") == "gpm_interval_too_short"]
         # nothing was pushed before SIGTERM: all of it went in the shutdown flush
         assert_same(as_map(vm.settled(len(sampled))), sampled, VM_REL)
 

@@ -194,6 +194,9 @@ class FakeNvml:
         self._devices: dict[int, tuple[int, FakeGpu, FakeMig | None]] = {}
         self._gpm_tables: dict[tuple[int, int | None], dict[int, tuple[Signal, float]]] = {}
         self.max_concurrent_throughput = 0
+        # calls refused because a MIG instance's handle was given where the real library wants
+        # the parent GPU's: tests assert there are none
+        self.mig_handle_refused: Counter[str] = Counter()
         self._gpm: dict[int, _GpmSample] = {}
         self._next_gpm = 0x6F000000
         self._fns: dict[str, Callable[..., object]] = {}
@@ -271,6 +274,17 @@ class FakeNvml:
         if found[1].lost_between is not None and self.is_lost(found[0]):
             return GPU_IS_LOST
         return found
+
+    def _gpu(self, handle: object, call: str) -> tuple[int, FakeGpu, None] | int:
+        """The addressed physical GPU; a MIG instance's handle is refused, as the real library
+        refuses it for GPU-wide queries, and counted."""
+        dev = self._device(handle)
+        if isinstance(dev, int):
+            return dev
+        if dev[2] is not None:
+            self.mig_handle_refused[call] += 1
+            return INVALID_ARGUMENT
+        return dev[0], dev[1], None
 
     # -- library -----------------------------------------------------------------------------
 
@@ -352,7 +366,7 @@ class FakeNvml:
     # -- MIG ---------------------------------------------------------------------------------
 
     def nvmlDeviceGetMigMode(self, handle: object, current: object, pending: object) -> int:
-        dev = self._device(handle)
+        dev = self._gpu(handle, "nvmlDeviceGetMigMode")
         if isinstance(dev, int):
             return dev
         gpu = dev[1]
@@ -362,14 +376,14 @@ class FakeNvml:
         return SUCCESS
 
     def nvmlDeviceGetMaxMigDeviceCount(self, handle: object, ref: object) -> int:
-        dev = self._device(handle)
+        dev = self._gpu(handle, "nvmlDeviceGetMaxMigDeviceCount")
         if isinstance(dev, int):
             return dev
         _out(ref).value = 7 if dev[1].mig_capable else 0
         return SUCCESS
 
     def nvmlDeviceGetMigDeviceHandleByIndex(self, handle: object, index: object, ref: object) -> int:
-        dev = self._device(handle)
+        dev = self._gpu(handle, "nvmlDeviceGetMigDeviceHandleByIndex")
         if isinstance(dev, int):
             return dev
         i = index.value  # type: ignore[attr-defined]
@@ -435,7 +449,7 @@ class FakeNvml:
     # -- PCIe ----------------------------------------------------------------------------------
 
     def _link(self, handle: object, attr: str, ref: object) -> int:
-        dev = self._device(handle)
+        dev = self._gpu(handle, attr)
         if isinstance(dev, int):
             return dev
         _out(ref).value = getattr(dev[1], attr)
@@ -454,7 +468,7 @@ class FakeNvml:
         return self._link(handle, "current_link_width", ref)
 
     def nvmlDeviceGetPcieReplayCounter(self, handle: object, ref: object) -> int:
-        dev = self._device(handle)
+        dev = self._gpu(handle, "nvmlDeviceGetPcieReplayCounter")
         if isinstance(dev, int):
             return dev
         _out(ref).value = int(dev[1].replays_per_second * self.now())
@@ -531,7 +545,7 @@ class FakeNvml:
     # -- GPM -----------------------------------------------------------------------------------
 
     def nvmlGpmQueryDeviceSupport(self, handle: object, ref: object) -> int:
-        dev = self._device(handle)
+        dev = self._gpu(handle, "nvmlGpmQueryDeviceSupport")
         if isinstance(dev, int):
             return dev
         _out(ref).isSupportedDevice = int(dev[1].has_gpm)
@@ -565,7 +579,7 @@ class FakeNvml:
         return self._take(sample, (dev[0], None))
 
     def nvmlGpmMigSampleGet(self, handle: object, gi_id: int, sample: object) -> int:
-        dev = self._device(handle)
+        dev = self._gpu(handle, "nvmlGpmMigSampleGet")  # the parent's handle and the GI id
         if isinstance(dev, int):
             return dev
         index, gpu, _ = dev
