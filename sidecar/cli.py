@@ -330,6 +330,9 @@ def probe(cfg: config.Config) -> int:
         sim = f"  [SIMULATED: scenario {cfg.simulate}]" if scenario is not None else ""
         print(f"gpu-sidecar {__version__} probe: NVML driver {source.driver_version}, "
               f"{len(devices)} GPU(s){sim}")
+        # one line to check what a DRA claim or NVIDIA_VISIBLE_DEVICES gave this container
+        print("this container sees: " + (", ".join(
+            f"{d.uuid} ({d.name})" for d in devices) or "no GPU"))
         for identity in devices:
             print()
             print(_probe_block(source, identity, readings.get(identity.uuid)))

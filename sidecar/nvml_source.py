@@ -214,7 +214,10 @@ class NvmlSource:
             except pynvml.NVMLError as exc:
                 log.warning("gpu_unreadable_at_start", gpu_index=index, error=str(exc),
                             hint=f"it is left out; check `nvidia-smi -i {index}`")
-        log.info("nvml_opened", driver=self.driver_version, gpus=len(self._devices))
+        # which GPUs this container sees: what a DRA claim or NVIDIA_VISIBLE_DEVICES gave it
+        log.info("nvml_opened", driver=self.driver_version, gpus=len(self._devices),
+                 visible=[f"{d.identity.uuid} ({d.identity.name})"
+                          for d in self._devices.values()])
 
     def close(self) -> None:
         if self._pool is not None:

@@ -123,3 +123,25 @@ def test_app_only_mode_exports_allocator_figures_without_nvml(clock):
     assert "gpu_utilization_ratio" not in names
     nvml = [s for s in series if s.name == "gpu_sidecar_nvml_available"]
     assert nvml[0].value == 0
+
+
+def test_with_gpus_visible_the_agent_exports_exactly_the_gpus_nvml_shows_it(clock, install_fake):
+    # a DRA claim (or NVIDIA_VISIBLE_DEVICES) gives the container two of the node's eight GPUs:
+    # NVML numbers them 0 and 1 in the container, their UUIDs stay the node's
+    node = list(build("healthy", 8).gpus)
+    claimed = [node[2], node[5]]
+    install_fake(claimed, clock=clock)
+    source = NvmlSource(clock=clock)
+    source.open()
+    sink = ListSink()
+    agent = Agent(Config(interval=5.0, gpus="visible"), source=source, app=AppState(clock=clock),
+                  sinks=sink, clock=clock, wall=lambda: clock() + 1.7e9)
+    agent.prime()
+    clock.advance(5.0)
+    series = agent.cycle()
+    gpu_series = [s for s in series if "gpu_uuid" in dict(s.labels)]
+    assert {dict(s.labels)["gpu_uuid"] for s in gpu_series} == {g.uuid for g in claimed}
+    assert {dict(s.labels)["gpu_index"] for s in gpu_series} == {"0", "1"}
+    assert any(s.name == "gpu_sm_occupancy_ratio" for s in gpu_series)  # all layers, not a stub
+    others = {g.uuid for g in node} - {g.uuid for g in claimed}
+    assert not any(dict(s.labels).get("gpu_uuid") in others for s in series)

@@ -158,6 +158,8 @@ def test_probe_reports_supported_and_absent_metrics_with_reasons():
     assert "compute:" in out and "memory:" in out and "io:" in out
     healthy = run_cli("probe", "--simulate", "healthy").stdout
     assert "absent metrics: none" in healthy
+    seen = next(line for line in healthy.splitlines() if line.startswith("this container sees: "))
+    assert all(f"{g.uuid} ({g.name})" in seen for g in build("healthy").gpus)
     assert "PCIe gen 5 x16, 63.02 GB/s per direction" in healthy
 
 

@@ -125,6 +125,52 @@ def test_overlays_configure_what_they_say():
     assert "What is lost" in (K8S / "overlays/legacy/kustomization.yaml").read_text()
 
 
+WORKLOADS = ("Deployment", "StatefulSet", "Job")
+
+
+@pytest.mark.parametrize("version", ["1.34.0", "1.35.0"])
+def test_dra_overlay_validates_strictly_from_the_first_release_with_resource_v1(version):
+    docs = render(K8S / "overlays/dra")
+    proc = run(need("kubernetes-validate"), "--strict", "--quiet", "-k", version, "-",
+               input=yaml.safe_dump_all(docs))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    template = next(d for d in docs if d["kind"] == "ResourceClaimTemplate")
+    template["spec"]["spec"]["devices"]["requests"][0]["exactly"]["countt"] = 1
+    proc = run(need("kubernetes-validate"), "--strict", "--quiet", "-k", version, "-",
+               input=yaml.safe_dump_all(docs))
+    assert proc.returncode != 0, "the claim template must be validated too"
+
+
+def test_dra_overlay_gives_the_app_and_the_sidecar_the_same_claim_and_nothing_more():
+    docs = render(K8S / "overlays/dra")
+    templates = {d["metadata"]["name"]: d for d in docs if d["kind"] == "ResourceClaimTemplate"}
+    assert templates["pod-gpus"]["apiVersion"] == "resource.k8s.io/v1"
+    request = templates["pod-gpus"]["spec"]["spec"]["devices"]["requests"][0]["exactly"]
+    assert request["deviceClassName"] == "gpu.nvidia.com"
+    workloads = [d for d in docs if d["kind"] in WORKLOADS]
+    assert {d["kind"] for d in workloads} == {"Deployment", "Job"}
+    for doc in workloads:
+        pod = doc["spec"]["template"]["spec"]
+        claims = {c["name"]: c for c in pod["resourceClaims"]}
+        assert claims == {"gpus": {"name": "gpus", "resourceClaimTemplateName": "pod-gpus"}}
+        containers = pod["containers"] + pod.get("initContainers", [])
+        users = {c["name"] for c in containers
+                 if {"name": "gpus"} in c.get("resources", {}).get("claims", [])}
+        app = pod["containers"][0]["name"]
+        assert users == {app, "gpu-sidecar"}, doc["metadata"]["name"]
+        for c in containers:  # nothing widens GPU visibility beyond the claim
+            resources = c.get("resources", {})
+            assert not any("nvidia.com" in k for part in ("limits", "requests")
+                           for k in resources.get(part, {})), c["name"]
+            assert not [e for e in c.get("env", []) if e["name"].startswith("NVIDIA_VISIBLE")]
+            sc = c.get("securityContext", {})
+            assert not sc.get("privileged") and "add" not in sc.get("capabilities", {})
+            assert not any(m["mountPath"].startswith("/dev") for m in c.get("volumeMounts", []))
+        assert not any("hostPath" in v for v in pod["volumes"])
+        env = {e["name"]: e.get("value") for e in sidecar_of(doc)["env"]}
+        assert env["GPU_SIDECAR_NO_NVML"] == "false" and env["GPU_SIDECAR_GPUS"] == "visible"
+
+
 # -- alerts ------------------------------------------------------------------------------------
 
 ALERTS = ROOT / "deploy" / "alerts"
