@@ -13,21 +13,35 @@ It writes ``gpu_check.json`` (and ``fixtures.json``: a real ``memory_stats()`` a
 2. PCIe truth: pinned host-to-device copies timed with CUDA events vs the agent's RX rate;
 3. compute truth: a bf16 matmul loop vs a loop of tiny kernels: occupancy and tensor activity;
 4. allocator truth: a fragmenting workload published through sidecar.client, compared with
-   ``torch.cuda.memory_stats()`` at the same moment;
-5. overhead: the agent's CPU seconds and peak RSS over a minute of 1 s sampling.
+   ``torch.cuda.memory_stats()`` at the same moment; and five ``memory_snapshot()`` calls timed,
+   to judge the client's snapshot interval;
+5. NVML facts the tests take on trust from the stand-in (``sidecar/simulate/fake_nvml.py``),
+   read with pynvml directly: the value types of the PCIe byte counters (197/198) and NVLink
+   fields, and the PCIe path the agent chose from them; whether
+   ``nvmlDeviceGetPcieThroughput`` counts KB or KiB (against the byte counter during a copy
+   loop; NVLink's per-link unit too when two peer GPUs are visible); on a GPU already in MIG
+   mode (never switched), what a MIG instance's own handle answers;
+6. overhead: the agent's CPU seconds and peak RSS over a minute of 1 s sampling.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import ctypes
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
+
+import pynvml
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -138,9 +152,13 @@ def step_allocator(torch, uuid: str, out_dir: Path) -> dict:
             keep.append(t)
         del t
     pub = Publisher(str(tmp / "app.sock"), snapshot_interval_s=0)
-    t0 = time.perf_counter()
-    snapshot = torch.cuda.memory_snapshot()
-    snapshot_s = time.perf_counter() - t0
+    # the client takes a snapshot every snapshot_interval_s: its cost, taken a few times because
+    # the first call may pay one-off set-up, says how often that can be afforded
+    snapshot_s = []
+    for _ in range(5):
+        t0 = time.perf_counter()
+        snapshot = torch.cuda.memory_snapshot()
+        snapshot_s.append(time.perf_counter() - t0)
     pub.publish()
     stats = torch.cuda.memory_stats()
     time.sleep(0.5)
@@ -162,6 +180,8 @@ def step_allocator(torch, uuid: str, out_dir: Path) -> dict:
         "torch_inactive_split": stats.get("inactive_split_bytes.all.current"),
         "largest_free_block": fig.largest_free_block_bytes if fig else None,
         "snapshot_seconds": snapshot_s,
+        "snapshot_seconds_median": statistics.median(snapshot_s),
+        "snapshot_seconds_max": max(snapshot_s),
         "snapshot_blocks": sum(len(s.get("blocks", ())) for s in snapshot),
         "uuid_matches": bool(fig),
     }
@@ -190,6 +210,370 @@ def step_overhead(out_dir: Path) -> dict:
     return {"cpu_seconds_per_minute": cpu, "peak_rss_mib": peak, "exit_code": proc.returncode}
 
 
+# -- step 5: NVML facts the stand-in assumes ------------------------------------------------------
+
+FI_TX = pynvml.NVML_FI_DEV_PCIE_COUNT_TX_BYTES  # 197
+FI_RX = pynvml.NVML_FI_DEV_PCIE_COUNT_RX_BYTES  # 198
+FI_LINKS = pynvml.NVML_FI_DEV_NVLINK_LINK_COUNT
+FI_NVL_TX = pynvml.NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_TX
+FI_NVL_RX = pynvml.NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_RX
+
+VALUE_TYPE_NAMES = {getattr(pynvml, n): n.removeprefix("NVML_VALUE_TYPE_") for n in dir(pynvml)
+                    if n.startswith("NVML_VALUE_TYPE_") and n != "NVML_VALUE_TYPE_COUNT"}
+# valueType -> (member of the value union, width in bits for counter arithmetic)
+VALUE_MEMBERS = {
+    pynvml.NVML_VALUE_TYPE_DOUBLE: ("dVal", None),
+    pynvml.NVML_VALUE_TYPE_UNSIGNED_INT: ("uiVal", 32),
+    pynvml.NVML_VALUE_TYPE_UNSIGNED_LONG: ("ulVal", 64),
+    pynvml.NVML_VALUE_TYPE_UNSIGNED_LONG_LONG: ("ullVal", 64),
+    pynvml.NVML_VALUE_TYPE_SIGNED_LONG_LONG: ("sllVal", 63),
+    pynvml.NVML_VALUE_TYPE_SIGNED_INT: ("siVal", 31),
+    pynvml.NVML_VALUE_TYPE_UNSIGNED_SHORT: ("usVal", 16),
+}
+# KB and KiB differ by 2.4 %: a unit verdict needs one of the two ratios within half of that of 1
+UNIT_TOLERANCE = 0.012
+
+
+def guarded(fn: Callable[[], Any]) -> Any:
+    """Run one sub-check; an exception is recorded in its place so the others still run."""
+    try:
+        return fn()
+    except Exception as exc:
+        return {"error": f"{type(exc).__name__}: {exc}"}
+
+
+def return_name(code: int) -> str:
+    if code == pynvml.NVML_SUCCESS:
+        return "SUCCESS"
+    cls = pynvml.NVMLError._valClassMapping.get(code)
+    return cls.__name__ if cls else f"NVML return {code}"
+
+
+def describe_field(fv: Any) -> dict:
+    """Everything a field value says about itself, the value decoded by its own valueType (of
+    a failed field the type is left unnamed: NVML need not set it)."""
+    member, bits = VALUE_MEMBERS.get(fv.valueType, (None, None))
+    ok = fv.nvmlReturn == pynvml.NVML_SUCCESS
+    return {"fieldId": fv.fieldId, "scopeId": fv.scopeId, "valueType": fv.valueType,
+            "valueTypeName": VALUE_TYPE_NAMES.get(fv.valueType, "?") if ok else None,
+            "bits": bits if ok else None,
+            "nvmlReturn": fv.nvmlReturn, "nvmlReturnName": return_name(fv.nvmlReturn),
+            "value": getattr(fv.value, member) if ok and member else None}
+
+
+def jsonable(value: Any) -> Any:
+    """An NVML call's result as JSON: structures as dicts, field values described."""
+    if isinstance(value, (int, float, str)) or value is None:
+        return value
+    if hasattr(value, "fieldId") and hasattr(value, "valueType"):
+        return describe_field(value)
+    if hasattr(value, "_fields_"):
+        return {name: jsonable(getattr(value, name)) for name, *_ in value._fields_}
+    if isinstance(value, (list, tuple, ctypes.Array)):
+        return [jsonable(v) for v in value]
+    return None  # an opaque handle or sample (a pointer: iterating it would never end)
+
+
+def attempt(fn: Callable[[], Any]) -> dict:
+    """One NVML call's outcome: SUCCESS and its value, or the name of the error it raised."""
+    try:
+        value = fn()
+    except pynvml.NVMLError as exc:
+        return {"result": type(exc).__name__, "code": getattr(exc, "value", None)}
+    except Exception as exc:
+        return {"result": "exception", "error": f"{type(exc).__name__}: {exc}"}
+    return {"result": "SUCCESS", "value": jsonable(value)}
+
+
+def physical_handle(uuid: str) -> Any:
+    """The NVML handle of the physical GPU torch's device 0 is on (its parent, for a MIG one)."""
+    handle = pynvml.nvmlDeviceGetHandleByUUID(uuid)
+    if uuid.startswith("MIG-"):
+        handle = pynvml.nvmlDeviceGetDeviceHandleFromMigDeviceHandle(handle)
+    return handle
+
+
+def check_field_types(source, uuid: str) -> dict:
+    """The value types the agent's counter arithmetic depends on: 197/198 are assumed 64-bit;
+    32-bit ones make ``_counter_fits`` send the agent to GPM instead."""
+    handle = physical_handle(uuid)
+    fields = {"pcie_tx_bytes_197": FI_TX, "pcie_rx_bytes_198": FI_RX,
+              "nvlink_data_tx_link0": (FI_NVL_TX, 0), "nvlink_data_rx_link0": (FI_NVL_RX, 0),
+              "nvlink_link_count": FI_LINKS}
+    out: dict[str, Any] = {}
+    for name, fid in fields.items():  # one call each, so one refused field cannot hide another
+        out[name] = guarded(lambda fid=fid: describe_field(
+            pynvml.nvmlDeviceGetFieldValues(handle, [fid])[0]))
+    caps = source.capabilities(pynvml.nvmlDeviceGetUUID(handle))
+    out["agent_pcie_path"] = caps["pcie"]
+    out["agent_pcie_note"] = caps.get("pcie_note")
+    out["agent_nvlink_path"] = caps["nvlink"]
+    return out
+
+
+class CopyLoop(threading.Thread):
+    """Copies ``src`` into ``dst`` back to back until ``halt`` is set, counting the bytes, so
+    NVML can be read meanwhile from the main thread while the link is busy."""
+
+    def __init__(self, torch, dst, src) -> None:
+        super().__init__(daemon=True)
+        self.torch, self.dst, self.src = torch, dst, src
+        self.halt = threading.Event()
+        self.bytes = 0
+        self.seconds = 0.0
+        self.error: str | None = None
+
+    def run(self) -> None:
+        devices = {t.device for t in (self.dst, self.src) if t.device.type == "cuda"}
+        t0 = time.monotonic()
+        try:
+            while not self.halt.is_set():
+                self.dst.copy_(self.src, non_blocking=True)
+                for device in devices:
+                    self.torch.cuda.synchronize(device)
+                self.bytes += self.src.numel() * self.src.element_size()
+        except Exception as exc:  # the thread excepthook is silenced: keep it for the report
+            self.error = f"{type(exc).__name__}: {exc}"
+        self.seconds = time.monotonic() - t0
+
+    def rate(self) -> float | None:
+        return self.bytes / self.seconds if self.seconds else None
+
+
+@contextlib.contextmanager
+def copying(torch, dst, src) -> Iterator[CopyLoop]:
+    loop = CopyLoop(torch, dst, src)
+    loop.start()
+    try:
+        yield loop
+    finally:
+        loop.halt.set()
+        loop.join(timeout=60)
+    if loop.error:
+        raise RuntimeError(f"copy loop failed: {loop.error}")
+
+
+def read_counters(handle, ids: list) -> tuple[float, list[tuple[int, int]]]:
+    """(time, [(value, width in bits)] per field) from one nvmlDeviceGetFieldValues call."""
+    before = time.monotonic()
+    values = pynvml.nvmlDeviceGetFieldValues(handle, ids)
+    t = (before + time.monotonic()) / 2
+    out = []
+    for fv in values:
+        if fv.nvmlReturn != pynvml.NVML_SUCCESS:
+            raise pynvml.NVMLError(fv.nvmlReturn)
+        member, bits = VALUE_MEMBERS[fv.valueType]
+        out.append((int(getattr(fv.value, member)), bits or 64))
+    return t, out
+
+
+def unit_ratios(raw_per_second: float, reference: float | None) -> dict:
+    """raw x 1000 and raw x 1024 over a rate in bytes/s: the one near 1 names the unit."""
+    if not reference:
+        return {"raw_x1000_over_reference": None, "raw_x1024_over_reference": None,
+                "verdict": "unknown (no reference rate)"}
+    x1000, x1024 = raw_per_second * 1000 / reference, raw_per_second * 1024 / reference
+    best = min((abs(x1000 - 1), "KB (x1000)"), (abs(x1024 - 1), "KiB (x1024)"))
+    verdict = best[1] if best[0] <= UNIT_TOLERANCE else "unclear (neither ratio within 1.2 % of 1)"
+    return {"raw_x1000_over_reference": x1000, "raw_x1024_over_reference": x1024,
+            "verdict": verdict}
+
+
+def check_pcie_unit(torch, uuid: str) -> dict:
+    """KB or KiB: nvmlDeviceGetPcieThroughput against the byte counters (which count bytes)
+    while pinned host-to-device copies keep the link busy. The agent multiplies by 1024."""
+    handle = physical_handle(uuid)
+    size = 1 << 30
+    host = torch.empty(size, dtype=torch.uint8, pin_memory=True)
+    dev = torch.empty(size, dtype=torch.uint8, device="cuda")
+    raw: dict[str, list[int]] = {"tx": [], "rx": []}
+    with copying(torch, dev, host) as loop:
+        time.sleep(0.5)  # past the first copy, with the link trained up
+        t0, before = read_counters(handle, [FI_TX, FI_RX])
+        for _ in range(5):  # each call blocks for its 20 ms window
+            time.sleep(0.3)
+            raw["rx"].append(pynvml.nvmlDeviceGetPcieThroughput(handle, pynvml.NVML_PCIE_UTIL_RX_BYTES))
+            raw["tx"].append(pynvml.nvmlDeviceGetPcieThroughput(handle, pynvml.NVML_PCIE_UTIL_TX_BYTES))
+        time.sleep(0.3)
+        t1, after = read_counters(handle, [FI_TX, FI_RX])
+    dt = t1 - t0
+    copy_rate = loop.rate()
+    out: dict[str, Any] = {"window_seconds": dt, "copy_bytes_per_second": copy_rate}
+    for name, (v0, bits), (v1, _) in zip(("tx", "rx"), before, after, strict=True):
+        counter_rate = (v1 - v0) % (1 << bits) / dt
+        median = statistics.median(raw[name])
+        ratios = unit_ratios(median, counter_rate)
+        out[name] = {"counter_bits": bits, "counter_bytes_per_second": counter_rate,
+                     "throughput_raw": raw[name], "throughput_raw_median": median,
+                     "raw_x1000_over_counter_rate": ratios["raw_x1000_over_reference"],
+                     "raw_x1024_over_counter_rate": ratios["raw_x1024_over_reference"],
+                     "verdict_vs_counter": ratios["verdict"]}
+    rx = out["rx"]
+    rx["counter_over_copy"] = rx["counter_bytes_per_second"] / copy_rate if copy_rate else None
+    vs_copy = unit_ratios(rx["throughput_raw_median"], copy_rate)
+    rx["raw_x1000_over_copy_rate"] = vs_copy["raw_x1000_over_reference"]
+    rx["raw_x1024_over_copy_rate"] = vs_copy["raw_x1024_over_reference"]
+    rx["verdict_vs_copy"] = vs_copy["verdict"]
+    # a counter narrower than 64 bits may wrap more than once in the window at this rate
+    wrapped = rx["counter_bits"] < 64 and (copy_rate or 0) * dt >= 1 << rx["counter_bits"]
+    out["counter_may_have_wrapped"] = wrapped
+    out["verdict"] = rx["verdict_vs_copy"] if wrapped else rx["verdict_vs_counter"]
+    return out
+
+
+def check_nvlink_unit(torch, uuid: str) -> dict:
+    """The NVLink data fields' unit (the agent assumes KiB), from device 0's per-link TX
+    counters summed over a device 0 -> device 1 copy loop. Needs two GPUs with peer access."""
+    count = torch.cuda.device_count()
+    if count < 2 or not torch.cuda.can_device_access_peer(0, 1):
+        return {"skipped": f"needs two GPUs with peer access; torch sees {count}"}
+    handle = physical_handle(uuid)
+    links = int(describe_field(pynvml.nvmlDeviceGetFieldValues(handle, [FI_LINKS])[0])["value"] or 0)
+    if not links:
+        return {"skipped": "no NVLink links reported"}
+    ids = [(FI_NVL_TX, link) for link in range(links)]
+    src = torch.empty(1 << 30, dtype=torch.uint8, device="cuda:0")
+    dst = torch.empty(1 << 30, dtype=torch.uint8, device="cuda:1")
+    with copying(torch, dst, src) as loop:
+        time.sleep(0.5)
+        t0, before = read_counters(handle, ids)
+        time.sleep(2.0)
+        t1, after = read_counters(handle, ids)
+    raw_rate = sum((v1 - v0) % (1 << bits) for (v0, bits), (v1, _) in zip(before, after, strict=True))
+    raw_rate /= t1 - t0
+    return {"links": links, "raw_tx_per_second": raw_rate, "copy_bytes_per_second": loop.rate(),
+            **unit_ratios(raw_rate, loop.rate())}
+
+
+def check_mig(source) -> dict | str:
+    """What a MIG instance's own handle answers (the agent takes GPM through the parent's; the
+    stand-in refuses the instance's handle with INVALID_ARGUMENT). Read only: a GPU is checked
+    only if it is already in MIG mode."""
+    modes = {}
+    found = None
+    for index in range(pynvml.nvmlDeviceGetCount()):
+        parent = pynvml.nvmlDeviceGetHandleByIndex(index)
+        try:
+            modes[index] = pynvml.nvmlDeviceGetMigMode(parent)[0]
+        except pynvml.NVMLError as exc:
+            modes[index] = type(exc).__name__
+        if modes[index] == 1 and found is None:
+            found = (index, parent)
+    if found is None:
+        return "no GPU in MIG mode: not checked (the check never changes the mode)"
+    index, parent = found
+    mig = None
+    for slot in range(pynvml.nvmlDeviceGetMaxMigDeviceCount(parent)):
+        with contextlib.suppress(pynvml.NVMLError):  # an empty slot
+            mig = pynvml.nvmlDeviceGetMigDeviceHandleByIndex(parent, slot)
+            break
+    if mig is None:
+        return {"gpu_index": index, "mig_modes": modes, "result": "MIG mode on, but no instance"}
+    mig_uuid = pynvml.nvmlDeviceGetUUID(mig)
+    gi = pynvml.nvmlDeviceGetGpuInstanceId(mig)
+    sample = pynvml.nvmlGpmSampleAlloc()
+    try:
+        calls = {
+            "memory_info_v2(mig)": lambda: pynvml.nvmlDeviceGetMemoryInfo(
+                mig, version=pynvml.nvmlMemory_v2),
+            "gpm_mig_sample_get(parent, gi)": lambda: pynvml.nvmlGpmMigSampleGet(parent, gi, sample),
+            "gpm_mig_sample_get(mig, gi)": lambda: pynvml.nvmlGpmMigSampleGet(mig, gi, sample),
+            "utilization_rates(mig)": lambda: pynvml.nvmlDeviceGetUtilizationRates(mig),
+            "field_values(mig, [197])": lambda: pynvml.nvmlDeviceGetFieldValues(mig, [FI_TX]),
+            "max_pcie_link_generation(mig)": lambda: pynvml.nvmlDeviceGetMaxPcieLinkGeneration(mig),
+            "gpm_query_device_support(mig)": lambda: pynvml.nvmlGpmQueryDeviceSupport(mig),
+        }
+        results = {name: attempt(fn) for name, fn in calls.items()}
+    finally:
+        with contextlib.suppress(pynvml.NVMLError):
+            pynvml.nvmlGpmSampleFree(sample)
+    return {"gpu_index": index, "mig_modes": modes, "mig_uuid": mig_uuid, "gpu_instance_id": gi,
+            "calls": results,
+            "agent_capabilities": guarded(lambda: source.capabilities(mig_uuid))}
+
+
+def step_nvml_facts(torch, source, uuid: str) -> dict:
+    """Facts the tests take from the stand-in NVML, read from the real library (its own
+    nvmlInit, reference-counted, so the agent's session stays open)."""
+    pynvml.nvmlInit()
+    try:
+        return {"field_types": guarded(lambda: check_field_types(source, uuid)),
+                "pcie_throughput_unit": guarded(lambda: check_pcie_unit(torch, uuid)),
+                "nvlink_throughput_unit": guarded(lambda: check_nvlink_unit(torch, uuid)),
+                "mig": guarded(lambda: check_mig(source))}
+    finally:
+        pynvml.nvmlShutdown()
+
+
+# -- the table printed last ------------------------------------------------------------------------
+
+def dig(report: dict, *keys: str) -> Any:
+    """report[k1][k2]..., or None where a step failed or a key is missing."""
+    for key in keys:
+        if not isinstance(report, dict):
+            return None
+        report = report.get(key)
+    return report
+
+
+def fmt(value: Any, spec: str = ".3g") -> str:
+    return "-" if value is None else format(value, spec) if isinstance(value, float) else str(value)
+
+
+def field_type_summary(facts: dict) -> str:
+    parts = []
+    for name in ("pcie_tx_bytes_197", "pcie_rx_bytes_198"):
+        fv = dig(facts, "field_types", name) or {}
+        parts.append(fv.get("error") or f"{fv.get('valueTypeName')} ({fv.get('nvmlReturnName')})")
+    return " / ".join(parts)
+
+
+def mig_summary(facts: dict) -> str:
+    mig = facts.get("mig")
+    if not isinstance(mig, dict):
+        return str(mig)  # "no GPU in MIG mode ..."
+    if "calls" not in mig:
+        return str(mig.get("error") or mig.get("result"))
+    calls = mig["calls"]
+    short = {"gpm_mig_sample_get(parent, gi)": "GPM via parent",
+             "gpm_mig_sample_get(mig, gi)": "GPM via MIG handle",
+             "memory_info_v2(mig)": "memory v2"}
+    return "; ".join(f"{label}: {calls[name]['result'].removeprefix('NVMLError_')}"
+                     for name, label in short.items())
+
+
+def summary_rows(report: dict) -> list[tuple[str, str]]:
+    facts = report.get("nvml_facts", {})
+    compute, alloc, over = (report.get(k, {}) for k in ("compute", "allocator", "overhead"))
+    pcie_path = str(dig(facts, "field_types", "agent_pcie_path"))
+    if dig(facts, "field_types", "agent_pcie_note"):
+        pcie_path += f" ({dig(facts, 'field_types', 'agent_pcie_note')})"
+    pcie_unit, nvlink_unit = facts.get("pcie_throughput_unit"), facts.get("nvlink_throughput_unit")
+    rows = [
+        ("GPU", f"{dig(report, 'gpu', 'name')}, driver {dig(report, 'probe', 'driver')}"),
+        ("agent RX / copy rate", fmt(dig(report, "pcie", "agent_over_copy"))),
+        ("tensor util: matmul / tiny",
+         f"{fmt(dig(compute, 'matmul_bf16', 'tensor_core_util_ratio'))} / "
+         f"{fmt(dig(compute, 'tiny_kernels', 'tensor_core_util_ratio'))}"),
+        ("reserved bytes: pushed / torch",
+         f"{fmt(dig(alloc, 'published_reserved'))} / {fmt(dig(alloc, 'torch_reserved'))}"),
+        ("overhead: CPU s/min, peak MiB",
+         f"{fmt(dig(over, 'cpu_seconds_per_minute'))}, {fmt(dig(over, 'peak_rss_mib'))}"),
+        ("value type 197 / 198", field_type_summary(facts)),
+        ("agent PCIe path", pcie_path),
+        ("PcieThroughput unit", str(dig(pcie_unit, "verdict") or dig(pcie_unit, "error"))),
+        ("NVLink field unit", str(dig(nvlink_unit, "verdict") or dig(nvlink_unit, "skipped")
+                                  or dig(nvlink_unit, "error"))),
+        ("MIG", mig_summary(facts)),
+        ("memory_snapshot() median / max s",
+         f"{fmt(dig(alloc, 'snapshot_seconds_median'))} / {fmt(dig(alloc, 'snapshot_seconds_max'))}"
+         f" ({dig(alloc, 'snapshot_blocks')} blocks)"),
+    ]
+    rows += [(f"step {name} failed", value["error"]) for name, value in report.items()
+             if isinstance(value, dict) and "error" in value]
+    return rows
+
+
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", default=os.environ.get("OUT", "."))
@@ -214,6 +598,7 @@ def main() -> int:
              ("pcie", lambda: step_pcie(torch, source, uuid)),
              ("compute", lambda: step_compute(torch, source, uuid)),
              ("allocator", lambda: step_allocator(torch, uuid, out_dir)),
+             ("nvml_facts", lambda: step_nvml_facts(torch, source, uuid)),
              ("overhead", lambda: step_overhead(out_dir))]
     for name, fn in steps:
         t0 = time.monotonic()
@@ -225,6 +610,10 @@ def main() -> int:
         (out_dir / "gpu_check.json").write_text(json.dumps(report, indent=1, default=str))
     source.close()
     print(json.dumps(report, indent=1, default=str)[-6000:])
+    rows = summary_rows(report)
+    width = max(len(label) for label, _ in rows)
+    for label, value in rows:
+        print(f"{label:<{width}}  {value}")
     return 0
 
 

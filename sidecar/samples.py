@@ -11,6 +11,7 @@ cycle was most of the agent's own CPU time (bench/bench_sampler.py, bench/RESULT
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -230,8 +231,15 @@ def _app_series(app: AppFigures, labels: Labels, ts: int) -> Iterator[Series]:
 def histogram_series(
     name: str, labels: Labels, hist: LatencyHistogram, ts: int
 ) -> Iterator[Series]:
-    for bound, count in zip(hist.bounds, hist.counts, strict=False):
-        yield Series(f"{name}_bucket", _with(labels, le=format_bound(bound)), float(count), ts)
-    yield Series(f"{name}_bucket", _with(labels, le="+Inf"), float(hist.count), ts)
+    bucket = f"{name}_bucket"
+    for le_labels, count in zip(bucket_labels(labels, hist.bounds), hist.counts, strict=True):
+        yield Series(bucket, le_labels, float(count), ts)
     yield Series(f"{name}_sum", labels, float(hist.sum_seconds), ts)
     yield Series(f"{name}_count", labels, float(hist.count), ts)
+
+
+@functools.lru_cache(maxsize=1024)
+def bucket_labels(labels: Labels, bounds: tuple[float, ...]) -> tuple[Labels, ...]:
+    """The labels of each bucket, ``+Inf`` last: the same every cycle for a GPU and a layout,
+    so they are sorted and formatted once rather than for every bucket of every cycle."""
+    return (*(_with(labels, le=format_bound(b)) for b in bounds), _with(labels, le="+Inf"))

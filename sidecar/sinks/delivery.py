@@ -221,7 +221,11 @@ class Backoff(tenacity.wait.wait_base):
 
     def __init__(self, initial: float, maximum: float,
                  closing: Callable[[], bool] = lambda: False) -> None:
-        self.exponential = tenacity.wait_exponential_jitter(initial=initial, max=maximum)
+        # initial x 2^(n-1) plus up to one initial of jitter, capped (wait_exponential_jitter's
+        # 'initial' is deprecated in recent tenacity, and its jitter is a fixed second)
+        self.exponential = tenacity.wait_exponential(multiplier=initial, max=maximum) + \
+            tenacity.wait_random(0, initial)
+        self.maximum = maximum
         self.closing = closing
 
     def __call__(self, retry_state: tenacity.RetryCallState) -> float:
@@ -230,7 +234,7 @@ class Backoff(tenacity.wait.wait_base):
         if isinstance(exc, Retryable) and exc.retry_after is not None:
             wait = min(exc.retry_after, RETRY_AFTER_CAP_S)
         else:
-            wait = float(self.exponential(retry_state))
+            wait = min(float(self.exponential(retry_state)), self.maximum)
         return min(wait, CLOSING_RETRY_S) if self.closing() else wait
 
 
