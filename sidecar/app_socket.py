@@ -414,5 +414,7 @@ def bind_datagram(path: str) -> socket.socket:
         os.umask(old)
     os.chmod(path, 0o660)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1 << 20)
-    sock.settimeout(0.5)
+    # stop() wakes the receive with an empty datagram; the timeout is only a backstop, long
+    # so an idle agent does not wake twice a second for nothing
+    sock.settimeout(5.0)
     return sock

@@ -31,6 +31,8 @@ from sidecar.sinks.delivery import (
     retrying,
 )
 
+IDLE_WAIT_S = 60.0
+
 log = structlog.get_logger("sidecar.pushgateway")
 
 _SUFFIXES = ("_bucket", "_sum", "_count")
@@ -166,7 +168,9 @@ class PushgatewaySink:
 
     def _run(self) -> None:
         while not self._stop.is_set():
-            self._wake.wait(1.0)
+            # every emit and the stop set it: no periodic wake-up while idle (the long timeout
+            # only bounds the harm of a wake-up that was somehow missed)
+            self._wake.wait(IDLE_WAIT_S)
             self._wake.clear()
             if self._stop.is_set():
                 return

@@ -35,6 +35,8 @@ from sidecar.spool import STATES, Spool, SpooledBatch, log_count
 
 log = structlog.get_logger("sidecar.remote_write")
 
+IDLE_WAIT_S = 60.0
+
 
 def host_port(url: str) -> str:
     parts = urlsplit(url)
@@ -205,12 +207,14 @@ class RemoteWriteSink:
         draining = self._draining.is_set()  # read before looking: close() flushes, then sets it
         if draining and time.monotonic() >= (self.http.deadline or 0):
             return True
+        self._wake.clear()  # before looking: a flush after this point wakes the wait below
         head = self.spool.oldest()
         if head is None:
             if draining:
                 return True
-            self._wake.wait(1.0)
-            self._wake.clear()
+            # a flush, shutdown or stop sets it: no periodic wake-up while idle (the long
+            # timeout only bounds the harm of a wake-up that was somehow missed)
+            self._wake.wait(IDLE_WAIT_S)
             return False
         batches = [head, *self.spool.following(head.seq, self.max_batch_samples - head.samples)]
         self._deliver(batches)
