@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import base64
 import email.utils
 import http.server
 import os
@@ -19,6 +20,7 @@ from sidecar.sinks.delivery import (
     Http,
     HttpOptions,
     Refused,
+    Response,
     Retryable,
     check,
     parse_retry_after,
@@ -28,12 +30,9 @@ from tests.conftest import ROOT, run_cli
 from tests.receivers import FaultProxy
 
 
-def response(status: int, text: str = "", headers: dict | None = None) -> requests.Response:
-    r = requests.Response()
-    r.status_code = status
-    r._content = text.encode()
-    r.headers.update(headers or {})
-    return r
+def response(status: int, text: str = "", headers: dict | None = None) -> Response:
+    return Response(status, requests.structures.CaseInsensitiveDict(headers or {}), text.encode(),
+                    "http://127.0.0.1:9/api/v1/write")
 
 
 @pytest.mark.parametrize(("status", "kind", "reason"), [
@@ -83,6 +82,65 @@ class Recorder(http.server.BaseHTTPRequestHandler):
 
     def log_message(self, *args: object) -> None:
         pass
+
+
+class KeepAlive(http.server.BaseHTTPRequestHandler):
+    """HTTP/1.1 with kept-alive connections; closes one silently after its first answer when
+    told, as a receiver closes idle connections."""
+
+    protocol_version = "HTTP/1.1"
+    seen: ClassVar[list[tuple[int, dict]]] = []
+    close_after_first: ClassVar[bool] = False
+
+    def do_POST(self) -> None:
+        self.rfile.read(int(self.headers.get("Content-Length", 0)))
+        KeepAlive.seen.append((self.client_address[1], dict(self.headers)))
+        self.send_response(204)
+        self.send_header("Content-Length", "0")
+        self.end_headers()
+        if KeepAlive.close_after_first:
+            self.close_connection = True  # no "Connection: close": the client cannot know
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+@pytest.fixture
+def keep_alive_server():
+    KeepAlive.seen.clear()
+    KeepAlive.close_after_first = False
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), KeepAlive)
+    server.daemon_threads = True
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    yield f"127.0.0.1:{server.server_address[1]}"
+    server.shutdown()
+    server.server_close()
+
+
+def test_one_connection_is_kept_and_one_the_receiver_closed_is_replaced(keep_alive_server):
+    client = Http(HttpOptions())
+    url = f"http://{keep_alive_server}/api/v1/write"
+    for _ in range(3):
+        assert client.request("POST", url, data=b"x").status_code == 204
+    assert len({port for port, _ in KeepAlive.seen}) == 1  # kept alive
+    KeepAlive.close_after_first = True  # from now on the receiver closes after each answer
+    for _ in range(3):  # the kept connection, then a new one each time: never an error
+        assert client.request("POST", url, data=b"x").status_code == 204
+        time.sleep(0.05)
+    assert len({port for port, _ in KeepAlive.seen}) == 3
+
+
+def test_credentials_in_the_url_become_basic_auth_and_the_options_win(keep_alive_server, tmp_path):
+    url = f"http://bob:s%40cret@{keep_alive_server}/api/v1/write"
+    Http(HttpOptions()).request("POST", url, data=b"x")
+    password = tmp_path / "password"
+    password.write_text("pw\n")
+    Http(HttpOptions(basic_auth_user="alice", basic_auth_password_file=str(password))).request(
+        "POST", url, data=b"x")
+    sent = [headers["Authorization"] for _, headers in KeepAlive.seen]
+    assert sent == [f"Basic {base64.b64encode(b'bob:s@cret').decode()}",
+                    f"Basic {base64.b64encode(b'alice:pw').decode()}"]
+    assert all(headers["Host"] == keep_alive_server for _, headers in KeepAlive.seen)
 
 
 def test_rotated_bearer_token_is_picked_up_without_restart(tmp_path):

@@ -1,4 +1,4 @@
-"""HTTP delivery shared by the push sinks: session, credentials, outcome of a response, backoff.
+"""HTTP delivery shared by the push sinks: connection, credentials, outcome of a response, backoff.
 
 Rules (DESIGN.md, "Reliability promises"): 5xx, 429 and network errors are retried with
 exponential backoff and jitter, honouring ``Retry-After``; any other 4xx is final for that
@@ -11,16 +11,18 @@ from __future__ import annotations
 import base64
 import contextlib
 import email.utils
+import http.client
 import os
+import select
+import ssl
+import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import unquote, urljoin, urlsplit
 
-import requests
 import tenacity
-import urllib3
 
 from sidecar import __version__
 from sidecar.sinks import redact_url as redact
@@ -76,28 +78,36 @@ class Refused(Exception):
         self.hint = hint
 
 
+@dataclass(frozen=True)
+class Response:
+    """What a receiver answered; only what the sinks and ``check`` look at."""
+
+    status_code: int
+    headers: Mapping[str, str]  # case-insensitive ``get``
+    content: bytes
+    url: str
+
+    @property
+    def text(self) -> str:
+        return self.content.decode("utf-8", "replace")
+
+
 class Http:
-    """A requests session with the configured TLS and credentials."""
+    """HTTP/1.1 to the receivers with the configured TLS and credentials, on the standard
+    library's ``http.client``: one kept-alive connection per host, one request at a time (each
+    sink has one sender). ``requests`` would cost the agent about 8 MiB of resident memory for
+    features a push to a known URL does not use. Proxies from ``HTTP(S)_PROXY`` are not used:
+    receivers are reached directly."""
 
     def __init__(self, options: HttpOptions) -> None:
         self.options = options
-        self.session = requests.Session()
-        # passed on every request: requests lets REQUESTS_CA_BUNDLE / CURL_CA_BUNDLE from the
-        # environment override a session-level setting, and --ca-file must win
-        self.verify: bool | str = True
-        if options.insecure_skip_verify:
-            self.verify = False
-        elif options.ca_file:
-            self.verify = options.ca_file
-        if options.cert_file:
-            self.session.cert = (options.cert_file, options.key_file) if options.key_file else \
-                options.cert_file
         self._token = SecretFile(options.bearer_token_file) if options.bearer_token_file else None
         self._password = (SecretFile(options.basic_auth_password_file)
                           if options.basic_auth_password_file else None)
+        self._connections: dict[tuple[str, str, int], http.client.HTTPConnection] = {}
+        self._tls: ssl.SSLContext | None = None
+        self._lock = threading.Lock()
         self.deadline: float | None = None  # monotonic; set at shutdown
-        if options.insecure_skip_verify:  # said once at start by the agent, not per request
-            urllib3.disable_warnings(urllib3.exceptions.InsecureRequestWarning)
 
     def headers(self) -> dict[str, str]:
         out = {"User-Agent": USER_AGENT, **dict(self.options.headers)}
@@ -130,29 +140,92 @@ class Http:
         return [v for v in out if len(v) >= 3]
 
     def request(self, method: str, url: str, *, data: bytes | None = None,
-                headers: dict[str, str] | None = None) -> requests.Response:
+                headers: dict[str, str] | None = None) -> Response:
+        """One request; redirects are never followed (a POST turned into a GET loses its body,
+        and the credentials would go to a host nobody configured)."""
+        parts = urlsplit(url)
+        try:
+            sent = {**self.headers(), **(headers or {})}
+            auth = self.auth()
+        except OSError as exc:  # an unreadable secret file
+            raise Retryable("credentials", f"cannot read a credentials file: {exc.strerror}") from None
+        if auth is None and parts.username is not None:  # credentials in the URL
+            auth = (unquote(parts.username), unquote(parts.password or ""))
+        if auth is not None:
+            sent["Authorization"] = f"Basic {_basic(*auth)}"
         timeout = self.options.timeout_s
         if self.deadline is not None:  # shutting down: no request may outlast the deadline
             timeout = max(0.05, min(timeout, self.deadline - time.monotonic()))
+        target = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
+        key = (parts.scheme, parts.hostname or "", parts.port or _PORTS[parts.scheme])
         try:
-            # redirects are never followed: a POST turned into a GET loses its body, and the
-            # credentials would go to a host nobody configured
-            return self.session.request(
-                method, url, data=data, headers={**self.headers(), **(headers or {})},
-                auth=self.auth(), timeout=timeout, verify=self.verify, allow_redirects=False)
-        except requests.exceptions.SSLError as exc:
+            with self._lock:  # at shutdown a final push may overlap the sender's last request
+                conn = self._connection(key, timeout)
+                conn.request(method, target, body=data, headers=sent)
+                answer = conn.getresponse()
+                response = Response(answer.status, answer.headers, answer.read(), url)
+                if answer.will_close:
+                    self._drop(key)
+        except (ssl.SSLError, ssl.CertificateError) as exc:
+            self._drop(key)
             raise Retryable("tls", f"TLS handshake with {redact(url)} failed: "
                             f"{type(exc).__name__}; give its CA with --ca-file") from None
-        except requests.RequestException as exc:
+        except (OSError, http.client.HTTPException) as exc:
+            self._drop(key)
             raise Retryable("network", f"{type(exc).__name__} talking to {redact(url)}") from None
-        except OSError as exc:  # an unreadable secret file
-            raise Retryable("credentials", f"cannot read a credentials file: {exc.strerror}") from None
+        return response
 
-    def check(self, response: requests.Response) -> None:
+    def _connection(self, key: tuple[str, str, int], timeout: float) -> http.client.HTTPConnection:
+        """The host's kept-alive connection, unless the receiver closed it while idle."""
+        conn = self._connections.get(key)
+        if conn is not None and conn.sock is not None:
+            # readable while no request is out: the peer closed it (or sent junk); start afresh
+            if select.select([conn.sock], [], [], 0)[0]:
+                self._drop(key)
+                conn = None
+            else:
+                conn.sock.settimeout(timeout)
+        if conn is None:
+            scheme, host, port = key
+            if scheme == "https":
+                conn = http.client.HTTPSConnection(host, port, timeout=timeout,
+                                                   context=self._tls_context())
+            else:
+                conn = http.client.HTTPConnection(host, port, timeout=timeout)
+            self._connections[key] = conn
+        conn.timeout = timeout
+        return conn
+
+    def _drop(self, key: tuple[str, str, int]) -> None:
+        conn = self._connections.pop(key, None)
+        if conn is not None:
+            conn.close()
+
+    def _tls_context(self) -> ssl.SSLContext:
+        """Made on the first https request: the system's CAs or --ca-file, the client
+        certificate if given, or no verification at all with --insecure-skip-verify."""
+        if self._tls is None:
+            options = self.options
+            try:
+                context = ssl.create_default_context(cafile=options.ca_file)
+                if options.insecure_skip_verify:
+                    context.check_hostname = False
+                    context.verify_mode = ssl.CERT_NONE
+                if options.cert_file:
+                    context.load_cert_chain(options.cert_file, options.key_file)
+            except (OSError, ssl.SSLError) as exc:
+                raise Retryable("tls", f"cannot load the TLS files (--ca-file, --cert-file, "
+                                f"--key-file): {type(exc).__name__}") from None
+            self._tls = context
+        return self._tls
+
+    def check(self, response: Response) -> None:
         """Raise ``Retryable`` or ``Refused`` unless the receiver accepted the request; what the
         receiver said is shortened and has every configured secret masked."""
-        url = response.request.url if response.request is not None else ""
-        check(response, self.secrets(url or ""))
+        check(response, self.secrets(response.url))
+
+
+_PORTS = {"http": 80, "https": 443}
 
 
 def _basic(user: str, password: str) -> str:
@@ -195,7 +268,7 @@ def mask(text: str, secrets: list[str]) -> str:
     return text
 
 
-def check(response: requests.Response, secrets: list[str] | None = None) -> None:
+def check(response: Response, secrets: list[str] | None = None) -> None:
     """Raise ``Retryable`` or ``Refused`` unless the receiver accepted the request."""
     status = response.status_code
     if 200 <= status < 300:
