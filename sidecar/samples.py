@@ -221,7 +221,7 @@ def _app_series(app: AppFigures, labels: Labels, ts: int) -> Iterator[Series]:
         )
         for name, value in fig:
             if value is not None:
-                yield Series(name, labels, float(value), ts)
+                yield _new(Series, (name, labels, float(value), ts))
 
     hist = app.latency
     if hist is not None:
@@ -233,9 +233,9 @@ def histogram_series(
 ) -> Iterator[Series]:
     bucket = f"{name}_bucket"
     for le_labels, count in zip(bucket_labels(labels, hist.bounds), hist.counts, strict=True):
-        yield Series(bucket, le_labels, float(count), ts)
-    yield Series(f"{name}_sum", labels, float(hist.sum_seconds), ts)
-    yield Series(f"{name}_count", labels, float(hist.count), ts)
+        yield _new(Series, (bucket, le_labels, float(count), ts))
+    yield _new(Series, (f"{name}_sum", labels, float(hist.sum_seconds), ts))
+    yield _new(Series, (f"{name}_count", labels, float(hist.count), ts))
 
 
 @functools.lru_cache(maxsize=1024)
