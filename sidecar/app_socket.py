@@ -135,19 +135,21 @@ class AppState:
         else:
             named, parts = set(), (message,)
         with_figures = {part.gpu for part in parts}
-        self._check_gpus(named | with_figures)
         pid = message.pid
+        # validation: nothing is kept until every check passed
+        self._check_gpus(named | with_figures)
         for uuid in with_figures:
-            pids = self._pids.setdefault(uuid, {})
-            if pid not in pids:
-                self._make_room(uuid, pids, now)
+            self._check_room(uuid, pid, now)
+        for part in parts:
+            if isinstance(part, protocol.Latency):
+                self._check_layout(part)
+        # storing
         for uuid in named | with_figures:
             self._announced[uuid] = now
+        for uuid in with_figures:
+            self._take_slot(uuid, pid, now)
         for part in parts:
             key = (part.gpu, pid)
-            pids = self._pids[part.gpu]
-            pids.pop(pid, None)
-            pids[pid] = now
             if isinstance(part, protocol.Allocator):
                 self._alloc[key] = (now, AllocatorFigures(
                     pid=pid,
@@ -175,28 +177,41 @@ class AppState:
             totals[1] += ooms
         self._counted[key] = (retries, ooms)
 
-    def _make_room(self, gpu: str, pids: dict[int, float], now: float) -> None:
-        """Bound the per-process state: a full GPU reclaims the slot of its least recently
-        heard process if that one has been silent past the staleness window, else refuses."""
-        if len(pids) < self.max_processes:
+    def _check_room(self, gpu: str, pid: int, now: float) -> None:
+        """Per-process state is bounded: a new process finds room on a full GPU only if the
+        least recently heard one has been silent past the staleness window."""
+        pids = self._pids.get(gpu)
+        if not pids or pid in pids or len(pids) < self.max_processes:
             return
-        oldest, seen = next(iter(pids.items()))
-        if seen >= now - self.stale_after_s:
+        if next(iter(pids.values())) >= now - self.stale_after_s:
             raise protocol.Rejected(
                 "too_many_processes", f"more than {self.max_processes} live processes on {gpu}; "
                 "raise --app-max-processes if that many really publish")
-        self._forget((gpu, oldest))
-        del pids[oldest]
+
+    def _take_slot(self, gpu: str, pid: int, now: float) -> None:
+        """Mark ``pid`` heard now (last in the order), reclaiming the least recently heard
+        process's slot when the GPU is full (``_check_room`` said it may)."""
+        pids = self._pids.setdefault(gpu, {})
+        if pid not in pids and len(pids) >= self.max_processes:
+            oldest = next(iter(pids))
+            self._forget((gpu, oldest))
+            del pids[oldest]
+        pids.pop(pid, None)
+        pids[pid] = now
+
+    def _check_layout(self, message: protocol.Latency) -> None:
+        merged = self._merged.get(message.gpu)
+        if merged is not None and merged.bounds != message.bounds and \
+                message.pid in merged.retired:
+            raise protocol.Rejected(
+                "bucket_mismatch",
+                f"latency bounds differ from those now used for {message.gpu}; "
+                "every process on a GPU must use the same buckets",
+            )
 
     def _merge(self, message: protocol.Latency, key: tuple[str, int], now: float) -> None:
         merged = self._merged.get(message.gpu)
-        if merged is not None and merged.bounds != message.bounds:
-            if key[1] in merged.retired:
-                raise protocol.Rejected(
-                    "bucket_mismatch",
-                    f"latency bounds differ from those now used for {message.gpu}; "
-                    "every process on a GPU must use the same buckets",
-                )
+        if merged is not None and merged.bounds != message.bounds:  # _check_layout allowed it:
             # a process brings other buckets (a redeploy, or a restart under the same pid):
             # its layout is taken and the GPU's histogram restarts from zero, as a counter
             # reset does; processes still on the old layout are refused from then on, so two

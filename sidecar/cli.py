@@ -235,7 +235,14 @@ def _check_named_gpus(cfg: config.Config, source: NvmlSource) -> None:
     cannot see would otherwise leave the agent exporting nothing while looking healthy."""
     visible = [i.uuid for i in source.devices()]
     missing = [u for u in cfg.gpu_list() if u not in visible]
-    if missing:
+    if missing and source.unreadable_at_start:
+        # maybe one of the GPUs that failed to open: not surely a configuration error, and
+        # exiting would crash-loop the pod on what may be a transient fault
+        log.error("named_gpus_not_open", gpus=missing,
+                  unreadable_indexes=source.unreadable_at_start, visible=visible,
+                  effect="their series are absent; the others are exported",
+                  hint="check `nvidia-smi`; restart the agent once it shows them")
+    elif missing:
         raise config.ConfigError(
             f"--gpus names {', '.join(missing)}, which NVML does not show this container; "
             f"visible: {', '.join(visible) or 'none'}. Name visible GPUs, or use --gpus visible "

@@ -190,6 +190,7 @@ class NvmlSource:
         self.sleep = sleep
         self.driver_version = ""
         self.errors: Counter[str] = Counter()
+        self.unreadable_at_start: list[int] = []  # indexes NVML lists but could not open
         self._devices: dict[str, _Device] = {}
         self._pool: ThreadPoolExecutor | None = None
         self._pool_size = 0
@@ -212,6 +213,7 @@ class NvmlSource:
                 for dev in self._open_gpu(handle, index):
                     self._devices[dev.identity.uuid] = dev
             except pynvml.NVMLError as exc:
+                self.unreadable_at_start.append(index)
                 log.warning("gpu_unreadable_at_start", gpu_index=index, error=str(exc),
                             hint=f"it is left out; check `nvidia-smi -i {index}`")
         # which GPUs this container sees: what a DRA claim or NVIDIA_VISIBLE_DEVICES gave it
@@ -424,13 +426,14 @@ class NvmlSource:
         """A byte counter gives a rate only if it cannot wrap twice between two readings: at
         the link's maximum over twice the interval (a late cycle), it must stay below one wrap.
         A 32-bit counter wraps every 4.29 GB, 15 times a second on a Gen5 x16 link."""
-        if bits >= 64:
+        if bits >= 63:  # a signed 64-bit value: wraps after 292 years at 1 TB/s
             return True
         if dev.link_max is not None and dev.link_max * 2 * self.interval_s < 2**bits:
             dev.pcie_max_dt = 2**bits / dev.link_max
             return True
-        link = f"{dev.link_max / 1e9:.1f} GB/s" if dev.link_max else "an unknown maximum"
-        dev.pcie_note = (f"the PCIe byte counters are {bits}-bit: at the link's {link} they "
+        link = f"the link's {dev.link_max / 1e9:.1f} GB/s" if dev.link_max else \
+            "an unknown link maximum"
+        dev.pcie_note = (f"the PCIe byte counters are {bits}-bit: at {link} they "
                          f"could wrap more than once per {self.interval_s:g} s interval, so "
                          "they are not used")
         log.warning("pcie_counters_too_narrow", gpu_uuid=dev.identity.uuid, bits=bits,
@@ -570,9 +573,7 @@ class NvmlSource:
             if dev.is_mig:
                 # through its parent: the instance's slot must still hold the same UUID
                 parent = pynvml.nvmlDeviceGetHandleByUUID(dev.identity.parent_uuid)
-                handle = pynvml.nvmlDeviceGetMigDeviceHandleByIndex(parent, dev.mig_slot)
-                if pynvml.nvmlDeviceGetUUID(handle) != dev.identity.uuid:
-                    raise pynvml.NVMLError(pynvml.NVML_ERROR_NOT_FOUND)  # re-partitioned
+                handle = self._find_mig(parent, dev)
                 dev.gpu_instance_id = pynvml.nvmlDeviceGetGpuInstanceId(handle)
                 dev.parent_handle = parent
             else:
@@ -588,6 +589,21 @@ class NvmlSource:
                  lost_for_s=round(now - (dev.lost_since or now), 3))
         dev.lost_since = None
         return True
+
+    @staticmethod
+    def _find_mig(parent: Any, dev: _Device) -> Any:
+        """The instance's handle under its parent, by UUID: its old slot first, then every slot
+        (NVML keeps UUIDs, not slots, stable across a reset)."""
+        slots = _try(lambda: pynvml.nvmlDeviceGetMaxMigDeviceCount(parent), 0)
+        for slot in dict.fromkeys([dev.mig_slot, *range(slots)]):
+            try:
+                handle = pynvml.nvmlDeviceGetMigDeviceHandleByIndex(parent, slot)
+                if pynvml.nvmlDeviceGetUUID(handle) == dev.identity.uuid:
+                    dev.mig_slot = slot
+                    return handle
+            except pynvml.NVMLError:
+                continue
+        raise pynvml.NVMLError(pynvml.NVML_ERROR_NOT_FOUND)  # re-partitioned: gone for now
 
     def _error(self, dev: _Device, what: str, exc: pynvml.NVMLError) -> None:
         """A hot-path call failed: a lost GPU ends this GPU's reading, anything else drops only

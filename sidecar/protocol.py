@@ -171,6 +171,9 @@ def split_round(message: Round) -> list[bytes]:
             tuple(h for h in message.latency if h.gpu in gpus)))
 
     out: list[bytes] = []
+    if bare and (not order or len(part(order[:1], True)) > MAX_MESSAGE_BYTES):
+        out.append(_fits(_serialise(Round(message.pid, bare)), "the GPU list"))  # on its own
+        bare = ()
     taken: list[str] = []
     last = b""
     for gpu in order:  # greedy: add GPUs while the part still fits
@@ -182,11 +185,16 @@ def split_round(message: Round) -> list[bytes]:
         if not taken:
             raise ValueError(f"the figures of {gpu} alone exceed {MAX_MESSAGE_BYTES} bytes")
         out.append(last)
-        taken, last = [gpu], part([gpu], False)
-        if len(last) > MAX_MESSAGE_BYTES:
-            raise ValueError(f"the figures of {gpu} alone exceed {MAX_MESSAGE_BYTES} bytes")
-    out.append(last)
+        taken, last = [gpu], _fits(part([gpu], False), f"the figures of {gpu}")
+    if last:
+        out.append(last)
     return out
+
+
+def _fits(data: bytes, what: str) -> bytes:
+    if len(data) > MAX_MESSAGE_BYTES:
+        raise ValueError(f"{what} alone exceed {MAX_MESSAGE_BYTES} bytes")
+    return data
 
 
 def _allocator_body(message: Allocator) -> dict[str, Any]:

@@ -330,6 +330,8 @@ class FaultProxy:
                 self.end_headers()
                 self.wfile.write(text)
 
+            do_PUT = do_POST  # the Pushgateway's method
+
             def log_message(self, *args: object) -> None:
                 pass
 

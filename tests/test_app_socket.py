@@ -375,3 +375,31 @@ def test_a_round_refused_for_a_full_gpu_keeps_nothing_of_its_other_gpus():
     assert state.feed(raw(body)) is None and state.rejected == {"too_many_processes": 1}
     assert state.figures(GPU).allocators == ()  # GPU had room, yet nothing was kept there
     assert [a.pid for a in state.figures(other).allocators] == [1]
+
+
+def test_a_round_refused_for_old_buckets_keeps_nothing_of_its_other_parts():
+    state = AppState()
+    state.feed(raw(latency(pid=1, bounds=(0.1, 0.2))))
+    state.feed(raw(latency(pid=2, bounds=(0.5, 1.0))))  # a redeploy: pid 1 is on old buckets
+    part = {k: v for k, v in alloc(gpu=OTHER, reserved_bytes=999, allocated_bytes=1,
+                                   active_bytes=1, inactive_split_bytes=0).items()
+            if k not in ("v", "kind", "pid")}
+    old = {k: v for k, v in latency(pid=1, bounds=(0.1, 0.2)).items() if k not in ("v", "kind", "pid")}
+    body = {"v": 1, "kind": "round", "pid": 1, "gpus": [OTHER, GPU], "allocators": [part],
+            "latency": [old]}
+    assert state.feed(raw(body)) is None and state.rejected == {"bucket_mismatch": 1}
+    assert OTHER not in state.all_figures() and OTHER not in state.announced()
+
+
+def test_refused_rounds_leave_no_state_behind():
+    state = AppState(max_processes=1)
+    state.feed(raw(alloc(pid=1)))  # GPU is full
+    part = {k: v for k, v in alloc().items() if k not in ("v", "kind", "pid")}
+    for i in range(200):  # each names a GPU never seen before next to the full one
+        fresh = f"GPU-{i:08d}-3333-4444-5555-666666666666"
+        body = {"v": 1, "kind": "round", "pid": 2, "gpus": [fresh, GPU],
+                "allocators": [{**part, "gpu": fresh}, part], "latency": []}
+        assert state.feed(raw(body)) is None
+    assert state.rejected == {"too_many_processes": 200}
+    assert state.announced() == [GPU]
+    assert set(state._pids) == {GPU}  # the table did not grow with the refused GPUs

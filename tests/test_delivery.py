@@ -143,6 +143,18 @@ def test_credentials_in_the_url_become_basic_auth_and_the_options_win(keep_alive
     assert all(headers["Host"] == keep_alive_server for _, headers in KeepAlive.seen)
 
 
+def test_a_token_http_cannot_carry_is_a_credentials_failure_that_never_quotes_it(
+        keep_alive_server, tmp_path):
+    token = tmp_path / "token"
+    token.write_text("sekrit-token\nsecond line\n")  # a file pasted with more than the token
+    client = Http(HttpOptions(bearer_token_file=str(token)))
+    with pytest.raises(Retryable) as err:
+        client.request("POST", f"http://{keep_alive_server}/api/v1/write", data=b"x")
+    assert err.value.reason == "credentials" and "sekrit" not in str(err.value)
+    assert err.value.__context__ is None and err.value.__cause__ is None
+    assert KeepAlive.seen == []
+
+
 def test_rotated_bearer_token_is_picked_up_without_restart(tmp_path):
     token = tmp_path / "token"
     token.write_text("first-token\n")

@@ -452,3 +452,28 @@ def test_the_spool_of_an_earlier_release_is_adopted_and_sent(tmp_path):
         assert agent.stop() == 0
         assert ("left_by_the_old_release", (), 1_700_000_000_000, 7.0) in vm.settled()
     assert len(events(agent, "spool_adopted")) == 1
+
+
+def test_pushgateway_values_that_arrive_while_a_push_fails_are_pushed_without_waiting(tmp_path):
+    # the first push is answered 503 slowly; a newer cycle arrives meanwhile and must be pushed
+    # as soon as the retry gives up on the older values, not a push interval later
+    from sidecar.sinks.pushgateway import PushgatewaySink
+
+    proxy = FaultProxy("http://127.0.0.1:9/unused",
+                       lambda n, body: (503, {}, b"busy") if n == 0 else (200, {}, b""),
+                       delay=0.5)
+    sink = PushgatewaySink(proxy.url.removesuffix("/api/v1/write"),
+                           HttpOptions(initial_backoff_s=0.1, max_backoff_s=0.2),
+                           push_interval_s=0.0)
+    labels = (("gpu_uuid", "GPU-x"),)
+    with running(proxy):
+        sink.start()
+        sink.emit([Series("gpu_utilization_ratio", labels, 0.25, 1)])
+        time.sleep(0.2)
+        sink.emit([Series("gpu_utilization_ratio", labels, 0.75, 2)])
+        deadline = time.monotonic() + 3
+        while time.monotonic() < deadline and not any(s < 300 for _, s, _ in proxy.log):
+            time.sleep(0.05)
+        sink.close(time.monotonic() + 2)
+    pushed = [body for _, status, body in proxy.log if status < 300]
+    assert pushed and b"0.75" in pushed[0], proxy.log

@@ -357,6 +357,17 @@ def test_a_lost_mig_instance_is_reopened_through_its_parent(install_fake, clock)
     again = source.read([mig.uuid])[mig.uuid]
     assert again.compute.sm_occupancy_ratio == pytest.approx(0.33)  # GPM through the parent
     assert not source.is_lost(mig.uuid) and fake.mig_handle_refused == {}
+    # lost again, and back after a reset in another slot: found by its UUID
+    other = FakeMig(2, "MIG-99999999-2222-3333-4444-555555555555", "Simulated H200 MIG 1g.18gb",
+                    18 * GiB)
+    now = fake.now()
+    fake.gpus[0] = replace(fake.gpus[0], mig=(other, mig), lost_between=(now, now + 1.0))
+    fake._devices.clear()  # handles resolve afresh: slot 0 is now the other instance
+    clock.advance(0.5)
+    assert source.read([mig.uuid])[mig.uuid] is None
+    clock.advance(2.5)
+    back = source.read([mig.uuid])[mig.uuid]
+    assert back is not None and back.memory.used_bytes == 5 * GiB  # ours, not slot 0's
 
 
 @pytest.mark.parametrize("name", ["healthy", "pcie-saturated", "fragmented", "low-occupancy",

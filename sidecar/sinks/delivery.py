@@ -158,21 +158,29 @@ class Http:
             timeout = max(0.05, min(timeout, self.deadline - time.monotonic()))
         target = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
         key = (parts.scheme, parts.hostname or "", parts.port or _PORTS[parts.scheme])
-        try:
-            with self._lock:  # at shutdown a final push may overlap the sender's last request
+        with self._lock:  # at shutdown a final push may overlap the sender's last request
+            failure: Retryable | None = None
+            fresh = True
+            try:
                 conn = self._connection(key, timeout)
+                fresh = conn.sock is None  # a new connection: its TLS handshake comes first
                 conn.request(method, target, body=data, headers=sent)
                 answer = conn.getresponse()
                 response = Response(answer.status, answer.headers, answer.read(), url)
                 if answer.will_close:
                     self._drop(key)
-        except (ssl.SSLError, ssl.CertificateError) as exc:
-            self._drop(key)
-            raise Retryable("tls", f"TLS handshake with {redact(url)} failed: "
-                            f"{type(exc).__name__}; give its CA with --ca-file") from None
-        except (OSError, http.client.HTTPException) as exc:
-            self._drop(key)
-            raise Retryable("network", f"{type(exc).__name__} talking to {redact(url)}") from None
+            except ssl.SSLError as exc:
+                failure = _tls_failure(exc, fresh, url)
+            except (OSError, http.client.HTTPException) as exc:
+                failure = Retryable("network", f"{type(exc).__name__} talking to {redact(url)}")
+            except ValueError as exc:  # a header or path http.client cannot send as is
+                # the message would quote the header, a secret maybe: the type only
+                failure = Retryable("credentials", f"{type(exc).__name__}: a header (token, "
+                                    "password or --header) or the URL holds characters HTTP "
+                                    "cannot carry; check the files and the URL")
+            if failure is not None:
+                self._drop(key)
+                raise failure
         return response
 
     def _connection(self, key: tuple[str, str, int], timeout: float) -> http.client.HTTPConnection:
@@ -180,7 +188,9 @@ class Http:
         conn = self._connections.get(key)
         if conn is not None and conn.sock is not None:
             # readable while no request is out: the peer closed it (or sent junk); start afresh
-            if select.select([conn.sock], [], [], 0)[0]:
+            idle = select.poll()
+            idle.register(conn.sock, select.POLLIN)
+            if idle.poll(0):
                 self._drop(key)
                 conn = None
             else:
@@ -226,6 +236,15 @@ class Http:
 
 
 _PORTS = {"http": 80, "https": 443}
+
+
+def _tls_failure(exc: ssl.SSLError, handshake: bool, url: str) -> Retryable:
+    """A certificate the agent does not trust, or a failed handshake, is a TLS matter with
+    advice; an SSL error on a connection already up is a broken connection."""
+    if isinstance(exc, ssl.SSLCertVerificationError) or handshake:
+        return Retryable("tls", f"TLS handshake with {redact(url)} failed: "
+                         f"{type(exc).__name__}; give its CA with --ca-file")
+    return Retryable("network", f"{type(exc).__name__} talking to {redact(url)}")
 
 
 def _basic(user: str, password: str) -> str:

@@ -99,6 +99,7 @@ class PushgatewaySink:
         self._registry = CollectorRegistry(auto_describe=False)
         self._registry.register(self._latest)  # type: ignore[arg-type]
         self._pending: list[Series] | None = None
+        self._unpushed = False  # _latest holds values not yet accepted by the Pushgateway
         self._last_emit = -1e18
         self._lock = threading.Lock()
         self._wake = threading.Event()
@@ -131,9 +132,11 @@ class PushgatewaySink:
     def _push_latest(self, stop: Callable[[Any], bool]) -> None:
         with self._lock:
             series, self._pending = self._pending, None
-        if series is None:
+        if series is not None:
+            self._latest.series = series
+            self._unpushed = True
+        if not self._unpushed:  # also values a retry took in and then gave up on
             return
-        self._latest.series = series
         started = time.monotonic()
         try:
             for attempt in retrying(self.options, stop=stop, sleep=self._stop.wait):
@@ -152,6 +155,7 @@ class PushgatewaySink:
                                 self._latest.series, self._pending = self._pending, None
                         raise
         except Refused as exc:
+            self._unpushed = False  # these values are refused: not again
             self.failures[f"http_{exc.status}"] += 1
             log.error("pushgateway_refused", url=redact(self.url), receiver_said=str(exc),
                       hint="a label may clash with the grouping key, or the body is invalid")
@@ -160,6 +164,7 @@ class PushgatewaySink:
             return
         finally:
             self.last_push_seconds = time.monotonic() - started
+        self._unpushed = False
         self.pushes += 1
         self.last_success_time = time.time()
         if self._failing:
@@ -175,7 +180,15 @@ class PushgatewaySink:
             if self._stop.is_set():
                 return
             # a new cycle supersedes a push still retrying: give up on the older values then
-            self._push_latest(lambda _s: self._stop.is_set() or self._wake.is_set())
+            try:
+                self._push_latest(lambda _s: self._stop.is_set() or self._wake.is_set())
+            except Exception as exc:  # the sender must never die silently
+                self.failures["internal"] += 1
+                if self._stop.is_set():
+                    return
+                log.exception("sender_error", sink=self.name, error=type(exc).__name__,
+                              effect="retrying at the next cycle with the newest values")
+                self._stop.wait(1.0)
 
     def begin_close(self, deadline: float) -> None:
         """The final push (and the group's deletion when asked) starts now, beside the other
