@@ -24,7 +24,9 @@ from sidecar.sinks import Sink
 
 log = structlog.get_logger("sidecar.agent")
 
-PRIME_WINDOW_S = 0.5  # rates and GPM averages need two readings; --once and probe wait this long
+# rates and GPM averages need two readings (GPM's at least 0.1 s apart): --once and probe wait
+# this long between them, and a run takes its first sample this long after the priming reading
+PRIME_WINDOW_S = 0.25
 _new = tuple.__new__  # a NamedTuple from one tuple in field order, without keyword handling
 
 
