@@ -15,6 +15,7 @@ import socket
 import stat
 import threading
 import time
+from array import array
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -72,7 +73,9 @@ class AppState:
         self._lock = threading.Lock()
         self._announced: dict[str, float] = {}  # GPU -> when the app last named it
         self._alloc: dict[tuple[str, int], tuple[float, AllocatorFigures]] = {}
-        self._last_latency: dict[tuple[str, int], tuple[tuple[int, ...], float, float]] = {}
+        # per process, its last cumulative counts as a compact array of int64 (a tuple of Python
+        # ints costs about 700 bytes per histogram, and there may be 64 x 256 of them)
+        self._last_latency: dict[tuple[str, int], tuple[array[int], float, float]] = {}
         self._merged: dict[str, _Merged] = {}
         # retries and OOMs per GPU, the agent's own counters: each message adds its process's
         # increase, a restarted process (its counts went down) adds its counts afresh
@@ -230,7 +233,7 @@ class AppState:
         merged.counts = [m + d for m, d in zip(merged.counts, delta, strict=True)]
         merged.total += dsum
         merged.updated = now
-        self._last_latency[key] = (counts, message.sum, now)
+        self._last_latency[key] = (array("q", counts), message.sum, now)
 
     def _relayout(self, message: protocol.Latency, now: float) -> _Merged:
         old = self._merged[message.gpu]
