@@ -31,6 +31,7 @@ from sidecar.samples import ComputeLayer, GpuIdentity, IoLayer, MemoryLayer
 log = structlog.get_logger("sidecar.nvml")
 
 GPM_MIN_INTERVAL_S = 0.1
+NVLINK_LINK_CEILING_BYTES_PER_SECOND = 4 * 50e9  # per link and direction; beyond: a reset
 KIB = 1024
 MIB = 1024 * 1024
 
@@ -746,8 +747,10 @@ class NvmlSource:
             prev_n = dev.prev_nvlink
             if prev_n is not None:
                 dt = now - prev_n[0]
-                tx_rate = counter_rate(prev_n[1], nvl_tx, dt, 64)
-                rx_rate = counter_rate(prev_n[2], nvl_rx, dt, 64)
+                # above four times NVLink 5's 50 GB/s per link and direction: a reset
+                ceiling = dev.nvlink_links * NVLINK_LINK_CEILING_BYTES_PER_SECOND / KIB
+                tx_rate = counter_rate(prev_n[1], nvl_tx, dt, 64, ceiling)
+                rx_rate = counter_rate(prev_n[2], nvl_rx, dt, 64, ceiling)
                 io[6] = None if tx_rate is None else tx_rate * KIB
                 io[7] = None if rx_rate is None else rx_rate * KIB
             dev.prev_nvlink = (now, nvl_tx, nvl_rx)

@@ -210,6 +210,17 @@ def test_nvlink_from_per_link_field_counters_without_gpm(install_fake, clock):
     r = source.read([uuid])[uuid]
     assert r.io.nvlink_tx_bytes_per_second == pytest.approx(36e9, rel=1e-6)
     assert r.io.nvlink_rx_bytes_per_second == pytest.approx(18e9, rel=1e-6)
+    # the counters restart (a GPU reset): a reset, not 16 EB/s of traffic
+    fake = pynvml.nvmlLib.fake
+    for key, (index, g, mig) in list(fake._devices.items()):
+        fake._devices[key] = (index, replace(g, nvlink_tx=Signal(36e6),
+                                             nvlink_rx=Signal(18e6)), mig)
+    clock.advance(2.0)
+    r = source.read([uuid])[uuid]
+    assert r.io.nvlink_tx_bytes_per_second is None and r.io.nvlink_rx_bytes_per_second is None
+    clock.advance(2.0)
+    r = source.read([uuid])[uuid]
+    assert r.io.nvlink_tx_bytes_per_second == pytest.approx(36e6, rel=1e-3)
 
 
 def test_calibrated_peak_replaces_the_theoretical_link_maximum(install_fake, clock):
