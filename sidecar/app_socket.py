@@ -237,10 +237,10 @@ class AppState:
 
     def _relayout(self, message: protocol.Latency, now: float) -> _Merged:
         old = self._merged[message.gpu]
-        on_old = {k for k in self._last_latency if k[0] == message.gpu}
-        for k in on_old:
-            del self._last_latency[k]
-        retired = (old.retired | {pid for _, pid in on_old})
+        # the GPU's own processes, not every process of every GPU
+        on_old = [pid for pid in self._pids.get(message.gpu, ())
+                  if self._last_latency.pop((message.gpu, pid), None) is not None]
+        retired = old.retired | set(on_old)
         if len(retired) > self.max_processes:
             retired = set(sorted(retired)[-self.max_processes:])
         log.warning("latency_buckets_changed", gpu_uuid=message.gpu, pid=message.pid,
