@@ -86,6 +86,7 @@ class Response:
     headers: Mapping[str, str]  # case-insensitive ``get``
     content: bytes
     url: str
+    will_close: bool = False  # the receiver closes the connection after this answer
 
     @property
     def text(self) -> str:
@@ -162,12 +163,20 @@ class Http:
             failure: Retryable | None = None
             fresh = True
             try:
-                conn = self._connection(key, timeout)
-                fresh = conn.sock is None  # a new connection: its TLS handshake comes first
-                conn.request(method, target, body=data, headers=sent)
-                answer = conn.getresponse()
-                response = Response(answer.status, answer.headers, answer.read(), url)
-                if answer.will_close:
+                try:
+                    conn = self._connection(key, timeout)
+                    fresh = conn.sock is None  # a new connection: its TLS handshake comes first
+                    response = self._exchange(conn, method, target, data, sent, url)
+                except _CLOSED_WHILE_IDLE:
+                    if fresh:
+                        raise
+                    # the receiver closed the kept connection as the request went out (it
+                    # closes idle ones on its own schedule): once more, on a new connection
+                    self._drop(key)
+                    conn = self._connection(key, timeout)
+                    fresh = True
+                    response = self._exchange(conn, method, target, data, sent, url)
+                if response.will_close:
                     self._drop(key)
             except ssl.SSLError as exc:
                 failure = _tls_failure(exc, fresh, url)
@@ -182,6 +191,13 @@ class Http:
                 self._drop(key)
                 raise failure
         return response
+
+    @staticmethod
+    def _exchange(conn: http.client.HTTPConnection, method: str, target: str,
+                  data: bytes | None, headers: dict[str, str], url: str) -> Response:
+        conn.request(method, target, body=data, headers=headers)
+        answer = conn.getresponse()
+        return Response(answer.status, answer.headers, answer.read(), url, answer.will_close)
 
     def _connection(self, key: tuple[str, str, int], timeout: float) -> http.client.HTTPConnection:
         """The host's kept-alive connection, unless the receiver closed it while idle."""
@@ -236,6 +252,8 @@ class Http:
 
 
 _PORTS = {"http": 80, "https": 443}
+# what a kept-alive connection the receiver has just closed raises on the next request
+_CLOSED_WHILE_IDLE = (http.client.RemoteDisconnected, ConnectionResetError, BrokenPipeError)
 
 
 def _tls_failure(exc: ssl.SSLError, handshake: bool, url: str) -> Retryable:
