@@ -46,9 +46,10 @@ def make_ca_and_server_cert(tmp: Path) -> tuple[Path, Path, Path]:
 
 
 class TlsReceiver:
-    """A real local HTTPS remote-write endpoint with a certificate from a private CA."""
+    """A real local HTTPS remote-write endpoint with a certificate from a private CA (plain
+    HTTP with ``tls=False``)."""
 
-    def __init__(self, cert: Path, key: Path) -> None:
+    def __init__(self, cert: Path, key: Path, *, tls: bool = True) -> None:
         self.requests = 0
         receiver = self
 
@@ -63,10 +64,12 @@ class TlsReceiver:
                 pass
 
         self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
-        context.load_cert_chain(cert, key)
-        self.server.socket = context.wrap_socket(self.server.socket, server_side=True)
-        self.url = f"https://127.0.0.1:{self.server.server_address[1]}/api/v1/write"
+        if tls:
+            context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+            context.load_cert_chain(cert, key)
+            self.server.socket = context.wrap_socket(self.server.socket, server_side=True)
+        scheme = "https" if tls else "http"
+        self.url = f"{scheme}://127.0.0.1:{self.server.server_address[1]}/api/v1/write"
         threading.Thread(target=self.server.serve_forever, daemon=True).start()
 
     def stop(self) -> None:
@@ -102,6 +105,26 @@ def test_tls_is_verified_by_default_and_a_private_ca_must_be_given(tmp_path):
         warned = [e for e in insecure.events() if e.get("event") == "tls_verification_disabled"]
         assert len(warned) == 1 and "--ca-file" in warned[0]["hint"]  # said once, by us
         assert "InsecureRequestWarning" not in "".join(insecure.err)  # not urllib3 per request
+
+
+@pytest.mark.parametrize("tls", [False, True], ids=["http", "https"])
+def test_openssl_is_mapped_only_when_a_receiver_speaks_tls(tmp_path, tls):
+    """OpenSSL costs the agent 4.8 MiB of resident memory (bench/RESULTS.md): a plain-HTTP
+    receiver must not pay for it, even with --ca-file set; a https one still works."""
+    ca, cert, key = make_ca_and_server_cert(tmp_path)
+    receiver = TlsReceiver(cert, key, tls=tls)
+    agent = Agent(["--simulate", "healthy", "--interval", "0.2", "--push-interval", "0.3",
+                   "--remote-write-url", receiver.url, "--ca-file", str(ca),
+                   "--spool-dir", str(tmp_path / "spool")])
+    with running(receiver, agent):
+        agent.start()
+        deadline = time.monotonic() + 20
+        while receiver.requests < 2 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert receiver.requests >= 2, "".join(agent.err)[-2000:]
+        maps = Path(f"/proc/{agent.proc.pid}/maps").read_text()
+        assert ("libssl" in maps, "libcrypto" in maps) == (tls, tls)
+        assert agent.stop() == 0
 
 
 # -- manners -----------------------------------------------------------------------------------

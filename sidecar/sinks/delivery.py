@@ -14,18 +14,21 @@ import email.utils
 import http.client
 import os
 import select
-import ssl
+import sys
 import threading
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 from urllib.parse import unquote, urljoin, urlsplit
 
 import tenacity
 
 from sidecar import __version__
 from sidecar.sinks import redact_url as redact
+
+if TYPE_CHECKING:
+    import ssl
 
 USER_AGENT = f"gpu-sidecar/{__version__}"
 RETRY_AFTER_CAP_S = 300.0
@@ -178,10 +181,8 @@ class Http:
                     response = self._exchange(conn, method, target, data, sent, url)
                 if response.will_close:
                     self._drop(key)
-            except ssl.SSLError as exc:
-                failure = _tls_failure(exc, fresh, url)
             except (OSError, http.client.HTTPException) as exc:
-                failure = Retryable("network", f"{type(exc).__name__} talking to {redact(url)}")
+                failure = _network_failure(exc, fresh and key[0] == "https", url)
             except ValueError as exc:  # a header or path http.client cannot send as is
                 # the message would quote the header, a secret maybe: the type only
                 failure = Retryable("credentials", f"{type(exc).__name__}: a header (token, "
@@ -214,8 +215,7 @@ class Http:
         if conn is None:
             scheme, host, port = key
             if scheme == "https":
-                conn = http.client.HTTPSConnection(host, port, timeout=timeout,
-                                                   context=self._tls_context())
+                conn = TlsConnection(host, port, timeout=timeout, context=self._tls_context())
             else:
                 conn = http.client.HTTPConnection(host, port, timeout=timeout)
             self._connections[key] = conn
@@ -231,6 +231,8 @@ class Http:
         """Made on the first https request: the system's CAs or --ca-file, the client
         certificate if given, or no verification at all with --insecure-skip-verify."""
         if self._tls is None:
+            import ssl  # only now: see sidecar/__main__.py
+
             options = self.options
             try:
                 context = ssl.create_default_context(cafile=options.ca_file)
@@ -245,10 +247,10 @@ class Http:
             self._tls = context
         return self._tls
 
-    def check(self, response: Response) -> None:
+    def check(self, response: Response, answers: Answers | None = None) -> None:
         """Raise ``Retryable`` or ``Refused`` unless the receiver accepted the request; what the
         receiver said is shortened and has every configured secret masked."""
-        check(response, self.secrets(response.url))
+        check(response, self.secrets(response.url), answers or REMOTE_WRITE)
 
 
 _PORTS = {"http": 80, "https": 443}
@@ -256,10 +258,28 @@ _PORTS = {"http": 80, "https": 443}
 _CLOSED_WHILE_IDLE = (http.client.RemoteDisconnected, ConnectionResetError, BrokenPipeError)
 
 
-def _tls_failure(exc: ssl.SSLError, handshake: bool, url: str) -> Retryable:
+class TlsConnection(http.client.HTTPConnection):
+    """HTTPS: the plain connection, wrapped in TLS once connected. ``http.client`` defines its
+    own ``HTTPSConnection`` only when ``ssl`` could be imported with it, and the agent imports
+    ``http.client`` before ``ssl`` on purpose (sidecar/__main__.py); no proxy tunnel here."""
+
+    default_port = 443
+
+    def __init__(self, host: str, port: int, *, timeout: float, context: ssl.SSLContext) -> None:
+        super().__init__(host, port, timeout=timeout)
+        self.context = context
+
+    def connect(self) -> None:
+        super().connect()
+        self.sock = self.context.wrap_socket(self.sock, server_hostname=self.host)
+
+
+def _network_failure(exc: Exception, tls_handshake: bool, url: str) -> Retryable:
     """A certificate the agent does not trust, or a failed handshake, is a TLS matter with
     advice; an SSL error on a connection already up is a broken connection."""
-    if isinstance(exc, ssl.SSLCertVerificationError) or handshake:
+    ssl = sys.modules.get("ssl")  # imported by the TLS context if this was https
+    if ssl is not None and isinstance(exc, ssl.SSLError) and (
+            tls_handshake or isinstance(exc, ssl.SSLCertVerificationError)):
         return Retryable("tls", f"TLS handshake with {redact(url)} failed: "
                          f"{type(exc).__name__}; give its CA with --ca-file")
     return Retryable("network", f"{type(exc).__name__} talking to {redact(url)}")
@@ -294,9 +314,27 @@ HINTS = {
 }
 
 
-FAILURE_REASONS = ("network", "tls", "credentials", "redirect", "http_429", "http_5xx",
-                   "internal", *(f"http_{status}" for status in HINTS))
+def failure_reasons(hints: Mapping[int, str]) -> tuple[str, ...]:
+    """The push-failure reasons a sink counts from its first push, at 0 until they happen."""
+    return ("network", "tls", "credentials", "redirect", "http_429", "http_5xx", "internal",
+            *(f"http_{status}" for status in hints))
+
+
+FAILURE_REASONS = failure_reasons(HINTS)
 BODY_LOGGED = 300  # characters of a receiver's answer kept in a log line
+
+
+@dataclass(frozen=True)
+class Answers:
+    """How one protocol's receivers answer: which failures are worth another try, how to read
+    what they said, the advice per status for the log line."""
+
+    retried: Callable[[int], bool] = lambda status: status == 429 or status >= 500
+    said: Callable[[Response], str] = lambda response: response.text
+    hints: Mapping[int, str] = field(default_factory=lambda: HINTS)
+
+
+REMOTE_WRITE = Answers()  # remote-write 1.0 and the Pushgateway: every 5xx is retried
 
 
 def mask(text: str, secrets: list[str]) -> str:
@@ -305,24 +343,23 @@ def mask(text: str, secrets: list[str]) -> str:
     return text
 
 
-def check(response: Response, secrets: list[str] | None = None) -> None:
+def check(response: Response, secrets: list[str] | None = None,
+          answers: Answers = REMOTE_WRITE) -> None:
     """Raise ``Retryable`` or ``Refused`` unless the receiver accepted the request."""
     status = response.status_code
     if 200 <= status < 300:
         return
-    said = mask(response.text, secrets or [])[:BODY_LOGGED].strip()
+    said = mask(answers.said(response), secrets or [])[:BODY_LOGGED].strip()
     detail = f"HTTP {status}: {said}"
     if 300 <= status < 400:
         location = response.headers.get("Location", "")
         target = mask(redact(urljoin(response.url, location)), secrets or []) if location else "?"
         raise Retryable("redirect", f"HTTP {status}: the receiver redirects to {target}; "
                         "redirects are never followed: configure that URL instead")
-    if status == 429:
-        raise Retryable("http_429", detail, parse_retry_after(response.headers.get("Retry-After")))
-    if status >= 500:
-        raise Retryable(f"http_{status // 100}xx", detail,
+    if answers.retried(status):
+        raise Retryable("http_429" if status == 429 else f"http_{status // 100}xx", detail,
                         parse_retry_after(response.headers.get("Retry-After")))
-    raise Refused(status, detail, HINTS.get(status, "the receiver refused the request"))
+    raise Refused(status, detail, answers.hints.get(status, "the receiver refused the request"))
 
 
 class Backoff(tenacity.wait.wait_base):
