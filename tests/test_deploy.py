@@ -3,6 +3,7 @@ kubernetes-validate, promtool, and a real VictoriaMetrics for every dashboard qu
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 import subprocess
@@ -13,7 +14,9 @@ import pytest
 import requests
 import yaml
 
+from sidecar import alert_rules
 from sidecar.metrics import BY_NAME
+from sidecar.thresholds import THRESHOLDS
 from tests.conftest import ROOT
 from tests.receivers import Agent, VictoriaMetrics, need, running
 
@@ -183,6 +186,34 @@ def test_alert_rules_pass_promtool_check_and_unit_tests():
     tests = run(promtool, "test", "rules", "gpu-sidecar.tests.yml", cwd=ALERTS)
     assert tests.returncode == 0, tests.stdout + tests.stderr
     assert "SUCCESS" in tests.stdout
+
+
+def test_rule_files_are_rendered_from_the_one_set_of_thresholds():
+    assert (ROOT / alert_rules.RULES_FILE).read_text() == alert_rules.rules(), \
+        "regenerate with: python -m sidecar.alert_rules"
+    assert (ROOT / alert_rules.OPERATOR_FILE).read_text() == alert_rules.prometheus_rule()
+
+
+def rule(rules: dict, name: str) -> dict:
+    return next(r for g in rules["groups"] for r in g["rules"] if r.get("alert") == name)
+
+
+def test_a_threshold_changed_in_thresholds_py_changes_the_rules_promtool_runs(tmp_path):
+    changed = dataclasses.replace(THRESHOLDS, pcie_util_ratio=0.65, p99_latency_s=0.4)
+    (tmp_path / "deploy" / "alerts").mkdir(parents=True)
+    (tmp_path / "k8s" / "monitoring").mkdir(parents=True)
+    alert_rules.write(tmp_path, changed)
+    rules = yaml.safe_load((tmp_path / alert_rules.RULES_FILE).read_text())
+    assert rule(rules, "GPUPCIeSaturated")["expr"].rstrip().endswith(") > 0.65")
+    assert "more than 65 % of the PCIe link" in rule(rules, "GPUPCIeSaturated")["annotations"][
+        "description"]
+    assert rule(rules, "GPULowOccupancyAndSlowRequests")["expr"].rstrip().endswith(") > 0.4")
+    shipped = yaml.safe_load((ALERTS / "gpu-sidecar.rules.yml").read_text())
+    assert rule(shipped, "GPUPCIeSaturated")["expr"].rstrip().endswith(") > 0.8")
+    check = run(need("promtool"), "check", "rules", str(tmp_path / alert_rules.RULES_FILE))
+    assert check.returncode == 0, check.stdout + check.stderr
+    operator = yaml.safe_load((tmp_path / alert_rules.OPERATOR_FILE).read_text())
+    assert operator["spec"] == rules
 
 
 def test_prometheusrule_carries_exactly_the_plain_rules():

@@ -1,0 +1,224 @@
+"""The shipped alert rules, rendered from ``sidecar.thresholds``.
+
+    python -m sidecar.alert_rules            # writes deploy/alerts/ and k8s/monitoring/
+
+The rules are a template here, not a file read back, so that a threshold exists in one place;
+``tests/test_deploy.py`` fails when the files in the repository differ from what this renders,
+and runs ``promtool`` on them. ``%%(name)s`` is a threshold, ``%%%%`` a literal percent sign.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+import textwrap
+from pathlib import Path
+
+from sidecar.thresholds import THRESHOLDS, Thresholds
+
+_HEADER = """\
+# Alert rules for gpu-sidecar. The seed's three alerts, corrected (fragmentation is the
+# allocator's, not device memory usage; PCIe against the device's real link maximum; occupancy
+# only together with degraded latency), plus the allocator's direct symptom and the agent's own
+# health. Tested with `promtool test rules deploy/alerts/gpu-sidecar.tests.yml`.
+# Generated from sidecar/thresholds.py by `python -m sidecar.alert_rules`: edit there, not here.
+# The same groups, as a PrometheusRule for the Prometheus Operator: k8s/monitoring/.
+"""
+
+_OPERATOR_HEADER = """\
+# The rules of deploy/alerts/gpu-sidecar.rules.yml for the Prometheus Operator, generated with
+# them from sidecar/thresholds.py by `python -m sidecar.alert_rules`. Select it with your
+# Prometheus's ruleSelector (label role: alert-rules).
+apiVersion: monitoring.coreos.com/v1
+kind: PrometheusRule
+metadata:
+  name: gpu-sidecar
+  labels:
+    app.kubernetes.io/name: gpu-sidecar
+    role: alert-rules
+spec:
+"""
+
+_GROUPS = """\
+groups:
+  - name: gpu-sidecar.gpu
+    rules:
+      - alert: GPUMemoryFragmentationHigh
+        # more than %(fragmentation_percent)s %% of the allocator's cache holds no tensor, on a
+        # cache worth looking at
+        expr: |
+          gpu_memory_fragmentation_ratio > %(fragmentation_ratio)s
+          and on (namespace, pod, gpu_uuid)
+          gpu_allocator_reserved_bytes > %(fragmentation_min_reserved_bytes)s
+        for: 5m
+        labels:
+          severity: warning
+        annotations:
+          summary: "GPU allocator cache {{ $value | humanizePercentage }} empty on {{ $labels.pod }}"
+          description: >-
+            The caching allocator of {{ $labels.pod }} ({{ $labels.namespace }}) on GPU
+            {{ $labels.gpu_uuid }} holds memory that no tensor uses: large requests may need
+            cudaMalloc, flushes and retries. Look at gpu_allocator_nonreleasable_ratio and
+            gpu_allocator_largest_free_block_bytes; consider expandable_segments.
+
+      - alert: GPUAllocatorRetrying
+        # the direct symptom: cudaMalloc failed, the cache was flushed and the call retried
+        expr: increase(gpu_allocator_alloc_retries_total[5m]) > 0
+        for: 0m
+        labels:
+          severity: warning
+        annotations:
+          summary: "GPU allocator retries on {{ $labels.pod }}"
+          description: >-
+            {{ $labels.pod }} needed {{ $value }} allocation retries on GPU {{ $labels.gpu_uuid }}
+            in 5 minutes: each one synchronises the device and stalls requests.
+
+      - alert: GPUOutOfMemory
+        expr: increase(gpu_allocator_ooms_total[5m]) > 0
+        for: 0m
+        labels:
+          severity: critical
+        annotations:
+          summary: "CUDA out-of-memory errors on {{ $labels.pod }}"
+          description: "{{ $labels.pod }} raised {{ $value }} OOM errors on GPU {{ $labels.gpu_uuid }}."
+
+      - alert: GPUPCIeSaturated
+        # either direction above %(pcie_percent)s %% of the link maximum (the device's max generation x width,
+        # or the calibrated peak given to the agent)
+        expr: |
+          max by (namespace, pod, gpu_uuid, gpu_name) (
+            {__name__=~"gpu_pcie_(tx|rx)_bandwidth_util_ratio"}
+          ) > %(pcie_util_ratio)s
+        for: 3m
+        labels:
+          severity: warning
+        annotations:
+          summary: "PCIe link of GPU {{ $labels.gpu_uuid }} at {{ $value | humanizePercentage }}"
+          description: >-
+            Host-device copies on {{ $labels.pod }} use more than %(pcie_percent)s %% of the PCIe link: model
+            loads, large batches or pageable copies. gpu_pcie_link_max_bytes_per_second shows the
+            maximum used.
+
+      - alert: GPULowOccupancyAndSlowRequests
+        # low occupancy alone is normal for small models; it matters when latency suffers too.
+        # %(p99_latency_s)s s is the p99 objective used here: set your own.
+        expr: |
+          avg by (namespace, pod, gpu_uuid) (gpu_sm_occupancy_ratio) < %(occupancy_ratio)s
+          and on (namespace, pod, gpu_uuid)
+          histogram_quantile(0.99,
+            sum by (namespace, pod, gpu_uuid, le) (
+              rate(inference_request_duration_seconds_bucket[5m]))
+          ) > %(p99_latency_s)s
+        for: 10m
+        labels:
+          severity: warning
+        annotations:
+          summary: "Low SM occupancy with slow requests on {{ $labels.pod }}"
+          description: >-
+            GPU {{ $labels.gpu_uuid }} keeps its SMs mostly empty while p99 latency is above the
+            objective: small, fragmented kernels; consider batching, CUDA graphs or fusion.
+
+  - name: gpu-sidecar.agent
+    rules:
+      - alert: GPUSidecarPushFailures
+        # reported by the agent once a push succeeds again (or through another receiver). Every
+        # known reason starts at 0 at the agent's first push; the second arm catches a reason
+        # whose series first appears at 1 or more, which increase() alone would read as 0
+        expr: |
+          increase(gpu_sidecar_push_failures_total[10m]) > 0
+          or
+          (gpu_sidecar_push_failures_total > 0 unless gpu_sidecar_push_failures_total offset 10m)
+        for: 0m
+        labels:
+          severity: warning
+        annotations:
+          summary: "gpu-sidecar on {{ $labels.pod }} failed pushes to {{ $labels.sink }}"
+          description: "{{ $value }} failed pushes ({{ $labels.reason }}) in 10 minutes."
+
+      - alert: GPUSidecarSilent
+        # was reporting within the hour, nothing for 5 minutes: pushes failing, agent dead, or
+        # the pod ended (join with kube_pod_info to ignore ended pods where you have it)
+        expr: |
+          group by (namespace, pod) (max_over_time(gpu_sidecar_up[1h]))
+          unless
+          group by (namespace, pod) (max_over_time(gpu_sidecar_up[5m]))
+        for: 0m
+        labels:
+          severity: warning
+        annotations:
+          summary: "No data from gpu-sidecar on {{ $labels.pod }} for 5 minutes"
+
+      - alert: GPUSidecarSpoolGrowing
+        expr: gpu_sidecar_spool_bytes{state="pending"} > 33554432
+        for: 10m
+        labels:
+          severity: warning
+        annotations:
+          summary: "gpu-sidecar spool of {{ $labels.pod }} holds {{ $value | humanize1024 }}B"
+          description: "The receiver {{ $labels.sink }} is not keeping up; data waits on disk."
+
+      - alert: GPUSidecarSamplesDropped
+        expr: |
+          increase(gpu_sidecar_samples_dropped_total{
+            reason=~"spool_full|spool_write_failed|rejected|corrupt|unreadable"}[15m]) > 0
+          or
+          (gpu_sidecar_samples_dropped_total{
+            reason=~"spool_full|spool_write_failed|rejected|corrupt|unreadable"} > 0
+            unless gpu_sidecar_samples_dropped_total offset 15m)
+        for: 0m
+        labels:
+          severity: warning
+        annotations:
+          summary: "gpu-sidecar on {{ $labels.pod }} lost samples ({{ $labels.reason }})"
+
+      - alert: GPUSidecarAppFiguresStale
+        # the agent runs, but the model server stopped publishing (or never started)
+        expr: |
+          increase(gpu_sidecar_app_messages_accepted_total[10m]) == 0
+          and on (namespace, pod) gpu_sidecar_up == 1
+        for: 5m
+        labels:
+          severity: info
+        annotations:
+          summary: "No app figures from {{ $labels.pod }} for 15 minutes"
+          description: "Allocator and latency series are missing: is sidecar.client started?"
+
+      - alert: GPUSidecarGPUUnavailable
+        expr: gpu_sidecar_gpu_available == 0
+        for: 2m
+        labels:
+          severity: critical
+        annotations:
+          summary: "GPU {{ $labels.gpu_uuid }} of {{ $labels.pod }} cannot be read"
+          description: "Lost (fallen off the bus) or not visible to the agent; see its log."
+"""
+
+RULES_FILE = Path("deploy/alerts/gpu-sidecar.rules.yml")
+OPERATOR_FILE = Path("k8s/monitoring/prometheusrule.yaml")
+
+
+def _values(t: Thresholds) -> dict[str, object]:
+    values: dict[str, object] = {k: f"{v:g}" if isinstance(v, float) else v
+                                 for k, v in dataclasses.asdict(t).items()}
+    values["fragmentation_percent"] = f"{100 * t.fragmentation_ratio:g}"
+    values["pcie_percent"] = f"{100 * t.pcie_util_ratio:g}"
+    return values
+
+
+def rules(t: Thresholds = THRESHOLDS) -> str:
+    """The Prometheus rule file."""
+    return _HEADER + _GROUPS % _values(t)
+
+
+def prometheus_rule(t: Thresholds = THRESHOLDS) -> str:
+    """The same groups as a ``PrometheusRule`` object."""
+    return _OPERATOR_HEADER + textwrap.indent(_GROUPS % _values(t), "  ")
+
+
+def write(root: Path, t: Thresholds = THRESHOLDS) -> None:
+    (root / RULES_FILE).write_text(rules(t))
+    (root / OPERATOR_FILE).write_text(prometheus_rule(t))
+
+
+if __name__ == "__main__":
+    write(Path(sys.argv[1]) if len(sys.argv) > 1 else Path.cwd())
