@@ -21,6 +21,7 @@ from sidecar.config import Config
 from sidecar.nvml_source import NvmlSource
 from sidecar.samples import GpuIdentity, GpuSample, Labels, Series, gpu_labels, sample_series
 from sidecar.sinks import Sink
+from sidecar.summary import RunSummary
 
 log = structlog.get_logger("sidecar.agent")
 
@@ -61,6 +62,9 @@ class Agent:
         self._label_cache: dict[tuple[tuple[str, str], ...], Labels] = {}
         self._fixed_selection: list[str] | None = None
         self._gpu_labels: dict[str, tuple[GpuIdentity, Labels]] = {}  # uuid -> labels, kept
+        self._emit_errors: set[tuple[str, str]] = set()  # (sink, error type) logged once
+        # a batch Job's run summary, fed every cycle and sent with the last one
+        self.summary = RunSummary(config.batch_job, self._pod_labels) if config.batch_job else None
         if source is not None:
             self._identities = {i.uuid: i for i in source.devices()}
 
@@ -124,7 +128,8 @@ class Agent:
         self.collected += len(samples)
         return samples, available
 
-    def cycle(self) -> list[Series]:
+    def cycle(self, *, last: bool = False) -> list[Series]:
+        """One cycle to every sink; the ``last`` one of a run also carries the run summary."""
         started = self.clock()
         samples, available = self.collect()
         series: list[Series] = []
@@ -134,9 +139,25 @@ class Agent:
         ts = samples[0].timestamp_ms if samples else int(self.wall() * 1000)
         self.last_cycle_s = self.clock() - started
         series.extend(self.self_series(ts, available))
+        if self.summary is not None:
+            self.summary.add(series)
+            if last:
+                series.extend(self.summary.series())
         for sink in self.sinks:
-            sink.emit(series)
+            try:
+                sink.emit(series)
+            except Exception as exc:  # one sink's fault costs it this cycle, never the others'
+                self._emit_failed(sink, exc, len(series))
         return series
+
+    def _emit_failed(self, sink: Sink, exc: Exception, count: int) -> None:
+        self.dropped["sink_error"] += count
+        kind = (sink.name, type(exc).__name__)
+        if kind not in self._emit_errors:
+            self._emit_errors.add(kind)
+            log.exception("sink_emit_failed", sink=sink.name, error=type(exc).__name__,
+                          effect="this sink lost the cycle; sampling and the other sinks go on",
+                          hint="a bug: please report it with this log line")
 
     def _labels(self, identity: GpuIdentity) -> Labels:
         """A GPU's labels, kept from cycle to cycle (they change only if its identity does)."""

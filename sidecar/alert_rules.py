@@ -118,6 +118,27 @@ groups:
             GPU {{ $labels.gpu_uuid }} keeps its SMs mostly empty while p99 latency is above the
             objective: small, fragmented kernels; consider batching, CUDA graphs or fusion.
 
+  - name: gpu-sidecar.batch
+    rules:
+      - alert: GPUJobRunPCIeBound
+        # from the run summary a Job's agent sends at its end (--batch-job): the Job's last run
+        # kept a GPU's PCIe link saturated for most of its time. It stays while that summary is
+        # the newest (the Pushgateway keeps it; remote-write makes it stale after 5 minutes)
+        expr: |
+          max by (namespace, job_name, gpu_uuid) (
+            gpu_run_above_threshold_ratio{condition="pcie_saturated"}
+          ) > %(job_saturated_share)s
+        for: 0m
+        labels:
+          severity: info
+        annotations:
+          summary: "Job {{ $labels.job_name }} PCIe-bound for {{ $value | humanizePercentage }} of its run"
+          description: >-
+            The last run of Job {{ $labels.job_name }} ({{ $labels.namespace }}) kept GPU
+            {{ $labels.gpu_uuid }} above %(pcie_percent)s %% of its PCIe link for most of the run:
+            the copies, not the kernels, set its duration. Pinned host memory, prefetching the
+            next batch, or fewer host-device round trips shorten it.
+
   - name: gpu-sidecar.agent
     rules:
       - alert: GPUSidecarPushFailures

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import hashlib
 import os
 import re
@@ -31,14 +32,22 @@ if TYPE_CHECKING:
 
 log = structlog.get_logger("sidecar.cli")
 
-EPILOG = """\
+OPTIONS_NOTE = """\
 Every option can also be set by the environment variable shown in brackets; a flag wins over
 its variable. Units: seconds for times, bytes and bytes/s for sizes and rates.
-
+"""
+EPILOG = OPTIONS_NOTE + """
 Pod identity: set --pod-namespace, --pod-name and --node-name from the downward API
 (metadata.namespace, metadata.name, spec.nodeName) and --pod-container to the app container's
 name; they become the labels namespace, pod, node and container on every series.
 """
+
+
+DIAGNOSE_EPILOG = """\
+Exit codes: 0 nothing found, 1 a bottleneck found on at least one GPU (or a GPU lost), 2
+configuration error (also: no GPU to judge), 3 NVML unavailable.
+
+""" + OPTIONS_NOTE
 
 
 class _Parser(argparse.ArgumentParser):
@@ -65,17 +74,25 @@ def _parser() -> argparse.ArgumentParser:
         "this pod and writes timestamped series. With nothing configured: stdout.",
     )
     parser.add_argument("--version", action="version", version=config.version_line())
-    sub = parser.add_subparsers(dest="command", required=True, metavar="{run,probe}",
+    sub = parser.add_subparsers(dest="command", required=True, metavar="{run,diagnose,probe}",
                                 parser_class=_Parser)
     run = sub.add_parser("run", help="run the agent", epilog=EPILOG,
                          formatter_class=argparse.RawDescriptionHelpFormatter,
                          description="Sample every --interval seconds and write the series.")
     config.add_arguments(run, "run")
     probe = sub.add_parser("probe", help="report the GPUs, what each supports, one reading",
-                           epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter,
+                           epilog=OPTIONS_NOTE, formatter_class=argparse.RawDescriptionHelpFormatter,
                            description="One-shot report of the visible GPUs, the metrics each "
                            "supports (and why others are absent) and one reading of every layer.")
     config.add_arguments(probe, "probe")
+    diagnose = sub.add_parser(
+        "diagnose", help="sample for a window and say which layer explains the latency",
+        epilog=DIAGNOSE_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="Sample every --interval seconds for --duration seconds, then name per GPU "
+        "the layer (compute, memory, IO) that explains the latency, with the figures behind the "
+        "verdict and what to do. Thresholds: those of the shipped alert rules "
+        "(sidecar/thresholds.py).")
+    config.add_arguments(diagnose, "diagnose")
     return parser
 
 
@@ -86,28 +103,40 @@ def main(argv: Sequence[str] | None = None) -> int:
     except config.ConfigError as exc:
         print(f"gpu-sidecar: configuration error: {exc}", file=sys.stderr)
         return 2
-    configure(cfg.log_format, cfg.log_level)
+    configure(cfg.log_format, _log_level(args, cfg))
     try:
         if args.command == "probe":
             signals.restore_defaults()
             return probe(cfg)
+        if args.command == "diagnose":
+            from sidecar.diagnose import diagnose
+
+            return diagnose(cfg)
         return run(cfg)
     except config.ConfigError as exc:  # found once NVML was open
-        log.error("configuration_error", error=str(exc))
-        print(f"gpu-sidecar: configuration error: {exc}", file=sys.stderr)
-        return 2
+        return _fail(args.command, "configuration_error", f"configuration error: {exc}", 2)
     except NvmlUnavailable as exc:
-        log.error("nvml_unavailable", error=str(exc))
-        print(f"gpu-sidecar: {exc}", file=sys.stderr)
-        return 3
+        return _fail(args.command, "nvml_unavailable", str(exc), 3)
     except SocketInUse as exc:
-        log.error("app_socket_unavailable", error=str(exc))
-        print(f"gpu-sidecar: {exc}", file=sys.stderr)
-        return 4
+        return _fail(args.command, "app_socket_unavailable", str(exc), 4)
     except SpoolError as exc:
-        log.error("spool_unavailable", error=str(exc))
-        print(f"gpu-sidecar: {exc}", file=sys.stderr)
-        return 5
+        return _fail(args.command, "spool_unavailable", str(exc), 5)
+
+
+def _log_level(args: argparse.Namespace, cfg: config.Config) -> str:
+    """probe and diagnose print a report for a person: their info lines (GPUs opened, metrics
+    absent) would say it a second time, so they log warnings and errors unless a level is given."""
+    given = args.log_level is not None or config.OPTION_BY_NAME["log_level"].env in os.environ
+    return cfg.log_level if args.command == "run" or given else "warning"
+
+
+def _fail(command: str, event: str, message: str, code: int) -> int:
+    """Say why the command stops, once: on stderr for a person, and, for the agent, also as a
+    log line (its pod's log is where an operator looks)."""
+    if command == "run":
+        log.error(event, error=message)
+    print(f"gpu-sidecar: {message}", file=sys.stderr)
+    return code
 
 
 @contextlib.contextmanager
@@ -172,10 +201,28 @@ def _sinks(cfg: config.Config, spool_root: str) -> list[Sink]:
             sinks.append(RemoteWriteSink(url, Spool(directory, cfg.spool_max_bytes), http,
                                          name=name, push_interval_s=cfg.push_interval,
                                          max_batch_samples=cfg.batch_max_samples))
+    if cfg.otlp_url:
+        from sidecar.sinks.otlp import otlp_sink
+        from sidecar.sinks.otlp import sink_name as otlp_name
+        from sidecar.spool import Spool
+
+        _private_root(spool_root)
+        names = [otlp_name(u) for u in cfg.otlp_url]
+        for n, url in enumerate(cfg.otlp_url):
+            earlier = names[:n].count(names[n])  # one spool and one label per URL, as above
+            name = f"{names[n]}#{earlier + 1}" if earlier else names[n]
+            spool = Spool(os.path.join(spool_root, _spool_dir(name, url)), cfg.spool_max_bytes)
+            sinks.append(otlp_sink(url, spool, http, name=name,
+                                   extra_labels=tuple(k for k, _ in cfg.extra_label),
+                                   push_interval_s=cfg.push_interval,
+                                   max_batch_samples=cfg.batch_max_samples))
     if cfg.pushgateway_url:
         from sidecar.sinks.pushgateway import PushgatewaySink
 
-        grouping = {k: v for k, v in (("namespace", cfg.pod_namespace), ("pod", cfg.pod_name)) if v}
+        # a Job's group is the Job's, so that a rerun replaces it; a Deployment's is the pod's
+        pairs = (("namespace", cfg.pod_namespace),
+                 ("job_name", cfg.batch_job) if cfg.batch_job else ("pod", cfg.pod_name))
+        grouping = {k: v for k, v in pairs if v}
         sinks.append(PushgatewaySink(cfg.pushgateway_url, http, job=cfg.pushgateway_job,
                                      grouping=grouping, push_interval_s=cfg.push_interval,
                                      delete_on_exit=cfg.pushgateway_delete_on_exit))
@@ -249,24 +296,29 @@ def _check_named_gpus(cfg: config.Config, source: NvmlSource) -> None:
             "(every GPU shown) or --gpus announced (the app's)")
 
 
-def run(cfg: config.Config) -> int:
-    log.info("starting", version=__version__, config=config.describe(cfg))
-    if cfg.insecure_skip_verify:
-        log.warning("tls_verification_disabled",
-                    effect="receivers' certificates are not checked: anyone on the path can read "
-                           "and change what is pushed",
-                    hint="give the receiver's CA with --ca-file instead of --insecure-skip-verify")
-    stop = signals.STOP
-    signals.install()  # already done by the entry point; again for callers of main()
-    with contextlib.ExitStack() as stack, _nvml(cfg) as (source, scenario):
-        socket_path = cfg.socket
-        if scenario is not None and socket_path == protocol.DEFAULT_SOCKET_PATH:
-            socket_path = os.path.join(
+@contextlib.contextmanager
+def simulated_paths(cfg: config.Config) -> Iterator[config.Config]:
+    """``cfg`` with, in simulated mode and where the defaults stand, a private temporary socket
+    and spool (a demo needs no /run or /var/lib, and two demos do not collide), removed on exit.
+    Chosen before anything is logged, so the start-up line names the paths actually used."""
+    with contextlib.ExitStack() as stack:
+        paths: dict[str, str] = {}
+        if cfg.simulate and cfg.socket == protocol.DEFAULT_SOCKET_PATH:
+            paths["socket"] = os.path.join(
                 stack.enter_context(tempfile.TemporaryDirectory(prefix="gpu-sidecar-")), "app.sock")
-        spool_root = cfg.spool_dir
-        if scenario is not None and spool_root == config.Config.spool_dir:
-            spool_root = stack.enter_context(tempfile.TemporaryDirectory(prefix="gpu-sidecar-spool-"))
-        sinks = _sinks(cfg, spool_root)
+        if cfg.simulate and cfg.spool_dir == config.Config.spool_dir:
+            paths["spool_dir"] = stack.enter_context(
+                tempfile.TemporaryDirectory(prefix="gpu-sidecar-spool-"))
+        yield dataclasses.replace(cfg, **paths)
+
+
+@contextlib.contextmanager
+def sampling(cfg: config.Config, *, listen: bool = True
+             ) -> Iterator[tuple[NvmlSource | None, Scenario | None, AppState]]:
+    """What ``run`` and ``diagnose`` sample: NVML (real or simulated) and the app's figures from
+    the socket, where in simulated mode the simulated model server publishes. ``listen=False``
+    leaves the socket to an agent that already holds it: the app's figures are then absent."""
+    with contextlib.ExitStack() as stack, _nvml(cfg) as (source, scenario):
         known = None
         if source is not None:
             visible = {i.uuid for i in source.devices()}
@@ -275,17 +327,37 @@ def run(cfg: config.Config) -> int:
                          max_processes=cfg.app_max_processes, max_gpus=cfg.app_max_gpus,
                          max_buckets=cfg.app_max_buckets,
                          max_message_bytes=cfg.app_max_message_bytes)
-        app_socket = AppSocket(socket_path, state)
-        app_socket.start()
-        stack.callback(app_socket.stop)
-        if scenario is not None and source is not None and not cfg.no_simulated_app:
+        if listen:
+            app_socket = AppSocket(cfg.socket, state)
+            app_socket.start()
+            stack.callback(app_socket.stop)
+        if listen and scenario is not None and source is not None and not cfg.no_simulated_app:
             from sidecar.simulate.app import SimulatedApp
 
-            sim = SimulatedApp(socket_path, [g.uuid for g in scenario.gpus], scenario.app,
+            sim = SimulatedApp(cfg.socket, [g.uuid for g in scenario.gpus], scenario.app,
                                interval_s=min(cfg.interval, 5.0))
             sim.start()
             stack.callback(sim.stop)
             _wait_for(lambda: bool(state.announced()), 2.0)
+        yield source, scenario, state
+
+
+def run(cfg: config.Config) -> int:
+    with simulated_paths(cfg) as cfg:
+        return _run(cfg)
+
+
+def _run(cfg: config.Config) -> int:
+    log.info("starting", version=__version__, config=config.describe(cfg))
+    if cfg.insecure_skip_verify:
+        log.warning("tls_verification_disabled",
+                    effect="receivers' certificates are not checked: anyone on the path can read "
+                           "and change what is pushed",
+                    hint="give the receiver's CA with --ca-file instead of --insecure-skip-verify")
+    stop = signals.STOP
+    signals.install()  # already done by the entry point; again for callers of main()
+    with sampling(cfg) as (source, scenario, state):
+        sinks = _sinks(cfg, cfg.spool_dir)
         mode = "simulated" if scenario is not None else ("nvml" if source else "app-only")
         agent = Agent(cfg, source=source, app=state, sinks=sinks, mode=mode)
         for sink in sinks:
@@ -295,7 +367,7 @@ def run(cfg: config.Config) -> int:
         if cfg.once:
             agent.prime()
             time.sleep(PRIME_WINDOW_S)
-            agent.cycle()
+            agent.cycle(last=True)
         else:
             agent.run(stop)
         # a stop signal: a last sample, then flush what the shutdown timeout allows
@@ -303,7 +375,7 @@ def run(cfg: config.Config) -> int:
         if not cfg.once:
             log.info("stopping", signals=_signal_names(), shutdown_timeout_s=cfg.shutdown_timeout)
         if not cfg.once:
-            agent.cycle()
+            agent.cycle(last=True)
         for sink in sinks:
             sink.begin_close(deadline)
         delivered = all([sink.close(deadline) for sink in sinks])
@@ -345,8 +417,17 @@ def probe(cfg: config.Config) -> int:
             print(_probe_block(source, identity, readings.get(identity.uuid)))
         print()
         print("app layer (fragmentation, allocator, latency): published by the model server over "
-              f"the app socket at run time ({cfg.socket}).")
+              f"the app socket at run time ({_socket_at_run_time(cfg)}); probe reads none.")
     return 0
+
+
+def _socket_at_run_time(cfg: config.Config) -> str:
+    """The socket ``run`` and ``diagnose`` would bind: in simulated mode with the default path,
+    a private temporary one (simulated_paths), not the default that probe was given."""
+    if cfg.simulate and cfg.socket == protocol.DEFAULT_SOCKET_PATH:
+        return ("--simulate: a private temporary path, named in the run's 'starting' and "
+                "'app_socket_listening' log lines; --socket PATH chooses it")
+    return cfg.socket
 
 
 def _pct(value: float | None) -> str:

@@ -22,7 +22,7 @@ from sidecar.sinks import redact_url
 ENV_PREFIX = "GPU_SIDECAR_"
 RESERVED_LABELS = frozenset({"gpu_uuid", "gpu_name", "gpu_index", "namespace", "pod", "container",
                              "node", "pid", "le", "sink", "reason", "job", "instance", "version",
-                             "mode"})
+                             "mode", "job_name", "figure", "condition"})
 SCENARIOS = ("healthy", "pcie-saturated", "fragmented", "low-occupancy", "gpu-lost", "old-driver")
 
 
@@ -44,9 +44,10 @@ class Config:
     pcie_peak_bytes_per_second: float | None = None
     gpu_retry_interval: float = 30.0
     no_nvml: bool = False
-    output: str = "prometheus"
+    output: str = "auto"
     stdout: bool = False
     once: bool = False
+    duration: float = 30.0
     simulate: str | None = None
     simulate_gpus: int | None = None
     no_simulated_app: bool = False
@@ -57,9 +58,11 @@ class Config:
     pod_container: str = ""
     node_name: str = ""
     remote_write_url: tuple[str, ...] = ()
+    otlp_url: tuple[str, ...] = ()
     pushgateway_url: str | None = None
     pushgateway_job: str = "gpu-sidecar"
     pushgateway_delete_on_exit: bool = False
+    batch_job: str = ""
     push_interval: float = 15.0
     batch_max_samples: int = 20_000
     spool_dir: str = "/var/lib/gpu-sidecar/spool"
@@ -79,7 +82,7 @@ class Config:
 
     @property
     def has_receivers(self) -> bool:
-        return bool(self.remote_write_url or self.pushgateway_url)
+        return bool(self.remote_write_url or self.otlp_url or self.pushgateway_url)
 
     def gpu_list(self) -> tuple[str, ...]:
         """Explicit UUIDs, or () for the ``announced`` and ``visible`` modes."""
@@ -389,16 +392,17 @@ def _label(text: str) -> str:
 
 OPTIONS: tuple[Option, ...] = (
     Option("interval", "Seconds between samples (0.1..3600; default 5). GPM figures are averages "
-           "over this interval.", _seconds(0.1, 3600)),
+           "over this interval.", _seconds(0.1, 3600), commands=("run", "diagnose")),
     Option("gpus", "Which GPUs to export: 'announced' (default: the GPUs the app announced over "
            "the socket), 'visible' (every GPU NVML shows this container) or a comma-separated "
-           "list of GPU/MIG UUIDs.", _gpus),
+           "list of GPU/MIG UUIDs.", _gpus, commands=("run", "probe", "diagnose")),
     Option("socket", "Path of the app's Unix datagram socket (default "
            f"{protocol.DEFAULT_SOCKET_PATH}; the client reads {protocol.SOCKET_ENV} too). With "
-           "--simulate and no path given, a private temporary one.", _socket_path),
+           "--simulate and no path given, a private temporary one.", _socket_path,
+           commands=("run", "probe", "diagnose")),
     Option("app_stale_after", "Seconds after which an app's silent allocator and latency figures "
            "stop being exported, and a GPU it no longer announces is forgotten (default 30).",
-           _seconds(1, 86400)),
+           _seconds(1, 86400), commands=("run",)),
     Option("app_max_processes", "Most publishing processes tracked per GPU (default 256); "
            "beyond it, once no tracked process is silent past --app-stale-after, messages are "
            "refused (reason too_many_processes).", _positive_int(1, 4096), commands=("run",)),
@@ -418,43 +422,65 @@ OPTIONS: tuple[Option, ...] = (
            _bool, flag_only=True, commands=("run",)),
     Option("pcie_peak_bytes_per_second", "Calibrated per-direction PCIe peak in bytes/s to divide "
            "by instead of the link's theoretical maximum (default: from max link gen x width).",
-           _positive_float),
+           _positive_float, commands=("run", "probe", "diagnose")),
     Option("gpu_retry_interval", "Seconds between attempts to re-open a lost GPU (default 30).",
-           _seconds(1, 3600)),
+           _seconds(1, 3600), commands=("run",)),
     Option("no_nvml", "Run without NVML: export only the app's allocator and latency figures.",
            _bool, flag_only=True),
-    Option("output", "stdout format: 'prometheus' (text exposition with timestamps, default) or "
-           "'json' (one series per line).", _choice("prometheus", "json"), commands=("run",)),
+    Option("output", "stdout format: 'auto' (default: 'table' when stdout is a terminal, "
+           "'prometheus' otherwise), 'table' (one row per GPU with the three layers, the app's "
+           "p50/p99 and a verdict, redrawn in place every --interval on a terminal), "
+           "'prometheus' (text exposition with millisecond timestamps) or 'json' (one series per "
+           "line).", _choice("auto", "table", "prometheus", "json"), commands=("run",)),
     Option("stdout", "Also write every series to stdout (in --output format) when receivers are "
            "configured, e.g. to watch what is pushed.", _bool, flag_only=True, commands=("run",)),
     Option("once", "Take one sample cycle, print it and exit.", _bool, flag_only=True,
            commands=("run",)),
+    Option("duration", "Seconds diagnose samples before it judges (1..3600; default 30). The "
+           "shipped alerts wait 3 to 10 minutes before firing; a longer window is steadier.",
+           _seconds(1, 3600), commands=("diagnose",)),
     Option("simulate", "Use a built-in simulated GPU node instead of NVML: "
            + ", ".join(SCENARIOS) + ". Every series says 'Simulated' in gpu_name.",
-           _choice(*SCENARIOS)),
-    Option("simulate_gpus", "Number of simulated GPUs (1..16; default per scenario).", _gpu_count),
+           _choice(*SCENARIOS), commands=("run", "probe", "diagnose")),
+    Option("simulate_gpus", "Number of simulated GPUs (1..16; default per scenario).", _gpu_count,
+           commands=("run", "probe", "diagnose")),
     Option("no_simulated_app", "With --simulate: do not start the simulated model server, so "
            "that a real app (sidecar.client) is the only publisher on the socket.", _bool,
            flag_only=True, commands=("run",)),
     Option("log_format", "Log format on stderr: 'auto' (JSON unless stderr is a terminal), "
-           "'json' or 'console'.", _choice("auto", "json", "console")),
-    Option("log_level", "Log level: debug, info, warning or error (default info).",
-           _choice("debug", "info", "warning", "error")),
+           "'json' or 'console'.", _choice("auto", "json", "console"),
+           commands=("run", "probe", "diagnose")),
+    Option("log_level", "Log level: debug, info, warning or error (default info for run; "
+           "warning for probe and diagnose, whose printed report says what info would).",
+           _choice("debug", "info", "warning", "error"), commands=("run", "probe", "diagnose")),
     Option("pod_namespace", "Label 'namespace' on every series (downward API: "
-           "metadata.namespace).", _label),
-    Option("pod_name", "Label 'pod' on every series (downward API: metadata.name).", _label),
-    Option("pod_container", "Label 'container': the app container whose GPUs these are.", _label),
-    Option("node_name", "Label 'node' on every series (downward API: spec.nodeName).", _label),
+           "metadata.namespace).", _label, commands=("run",)),
+    Option("pod_name", "Label 'pod' on every series (downward API: metadata.name).", _label,
+           commands=("run",)),
+    Option("pod_container", "Label 'container': the app container whose GPUs these are.", _label,
+           commands=("run",)),
+    Option("node_name", "Label 'node' on every series (downward API: spec.nodeName).", _label,
+           commands=("run",)),
     Option("remote_write_url", "Prometheus remote-write receiver URL (VictoriaMetrics, vmagent, "
            "Prometheus with --web.enable-remote-write-receiver, Mimir, Thanos); repeat the flag "
            "or separate with commas for several. Without any receiver: stdout.", _urls,
            commands=("run",), repeatable=True, show=_shown_urls),
+    Option("otlp_url", "OpenTelemetry OTLP/HTTP metrics URL, the full path (an OpenTelemetry "
+           "Collector: http://HOST:4318/v1/metrics; Prometheus 3: /api/v1/otlp/v1/metrics; "
+           "VictoriaMetrics: /opentelemetry/v1/metrics); protobuf, gzip, with the same spool, "
+           "credentials and TLS options as remote-write; repeat the flag or separate with commas "
+           "for several.", _urls, commands=("run",), repeatable=True, show=_shown_urls),
     Option("pushgateway_url", "Pushgateway base URL. Latest values only, no timestamps and no "
            "history: prefer remote-write.", _url, commands=("run",), show=_shown_one_url),
     Option("pushgateway_job", "Pushgateway 'job' of the grouping key (default gpu-sidecar); the "
            "key adds namespace and pod (or instance=hostname).", _label, commands=("run",)),
     Option("pushgateway_delete_on_exit", "Delete this pod's Pushgateway group at shutdown.",
            _bool, flag_only=True, commands=("run",)),
+    Option("batch_job", "Name of the batch Job this pod runs (downward API: the label "
+           "batch.kubernetes.io/job-name). Adds a run summary, pushed with the last sample to "
+           "every sink and labelled job_name; the Pushgateway group becomes job + namespace + "
+           "job_name, so a rerun replaces its group. Leave empty for Deployments.", _label,
+           commands=("run",)),
     Option("push_interval", "Seconds between pushes; samples are batched in between "
            "(default 15).", _seconds(0.1, 3600), commands=("run",)),
     Option("batch_max_samples", "A batch is flushed early when it holds this many samples "
@@ -462,7 +488,7 @@ OPTIONS: tuple[Option, ...] = (
     Option("spool_dir", "Directory of the disk spool (an emptyDir in Kubernetes; default "
            "/var/lib/gpu-sidecar/spool; with --simulate and no path, a temporary one).",
            _socket_path_like, commands=("run",)),
-    Option("spool_max_bytes", "Bound of the spool in bytes per remote-write receiver; beyond it "
+    Option("spool_max_bytes", "Bound of the spool in bytes per remote-write or OTLP receiver; beyond it "
            "the oldest batches are dropped and counted (default 268435456 = 256 MiB).",
            _positive_int(4096, 1 << 40), commands=("run",)),
     Option("shutdown_timeout", "Seconds allowed at SIGTERM for the last sample and flush "
@@ -563,6 +589,9 @@ def build(command: str, args: argparse.Namespace, env: Mapping[str, str] = os.en
         raise ConfigError("give either a bearer token or basic auth, not both")
     if config.pushgateway_delete_on_exit and not config.pushgateway_url:
         raise ConfigError("--pushgateway-delete-on-exit needs --pushgateway-url")
+    if config.pushgateway_delete_on_exit and config.batch_job:
+        raise ConfigError("--pushgateway-delete-on-exit would delete the group that keeps the run "
+                          "summary of --batch-job: leave it off for Jobs (it is for Deployments)")
     clash = sorted({k for k, _ in config.extra_label} & RESERVED_LABELS)
     if clash:
         raise ConfigError(f"--extra-label may not set {', '.join(clash)}: the agent sets those")
@@ -585,6 +614,7 @@ def describe(config: Config) -> dict[str, Any]:
     URLs without user-info; header values hidden (they may carry tenants or keys)."""
     out = {f.name: getattr(config, f.name) for f in fields(config)}
     out["remote_write_url"] = [redact_url(u) for u in config.remote_write_url]
+    out["otlp_url"] = [redact_url(u) for u in config.otlp_url]
     if config.pushgateway_url:
         out["pushgateway_url"] = redact_url(config.pushgateway_url)
     out["header"] = [k for k, _ in config.header]

@@ -127,7 +127,8 @@ METRICS: tuple[MetricSpec, ...] = (
        "GPU samples taken (one per GPU per cycle)."),
     _m("gpu_sidecar_samples_dropped_total", "counter", "samples", "self", "agent",
        "Samples lost, by reason (gpu_unavailable; per sink: spool_full, spool_write_failed, "
-       "rejected, corrupt, unreadable). Every sink reason exists at 0 from the first push."),
+       "rejected, corrupt, unreadable; per OTLP sink also partial_success, the data points the "
+       "receiver said it rejected). Every sink reason exists at 0 from the first push."),
     _m("gpu_sidecar_collection_errors_total", "counter", "errors", "self", "agent",
        "NVML reads that failed, by reason (gpu_lost, nvml_error)."),
     _m("gpu_sidecar_cycle_overruns_total", "counter", "cycles", "self", "agent",
@@ -153,9 +154,147 @@ METRICS: tuple[MetricSpec, ...] = (
        "--spool-max-bytes."),
     _m("gpu_sidecar_spool_batches", "gauge", "batches", "self", "agent",
        "Batches waiting in the disk spool, per remote-write sink."),
+    # run: a batch Job's summary (--batch-job), sent once with the last cycle, labelled job_name
+    _m("gpu_run_start_timestamp_seconds", "gauge", "seconds", "run", "agent: first cycle",
+       "Unix time of the run's first sample (no GPU labels)."),
+    _m("gpu_run_end_timestamp_seconds", "gauge", "seconds", "run", "agent: last cycle",
+       "Unix time of the run's last sample, taken at shutdown (no GPU labels)."),
+    _m("gpu_run_duration_seconds", "gauge", "seconds", "run", "agent",
+       "End minus start of the sampled run (no GPU labels)."),
+    _m("gpu_run_samples", "gauge", "samples", "run", "agent",
+       "Cycles in which the GPU was sampled: the denominator of the means and shares."),
+    _m("gpu_run_max_ratio", "gauge", "ratio", "run", "agent: the cycles' series",
+       "Peak over the run of the ratio named by label figure (gpu_sm_occupancy_ratio, "
+       "gpu_tensor_core_util_ratio, gpu_mem_bandwidth_util_ratio, "
+       "gpu_pcie_{tx,rx}_bandwidth_util_ratio, gpu_memory_fragmentation_ratio)."),
+    _m("gpu_run_mean_ratio", "gauge", "ratio", "run", "agent: the cycles' series",
+       "Mean over the run's samples of the ratio named by label figure."),
+    _m("gpu_run_above_threshold_ratio", "gauge", "ratio", "run", "agent, sidecar/thresholds.py",
+       "Share of the samples beyond the alert rules' threshold, by label condition: "
+       "pcie_saturated (either direction above the PCIe threshold), fragmented (allocator "
+       "fragmentation above its threshold on a cache above its minimum size), low_occupancy "
+       "(SM occupancy below its threshold, whatever the latency)."),
+    _m("gpu_run_alloc_retries", "gauge", "retries", "run", "app",
+       "Allocator retries during the run (restarts of the counter counted as new starts)."),
+    _m("gpu_run_ooms", "gauge", "errors", "run", "app", "CUDA out-of-memory errors during the run."),
+    _m("gpu_run_request_duration_p99_seconds", "gauge", "seconds", "run", "app",
+       "p99 request latency over the whole run, from the histogram's increase, interpolated "
+       "as histogram_quantile does."),
 )
 
 BY_NAME: dict[str, MetricSpec] = {m.name: m for m in METRICS}
+
+# -- OpenTelemetry (the OTLP sink) ---------------------------------------------------------------
+
+Instrument = Literal["gauge", "counter", "updowncounter", "histogram"]
+
+
+@dataclass(frozen=True, slots=True)
+class OtelSpec:
+    """How one Prometheus series becomes an OTLP metric. Names and units are the semantic
+    conventions' where they define the figure (``hw.gpu.*``, ``hw.errors``), ours under ``gpu.``
+    otherwise; units are UCUM. Two Prometheus names may become one OTel metric told apart by a
+    fixed attribute (PCIe transmit and receive: ``network.io.direction``)."""
+
+    name: str
+    unit: str
+    instrument: Instrument
+    attributes: tuple[tuple[str, str], ...] = ()
+
+
+_UCUM = {"ratio": "1", "bytes": "By", "bytes/s": "By/s", "seconds": "s", "boolean": "1",
+         "info": "1", "retries": "{retry}", "errors": "{error}", "processes": "{process}",
+         "generation": "{generation}", "lanes": "{lane}", "samples": "{sample}",
+         "cycles": "{cycle}", "messages": "{message}", "requests": "{request}",
+         "batches": "{batch}"}
+_TX, _RX = (("network.io.direction", "transmit"),), (("network.io.direction", "receive"),)
+# Prometheus name -> (OTel name, fixed attributes, instrument if not the Prometheus kind's)
+_OTEL_NAMES: dict[str, tuple[str, tuple[tuple[str, str], ...], Instrument | None]] = {
+    "gpu_sm_occupancy_ratio": ("gpu.sm.occupancy", (), None),
+    "gpu_tensor_core_util_ratio": ("gpu.tensor_core.utilization", (), None),
+    "gpu_sm_active_ratio": ("gpu.sm.utilization", (), None),
+    "gpu_utilization_ratio": ("hw.gpu.utilization", (("hw.gpu.task", "general"),), None),
+    "gpu_mem_bandwidth_util_ratio": ("gpu.memory.bandwidth.utilization", (), None),
+    "gpu_memory_controller_busy_ratio": ("gpu.memory.controller.utilization", (), None),
+    "gpu_memory_used_bytes": ("hw.gpu.memory.usage", (), "updowncounter"),
+    "gpu_memory_total_bytes": ("hw.gpu.memory.limit", (), "updowncounter"),
+    "gpu_memory_reserved_bytes": ("gpu.memory.reserved", (), None),
+    "gpu_memory_fragmentation_ratio": ("gpu.memory.fragmentation", (), None),
+    "gpu_allocator_nonreleasable_ratio": ("gpu.allocator.nonreleasable", (), None),
+    "gpu_allocator_largest_free_block_bytes": ("gpu.allocator.largest_free_block", (), None),
+    "gpu_allocator_reserved_bytes": ("gpu.allocator.reserved", (), None),
+    "gpu_allocator_allocated_bytes": ("gpu.allocator.allocated", (), None),
+    "gpu_allocator_private_pool_bytes": ("gpu.allocator.private_pool", (), None),
+    "gpu_allocator_alloc_retries_total": ("gpu.allocator.alloc_retries", (), None),
+    "gpu_allocator_ooms_total": ("gpu.allocator.ooms", (), None),
+    "gpu_app_processes": ("gpu.app.processes", (), None),
+    "gpu_app_process_reserved_bytes": ("gpu.app.process.reserved", (), None),
+    "gpu_app_process_allocated_bytes": ("gpu.app.process.allocated", (), None),
+    "gpu_app_process_fragmentation_ratio": ("gpu.app.process.fragmentation", (), None),
+    "gpu_pcie_tx_bytes_per_second": ("gpu.pcie.throughput", _TX, None),
+    "gpu_pcie_rx_bytes_per_second": ("gpu.pcie.throughput", _RX, None),
+    "gpu_pcie_tx_bandwidth_util_ratio": ("gpu.pcie.utilization", _TX, None),
+    "gpu_pcie_rx_bandwidth_util_ratio": ("gpu.pcie.utilization", _RX, None),
+    "gpu_pcie_link_max_bytes_per_second": ("gpu.pcie.link.max_throughput", (), None),
+    "gpu_pcie_link_generation": ("gpu.pcie.link.generation", (), None),
+    "gpu_pcie_link_width": ("gpu.pcie.link.width", (), None),
+    "gpu_pcie_replay_errors_total": ("hw.errors", (("error.type", "pcie_replay"),), None),
+    "gpu_nvlink_tx_bytes_per_second": ("gpu.nvlink.throughput", _TX, None),
+    "gpu_nvlink_rx_bytes_per_second": ("gpu.nvlink.throughput", _RX, None),
+    "inference_request_duration_seconds": ("gpu.app.request.duration", (), None),
+    "gpu_sidecar_up": ("gpu.sidecar.up", (), None),
+    "gpu_sidecar_info": ("gpu.sidecar.info", (), None),
+    "gpu_sidecar_nvml_available": ("gpu.sidecar.nvml.available", (), None),
+    "gpu_sidecar_gpu_available": ("gpu.sidecar.gpu.available", (), None),
+    "gpu_sidecar_samples_collected_total": ("gpu.sidecar.samples.collected", (), None),
+    "gpu_sidecar_samples_dropped_total": ("gpu.sidecar.samples.dropped", (), None),
+    "gpu_sidecar_collection_errors_total": ("gpu.sidecar.collection.errors", (), None),
+    "gpu_sidecar_cycle_overruns_total": ("gpu.sidecar.cycle.overruns", (), None),
+    "gpu_sidecar_cycle_duration_seconds": ("gpu.sidecar.cycle.duration", (), None),
+    "gpu_sidecar_app_messages_accepted_total": ("gpu.sidecar.app.messages.accepted", (), None),
+    "gpu_sidecar_app_messages_rejected_total": ("gpu.sidecar.app.messages.rejected", (), None),
+    "gpu_sidecar_samples_pushed_total": ("gpu.sidecar.samples.pushed", (), None),
+    "gpu_sidecar_push_failures_total": ("gpu.sidecar.push.failures", (), None),
+    "gpu_sidecar_push_duration_seconds": ("gpu.sidecar.push.duration", (), None),
+    "gpu_sidecar_last_push_success_timestamp_seconds": ("gpu.sidecar.push.last_success.time", (),
+                                                        None),
+    "gpu_sidecar_spool_bytes": ("gpu.sidecar.spool.usage", (), None),
+    "gpu_sidecar_spool_batches": ("gpu.sidecar.spool.batches", (), None),
+    "gpu_run_start_timestamp_seconds": ("gpu.run.start", (), None),
+    "gpu_run_end_timestamp_seconds": ("gpu.run.end", (), None),
+    "gpu_run_duration_seconds": ("gpu.run.duration", (), None),
+    "gpu_run_samples": ("gpu.run.samples", (), None),
+    "gpu_run_max_ratio": ("gpu.run.max", (), None),
+    "gpu_run_mean_ratio": ("gpu.run.mean", (), None),
+    "gpu_run_above_threshold_ratio": ("gpu.run.above_threshold", (), None),
+    "gpu_run_alloc_retries": ("gpu.run.allocator.alloc_retries", (), None),
+    "gpu_run_ooms": ("gpu.run.allocator.ooms", (), None),
+    "gpu_run_request_duration_p99_seconds": ("gpu.run.request.duration.p99", (), None),
+}
+
+
+def _otel(m: MetricSpec) -> OtelSpec:
+    """A metric added without an OTel name still gets one (its Prometheus name, dotted) rather
+    than breaking the agent; tests/test_otlp.py asks for a deliberate entry."""
+    name, fixed, instrument = _OTEL_NAMES.get(
+        m.name, (m.name.removesuffix("_total").replace("_", "."), (), None))
+    return OtelSpec(name, _UCUM.get(m.unit, f"{{{m.unit}}}"), instrument or m.kind, fixed)
+
+
+OTEL: dict[str, OtelSpec] = {m.name: _otel(m) for m in METRICS}
+
+# Prometheus label -> OTel attribute; the pod's identity goes on the resource, the rest on points
+RESOURCE_LABELS: dict[str, str] = {"namespace": "k8s.namespace.name", "pod": "k8s.pod.name",
+                                   "node": "k8s.node.name", "container": "k8s.container.name"}
+POINT_LABELS: dict[str, str] = {"gpu_uuid": "hw.id", "gpu_name": "hw.model", "gpu_index": "gpu.index",
+                                "pid": "process.pid", "sink": "gpu.sidecar.sink",
+                                "reason": "gpu.sidecar.reason", "state": "gpu.sidecar.state",
+                                "version": "gpu.sidecar.version", "mode": "gpu.sidecar.mode",
+                                "job_name": "k8s.job.name", "figure": "gpu.run.figure",
+                                "condition": "gpu.run.condition"}
+# added to every point of a GPU (one with a gpu_uuid label): the hardware conventions require
+# hw.type, and every GPU the agent reads is NVIDIA's (NVML)
+GPU_ATTRIBUTES: tuple[tuple[str, str], ...] = (("hw.type", "gpu"), ("hw.vendor", "NVIDIA"))
 
 
 def render_markdown() -> str:
@@ -180,13 +319,47 @@ def render_markdown() -> str:
         "Histograms are sent as `_bucket{le=...}`, `_sum` and `_count` series.",
         "",
     ]
-    for layer in ("compute", "memory", "io", "app", "self"):
+    for layer in ("compute", "memory", "io", "app", "self", "run"):
         lines += [f"## {layer}", "", "| name | type | unit | source | meaning |", "|---|---|---|---|---|"]
         for m in METRICS:
             if m.layer == layer:
                 lines.append(f"| `{m.name}` | {m.kind} | {m.unit} | {m.source} | {m.help} |")
         lines.append("")
+    lines += _render_otel()
     return "\n".join(lines)
+
+
+def _render_otel() -> list[str]:
+    lines = [
+        "## OpenTelemetry (OTLP) names",
+        "",
+        "With `--otlp-url` the same figures are sent as OTLP metrics, cumulative temporality:",
+        "gauges as Gauge, counters as monotonic Sum, the semantic conventions' UpDownCounters as",
+        "non-monotonic Sum, the latency histogram as an explicit-bucket Histogram (its `le`",
+        "buckets become bounds and per-bucket counts). Names and units (UCUM) follow the OpenTelemetry",
+        "semantic conventions where they define the figure, ours under `gpu.` otherwise.",
+        "`hw.gpu.io` is not sent: the conventions define it as a byte counter, and the agent has",
+        "PCIe and NVLink rates, not byte totals; the rates go as `gpu.pcie.throughput` and",
+        "`gpu.nvlink.throughput` with the conventions' `network.io.direction`.",
+        "",
+        "Resource attributes: `service.name` (gpu-sidecar), `service.version`, `host.name`, and "
+        + ", ".join(f"`{o}` (from `{p}`)" for p, o in RESOURCE_LABELS.items())
+        + "; every `--extra-label` goes on the resource under its own name.",
+        "Point attributes: " + ", ".join(f"`{p}` becomes `{o}`" for p, o in POINT_LABELS.items())
+        + "; every point of a GPU also has " + ", ".join(f"`{k}={v}`" for k, v in GPU_ATTRIBUTES)
+        + ".",
+        "",
+        "| Prometheus name | OTel name | OTLP type | unit | fixed attributes |",
+        "|---|---|---|---|---|",
+    ]
+    kinds = {"gauge": "Gauge", "counter": "Sum (monotonic)", "updowncounter": "Sum (non-monotonic)",
+             "histogram": "Histogram"}
+    for m in METRICS:
+        o = OTEL[m.name]
+        fixed = ", ".join(f"`{k}={v}`" for k, v in o.attributes) or "-"
+        lines.append(f"| `{m.name}` | `{o.name}` | {kinds[o.instrument]} | `{o.unit}` | {fixed} |")
+    lines.append("")
+    return lines
 
 
 if __name__ == "__main__":

@@ -24,6 +24,9 @@ class Thresholds:
     occupancy_ratio: float = 0.3
     # ...a p99 request latency above this objective (seconds; set your own)
     p99_latency_s: float = 0.25
+    # a batch Job whose run summary shows PCIe beyond its threshold for more than this share
+    # of the run was IO-bound (the "batch" alert on gpu_run_above_threshold_ratio)
+    job_saturated_share: float = 0.5
 
     def pcie_saturated(self, tx_ratio: float | None, rx_ratio: float | None) -> bool:
         return max(tx_ratio or 0.0, rx_ratio or 0.0) > self.pcie_util_ratio
@@ -38,6 +41,16 @@ class Thresholds:
 
     def slow(self, p99_s: float | None) -> bool:
         return p99_s is not None and p99_s > self.p99_latency_s
+
+    def allocator_retrying(self, retries: float | None, ooms: float | None) -> bool:
+        """The shipped GPUAllocatorRetrying and GPUOutOfMemory alerts fire on any increase: each
+        retry flushed the cache and synchronised the device, so there is no harmless count."""
+        return (retries or 0) > 0 or (ooms or 0) > 0
+
+    def occupancy_explains_latency(self, occupancy: float | None, p99_s: float | None) -> bool:
+        """Low occupancy is a finding only with degraded latency (GPULowOccupancyAndSlowRequests):
+        a small model leaves SMs empty and is still fast."""
+        return self.low_occupancy(occupancy) and self.slow(p99_s)
 
 
 THRESHOLDS = Thresholds()

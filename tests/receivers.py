@@ -250,16 +250,27 @@ class VmAgent(Receiver):
 
 
 class Prometheus(Receiver):
-    def __init__(self, tmp: Path) -> None:
+    def __init__(self, tmp: Path, scrape: str | None = None) -> None:
+        """``scrape``: a host:port to scrape every second with ``honor_labels`` (a Pushgateway,
+        as its documentation asks); otherwise it only receives remote-write."""
         self.tmp = tmp
         config = tmp / "prometheus.yml"
-        config.write_text("global:\n  scrape_interval: 1h\n")
+        text = "global:\n  scrape_interval: 1h\n"
+        if scrape:
+            text += ("scrape_configs:\n  - job_name: pushgateway\n    honor_labels: true\n"
+                     f"    scrape_interval: 1s\n    static_configs:\n      - targets: ['{scrape}']\n")
+        config.write_text(text)
         self.process = Process(
             lambda port: [need("prometheus"), f"--config.file={config}",
                           f"--storage.tsdb.path={tmp / 'prom-data'}",
                           f"--web.listen-address={LOCAL}:{port}",
                           "--web.enable-remote-write-receiver", "--log.level=warn"],
             tmp / "prometheus.log", "/-/ready")
+
+    def query(self, expr: str) -> list[dict]:
+        r = requests.get(f"{self.base}/api/v1/query", params={"query": expr}, timeout=30)
+        r.raise_for_status()
+        return r.json()["data"]["result"]
 
     def samples(self, selector: str, at: float) -> list[tuple[str, tuple, int, float]]:
         r = requests.get(f"{self.base}/api/v1/query",
@@ -291,8 +302,55 @@ class Pushgateway(Receiver):
         r.raise_for_status()
         return r.json()["data"]
 
+    @staticmethod
+    def values(group: dict) -> dict[tuple[str, tuple], float]:
+        """A group's series as {(name, sorted labels): value}, histograms as their _bucket,
+        _sum and _count series, without the grouping key's job and instance labels."""
+        stored: dict[tuple[str, tuple], float] = {}
+        for name, family in group.items():
+            if not isinstance(family, dict) or name in (
+                    "labels", "push_time_seconds", "push_failure_time_seconds"):
+                continue  # the Pushgateway's own bookkeeping
+            for m in family["metrics"]:
+                labels = {k: v for k, v in m["labels"].items() if k not in ("job", "instance")}
+                key = tuple(sorted(labels.items()))
+                if "value" in m:
+                    stored[(name, key)] = float(m["value"])
+                else:  # histogram
+                    for le, count in m["buckets"].items():
+                        le = "+Inf" if le == "+Inf" else repr(float(le))
+                        stored[(f"{name}_bucket", tuple(sorted((*key, ("le", le)))))] = float(count)
+                    stored[(f"{name}_sum", key)] = float(m["sum"])
+                    stored[(f"{name}_count", key)] = float(m["count"])
+        return stored
 
-class FaultProxy:
+
+def answer_with(handler: http.server.BaseHTTPRequestHandler, status: int, headers: dict,
+                body: bytes) -> None:
+    handler.send_response(status)
+    for k, v in headers.items():
+        handler.send_header(k, v)
+    handler.send_header("Content-Length", str(len(body)))
+    handler.end_headers()
+    handler.wfile.write(body)
+
+
+class LocalServer:
+    """An HTTP server of the test's own on 127.0.0.1, a free port, a thread."""
+
+    def serve(self, handler: type[http.server.BaseHTTPRequestHandler], path: str) -> str:
+        self.server = http.server.ThreadingHTTPServer((LOCAL, 0), handler)
+        self.server.daemon_threads = True
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+        self.thread.start()
+        return f"http://{LOCAL}:{self.server.server_address[1]}{path}"
+
+    def stop(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+class FaultProxy(LocalServer):
     """Forwards POSTs to ``target``; ``plan(n)`` may answer request n itself (status, headers,
     body). Records every request: arrival time and the status the agent got."""
 
@@ -323,27 +381,14 @@ class FaultProxy:
                 with proxy.lock:
                     proxy.log.append((time.monotonic(), status, body))
                     proxy.headers.append(dict(self.headers.items()))
-                self.send_response(status)
-                for k, v in extra.items():
-                    self.send_header(k, v)
-                self.send_header("Content-Length", str(len(text)))
-                self.end_headers()
-                self.wfile.write(text)
+                answer_with(self, status, extra, text)
 
             do_PUT = do_POST  # the Pushgateway's method
 
             def log_message(self, *args: object) -> None:
                 pass
 
-        self.server = http.server.ThreadingHTTPServer((LOCAL, 0), Handler)
-        self.server.daemon_threads = True
-        self.url = f"http://{LOCAL}:{self.server.server_address[1]}/api/v1/write"
-        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
-        self.thread.start()
-
-    def stop(self) -> None:
-        self.server.shutdown()
-        self.server.server_close()
+        self.url = self.serve(Handler, "/api/v1/write")
 
 
 @dataclass
@@ -417,3 +462,119 @@ def running(*things: object) -> Iterator[None]:
         for thing in reversed(things):
             with contextlib.suppress(Exception):
                 thing.stop()  # type: ignore[attr-defined]
+
+
+class OtlpReceiver(LocalServer):
+    """An OTLP/HTTP metrics receiver for the tests (no real one is installable here): every
+    request is gunzipped and decoded with the official ``opentelemetry-proto`` classes.
+    ``plan(n, request)`` may answer request n itself (status, headers, body); otherwise 200 with
+    an empty ExportMetricsServiceResponse. ``delay`` holds every answer: a hanging receiver.
+    ``stored`` holds the requests answered 2xx, ``log`` every request: (time, status, request)."""
+
+    def __init__(self, plan: Callable[[int, object], tuple[int, dict, bytes] | None]
+                 = lambda n, request: None, delay: float = 0.0) -> None:
+        from opentelemetry.proto.collector.metrics.v1.metrics_service_pb2 import (
+            ExportMetricsServiceRequest,
+            ExportMetricsServiceResponse,
+        )
+
+        self.plan = plan
+        self.delay = delay
+        self.log: list[tuple[float, int, object]] = []
+        self.headers: list[dict[str, str]] = []
+        self.stored: list[object] = []
+        self.lock = threading.Lock()
+        ok = ExportMetricsServiceResponse().SerializeToString()
+        receiver = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"  # kept-alive connections, as a Collector does
+
+            def do_POST(self) -> None:
+                import gzip
+
+                body = self.rfile.read(int(self.headers.get("Content-Length", 0)))
+                if self.headers.get("Content-Encoding") == "gzip":
+                    body = gzip.decompress(body)
+                request = ExportMetricsServiceRequest.FromString(body)
+                with receiver.lock:
+                    n = len(receiver.log)
+                    answer = receiver.plan(n, request)
+                if receiver.delay:
+                    time.sleep(receiver.delay)
+                status, extra, text = answer or (200, {"Content-Type": "application/x-protobuf"}, ok)
+                with receiver.lock:
+                    receiver.log.append((time.monotonic(), status, request))
+                    receiver.headers.append(dict(self.headers.items()))
+                    if 200 <= status < 300:
+                        receiver.stored.append(request)
+                answer_with(self, status, extra, text)
+
+            def log_message(self, *args: object) -> None:
+                pass
+
+        self.url = self.serve(Handler, "/v1/metrics")
+
+
+def otlp_rows(requests: list) -> list[tuple[str, tuple, int, float]]:
+    """Decoded OTLP requests turned back into the agent's Prometheus series (name, sorted labels,
+    ts ms, value) through the mapping table, checking on the way what the mapping promises:
+    units, instrument types, cumulative temporality, start times, GPU attributes."""
+    from sidecar.metrics import GPU_ATTRIBUTES, OTEL, POINT_LABELS, RESOURCE_LABELS
+    from sidecar.samples import format_bound
+
+    back_point = {v: k for k, v in POINT_LABELS.items()}
+    back_resource = {v: k for k, v in RESOURCE_LABELS.items()}
+    own = {"service.name", "service.version", "host.name"}
+    rows = []
+    for request in requests:
+        for rm in request.resource_metrics:
+            resource = {kv.key: kv.value.string_value for kv in rm.resource.attributes}
+            assert resource["service.name"] == "gpu-sidecar" and resource["host.name"]
+            res_labels = [(back_resource.get(k, k), v) for k, v in resource.items() if k not in own]
+            for sm in rm.scope_metrics:
+                assert sm.scope.name == "gpu-sidecar"
+                for metric in sm.metrics:
+                    kind = metric.WhichOneof("data")
+                    points = getattr(metric, kind).data_points
+                    if kind in ("sum", "histogram"):
+                        assert getattr(metric, kind).aggregation_temporality == 2  # cumulative
+                    for p in points:
+                        attrs = {kv.key: (str(kv.value.int_value) if kv.value.HasField("int_value")
+                                          else kv.value.string_value) for kv in p.attributes}
+                        matches = [name for name, o in OTEL.items() if o.name == metric.name
+                                   and all(attrs.get(k) == v for k, v in o.attributes)]
+                        assert len(matches) == 1, (metric.name, attrs)
+                        prom = matches[0]
+                        spec = OTEL[prom]
+                        assert metric.unit == spec.unit, (metric.name, metric.unit)
+                        expected = {"gauge": "gauge", "counter": "sum", "updowncounter": "sum",
+                                    "histogram": "histogram"}[spec.instrument]
+                        assert kind == expected, (metric.name, kind)
+                        if kind == "sum":
+                            assert metric.sum.is_monotonic == (spec.instrument == "counter")
+                        if kind != "gauge":
+                            assert 0 < p.start_time_unix_nano <= p.time_unix_nano
+                        for k, _ in spec.attributes:
+                            attrs.pop(k)
+                        if "hw.id" in attrs:
+                            for k, v in GPU_ATTRIBUTES:
+                                assert attrs.pop(k) == v
+                        labels = sorted([*res_labels, *((back_point.get(k, k), v)
+                                                        for k, v in attrs.items())])
+                        ts = p.time_unix_nano // 1_000_000
+                        assert p.time_unix_nano == ts * 1_000_000
+                        if kind != "histogram":
+                            rows.append((prom, tuple(labels), ts, p.as_double))
+                            continue
+                        cumulative = 0
+                        for bound, count in zip([*p.explicit_bounds, float("inf")],
+                                                p.bucket_counts, strict=True):
+                            cumulative += count
+                            le = "+Inf" if bound == float("inf") else format_bound(bound)
+                            rows.append((f"{prom}_bucket", tuple(sorted([*labels, ("le", le)])),
+                                         ts, float(cumulative)))
+                        assert cumulative == p.count
+                        rows.append((f"{prom}_sum", tuple(labels), ts, p.sum))
+                        rows.append((f"{prom}_count", tuple(labels), ts, float(p.count)))
+    return rows

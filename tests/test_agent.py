@@ -145,3 +145,25 @@ def test_with_gpus_visible_the_agent_exports_exactly_the_gpus_nvml_shows_it(cloc
     assert any(s.name == "gpu_sm_occupancy_ratio" for s in gpu_series)  # all layers, not a stub
     others = {g.uuid for g in node} - {g.uuid for g in claimed}
     assert not any(dict(s.labels).get("gpu_uuid") in others for s in series)
+
+
+class BrokenSink(ListSink):
+    name = "broken"
+
+    def emit(self, series):
+        raise ValueError("cannot encode")
+
+
+def test_a_sink_that_raises_loses_its_cycle_only(install_fake):
+    clock = ManualClock()
+    good = ListSink()
+    agent, _, _ = make_agent(clock, [BrokenSink(), good], install_fake=install_fake)
+    agent.prime()
+    clock.advance(1.0)
+    for _ in range(3):
+        agent.cycle()
+        clock.advance(5.0)
+    assert len(good.batches) == 3  # the sink after the broken one got every cycle
+    dropped = [s for s in good.batches[-1] if s.name == "gpu_sidecar_samples_dropped_total"
+               and ("reason", "sink_error") in s.labels]
+    assert dropped and dropped[0].value == len(good.batches[0]) + len(good.batches[1])

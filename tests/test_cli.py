@@ -251,3 +251,56 @@ def test_app_only_mode_exports_what_the_app_sends_over_the_socket(tmp_path):
     rejected = [r for r in rows if r["name"] == "gpu_sidecar_app_messages_rejected_total"]
     assert rejected[-1]["labels"]["reason"] == "not_json" and rejected[-1]["value"] == 1
     assert not os.path.exists(path)  # removed on exit
+
+
+@pytest.mark.parametrize("command", ["probe", "diagnose"])
+def test_help_lists_exactly_the_options_that_apply(command):
+    out = run_cli(command, "--help").stdout
+    for opt in OPTIONS:
+        assert (opt.flag in out) == (command in opt.commands), opt.flag
+        if command in opt.commands:
+            assert opt.env in out
+    if command == "probe":  # run-only options are not offered
+        for flag in ("--interval", "--pod-name", "--app-stale-after", "--output", "--once",
+                     "--gpu-retry-interval", "--duration"):
+            assert flag not in out
+
+
+def test_probe_option_variables_of_the_pod_do_not_stop_probe():
+    """`kubectl exec ... gpu-sidecar probe` inherits the agent's GPU_SIDECAR_* environment."""
+    proc = run_cli("probe", "--simulate", "healthy", env={"GPU_SIDECAR_INTERVAL": "2",
+                                                          "GPU_SIDECAR_POD_NAME": "llm-0"})
+    assert proc.returncode == 0, proc.stderr
+
+
+@pytest.mark.skipif(ctypes.util.find_library("nvidia-ml") is not None,
+                    reason="this machine has a real NVML library")
+def test_probe_says_its_result_once(tmp_path):
+    proc = run_cli("probe")
+    assert proc.returncode == 3
+    assert proc.stderr.count("NVIDIA_DRIVER_CAPABILITIES=utility") == 1
+    assert "nvml_unavailable" not in proc.stderr  # no log line repeating the advice
+
+
+def test_probe_prints_its_report_once_without_info_log_lines():
+    proc = run_cli("probe", "--simulate", "old-driver")
+    assert proc.returncode == 0
+    assert "gpu_metrics_absent" not in proc.stderr and "nvml_opened" not in proc.stderr
+    assert proc.stdout.count("gpu_sm_occupancy_ratio: GPM unavailable") == 2  # once per GPU
+    verbose = run_cli("probe", "--simulate", "old-driver", "--log-level", "info")
+    assert "gpu_metrics_absent" in verbose.stderr  # a level given is a level kept
+
+
+def test_simulated_mode_names_the_socket_actually_used():
+    proc = run_cli("run", "--simulate", "healthy", "--once")
+    assert proc.returncode == 0, proc.stderr
+    logs = [json.loads(line) for line in proc.stderr.splitlines()]
+    starting = next(e for e in logs if e["event"] == "starting")
+    listening = next(e for e in logs if e["event"] == "app_socket_listening")
+    assert starting["config"]["socket"] == listening["path"] != protocol.DEFAULT_SOCKET_PATH
+    assert not os.path.exists(listening["path"])  # private, and removed on exit
+    probe_out = run_cli("probe", "--simulate", "healthy").stdout
+    assert protocol.DEFAULT_SOCKET_PATH not in probe_out
+    assert "--simulate: a private temporary path" in probe_out
+    named = run_cli("probe", "--simulate", "healthy", "--socket", "/tmp/x/app.sock").stdout
+    assert "(/tmp/x/app.sock)" in named

@@ -116,13 +116,25 @@ def test_overlays_configure_what_they_say():
     rw = {e["name"]: e for e in sidecar_of(render(K8S / "overlays/remote-write-victoriametrics")[0])["env"]}
     assert rw["GPU_SIDECAR_REMOTE_WRITE_URL"]["value"].endswith("/api/v1/write")
     assert rw["GPU_SIDECAR_BEARER_TOKEN_FILE"]["value"].startswith("/var/run/secrets/")
-    pg = {e["name"]: e for e in sidecar_of(render(K8S / "overlays/pushgateway")[0])["env"]}
-    assert pg["GPU_SIDECAR_PUSHGATEWAY_DELETE_ON_EXIT"]["value"] == "true"
+    for workload in render(K8S / "overlays/pushgateway"):
+        pg = {e["name"]: e for e in sidecar_of(workload)["env"]}
+        assert pg["GPU_SIDECAR_PUSHGATEWAY_URL"]["value"].endswith(":9091")
+        if workload["kind"] == "Job":  # grouped by the Job, kept at exit for its run summary
+            assert "GPU_SIDECAR_PUSHGATEWAY_DELETE_ON_EXIT" not in pg
+            assert pg["GPU_SIDECAR_BATCH_JOB"]["valueFrom"]["fieldRef"]["fieldPath"] == \
+                "metadata.labels['batch.kubernetes.io/job-name']"
+        else:  # a Deployment's pod group goes with the pod
+            assert pg["GPU_SIDECAR_PUSHGATEWAY_DELETE_ON_EXIT"]["value"] == "true"
+            assert "GPU_SIDECAR_BATCH_JOB" not in pg
     nv = {e["name"]: e["value"] for e in sidecar_of(render(K8S / "overlays/nvml-node-gpus")[0])["env"]
           if "value" in e}
     assert nv["NVIDIA_VISIBLE_DEVICES"] == "all" and nv["NVIDIA_DRIVER_CAPABILITIES"] == "utility"
     assert nv["GPU_SIDECAR_NO_NVML"] == "false" and nv["GPU_SIDECAR_GPUS"] == "announced"
     assert "SECURITY CAVEAT" in (K8S / "overlays/nvml-node-gpus/kustomization.yaml").read_text()
+    for workload in render(K8S / "overlays/otlp"):  # the Job too: it is patched alike
+        otlp = {e["name"]: e for e in sidecar_of(workload)["env"]}
+        assert otlp["GPU_SIDECAR_OTLP_URL"]["value"].endswith(":4318/v1/metrics")
+        assert "GPU_SIDECAR_POD_NAME" in otlp  # the resource's k8s.pod.name, from the base
     legacy = render(K8S / "overlays/legacy")
     assert {d["kind"] for d in legacy} == {"Deployment"}
     assert "What is lost" in (K8S / "overlays/legacy/kustomization.yaml").read_text()
@@ -253,14 +265,15 @@ def dashboard() -> dict:
 
 
 def substitute(expr: str) -> str:
-    return (expr.replace("$__rate_interval", "1m").replace("$namespace", "ml")
+    return (expr.replace("$__rate_interval", "1m").replace("$__range", "1h")
+            .replace("$namespace", "ml")
             .replace("$pod", "llm-0").replace("$gpu", ".*"))
 
 
 def test_dashboard_is_importable_and_has_the_promised_rows_and_variables():
     d = dashboard()
     rows = [p["title"] for p in d["panels"] if p["type"] == "row"]
-    assert rows == ["Compute", "Memory", "IO", "App latency", "Agent health"]
+    assert rows == ["Compute", "Memory", "IO", "App latency", "Agent health", "Batch runs"]
     names = [v["name"] for v in d["templating"]["list"]]
     assert {"namespace", "pod", "gpu"} <= set(names)
     assert d["uid"] and d["schemaVersion"] >= 36
@@ -273,7 +286,8 @@ def test_every_dashboard_query_returns_data_from_a_real_victoriametrics(tmp_path
     with running(vm):
         agent = Agent(["--simulate", "healthy", "--interval", "0.5", "--push-interval", "1",
                        "--remote-write-url", vm.write_url, "--spool-dir", str(tmp_path / "sp"),
-                       "--pod-namespace", "ml", "--pod-name", "llm-0", "--node-name", "n1"])
+                       "--pod-namespace", "ml", "--pod-name", "llm-0", "--node-name", "n1",
+                       "--batch-job", "nightly-eval"])  # and a run summary for "Batch runs"
         agent.start()
         time.sleep(6.0)
         assert agent.stop() == 0

@@ -127,6 +127,19 @@ def test_openssl_is_mapped_only_when_a_receiver_speaks_tls(tmp_path, tls):
         assert agent.stop() == 0
 
 
+def test_openssl_stays_loadable_for_whatever_may_need_it():
+    """The Pushgateway's client library needs http.client's HTTPS support at import: a
+    Pushgateway or https anywhere in the command line or the environment keeps OpenSSL."""
+    from sidecar.__main__ import may_need_tls
+
+    assert not may_need_tls(["gpu-sidecar", "run", "--remote-write-url", "http://vm:8428/x"],
+                            {"GPU_SIDECAR_OTLP_URL": "http://otel:4318/v1/metrics"})
+    assert may_need_tls(["gpu-sidecar", "run", "--pushgateway-url=http://pgw:9091"], {})
+    assert may_need_tls(["gpu-sidecar", "run"], {"GPU_SIDECAR_PUSHGATEWAY_URL": "http://pgw"})
+    assert may_need_tls(["gpu-sidecar", "run"], {"GPU_SIDECAR_REMOTE_WRITE_URL": "HTTPS://vm/x"})
+    assert not may_need_tls(["gpu-sidecar", "run"], {"HTTPS_PROXY": "https://proxy"})  # not ours
+
+
 # -- manners -----------------------------------------------------------------------------------
 
 

@@ -122,22 +122,7 @@ def test_pushgateway_holds_the_latest_values_and_the_group_is_deleted_when_asked
         assert len(groups) == 1
         group = groups[0]
         assert group["labels"] == {"job": "gpu-sidecar", "namespace": "ml", "pod": "llm-0"}
-        stored: dict[tuple[str, tuple], float] = {}
-        for name, family in group.items():
-            if not isinstance(family, dict) or name in (
-                    "labels", "push_time_seconds", "push_failure_time_seconds"):
-                continue  # the Pushgateway's own bookkeeping
-            for m in family["metrics"]:
-                labels = {k: v for k, v in m["labels"].items() if k not in ("job", "instance")}
-                key = tuple(sorted(labels.items()))
-                if "value" in m:
-                    stored[(name, key)] = float(m["value"])
-                else:  # histogram
-                    for le, count in m["buckets"].items():
-                        le = "+Inf" if le == "+Inf" else repr(float(le))
-                        stored[(f"{name}_bucket", tuple(sorted((*key, ("le", le)))))] = float(count)
-                    stored[(f"{name}_sum", key)] = float(m["sum"])
-                    stored[(f"{name}_count", key)] = float(m["count"])
+        stored = Pushgateway.values(group)
         assert set(stored) == set(latest)
         for key, value in latest.items():
             assert stored[key] == pytest.approx(value, rel=1e-12), key

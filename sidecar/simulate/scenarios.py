@@ -140,6 +140,7 @@ def build(name: str, gpus: int | None = None) -> Scenario:
     if name == "old-driver":
         return Scenario(name, "Ampere on an old driver: no GPM, no memory v2, no PCIe byte "
                         "counters (falls back to the 20 ms throughput call).",
-                        tuple(_a100_old(name, i) for i in range(n)), AppProfile(),
+                        tuple(_a100_old(name, i) for i in range(n)),
+                        AppProfile(reserved_bytes=20 * GiB),  # within the A100's 40 GiB
                         missing=OLD_DRIVER_MISSING)
     raise KeyError(name)

@@ -27,6 +27,18 @@ def redact_url(url: str) -> str:
     return urlunsplit(parts._replace(fragment=""))
 
 
+def host_port(url: str) -> str:
+    parts = urlsplit(url)
+    return f"{parts.hostname}:{parts.port or (443 if parts.scheme == 'https' else 80)}"
+
+
+def sink_label(kind: str, url: str) -> str:
+    """The ``sink`` label: the protocol, then the scheme-less host, port and path, so two URLs
+    on one host:port (two tenants, two paths) are told apart; query and user-info stay out of
+    labels."""
+    return f"{kind}:{host_port(url)}{urlsplit(url).path.rstrip('/')}"
+
+
 class Sink(Protocol):
     name: str
 

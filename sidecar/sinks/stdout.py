@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import sys
@@ -59,12 +60,31 @@ def json_lines(series: list[Series]) -> str:
     )
 
 
+def resolve(fmt: str, stream: TextIO) -> str:
+    """``auto``: the table for a person at a terminal, Prometheus text for everything else
+    (pipes, files, containers, CI), so that what scripts read stays as it was."""
+    if fmt != "auto":
+        return fmt
+    try:
+        return "table" if stream.isatty() else "prometheus"
+    except (AttributeError, ValueError):  # a stream without a descriptor, or a closed one
+        return "prometheus"
+
+
 class StdoutSink:
     name = "stdout"
 
-    def __init__(self, fmt: str = "prometheus", stream: TextIO | None = None) -> None:
-        self.render = prometheus_text if fmt == "prometheus" else json_lines
+    def __init__(self, fmt: str = "auto", stream: TextIO | None = None) -> None:
         self.stream = stream or sys.stdout
+        self.format = resolve(fmt, self.stream)
+        self._table = None
+        if self.format == "table":
+            from sidecar.table import Table  # only here: the push path never loads it
+
+            self._table = Table(self.stream)
+            self.render = self._table.frame
+        else:
+            self.render = prometheus_text if self.format == "prometheus" else json_lines
 
     def emit(self, series: list[Series]) -> None:
         if not series:
@@ -82,6 +102,10 @@ class StdoutSink:
         pass
 
     def close(self, deadline: float) -> bool:
+        if self._table is not None:  # give the terminal back: main screen, cursor, last frame
+            with contextlib.suppress(BrokenPipeError, OSError, ValueError):
+                self.stream.write(self._table.restore())
+                self.stream.flush()
         return True
 
     def telemetry(self, ts: int, labels: Labels) -> list[Series]:

@@ -1,0 +1,304 @@
+"""OTLP/HTTP metrics bodies: a protobuf ``ExportMetricsServiceRequest``, gzip-compressed.
+
+Written directly in protobuf wire format, as ``sidecar.remote_write`` does for remote-write: the
+agent does not depend on protobuf at run time, and the generated OTLP classes cost several MiB of
+resident memory where these few functions cost almost nothing (bench/bench_otlp.py,
+bench/RESULTS.md). The tests decode every request with the official ``opentelemetry-proto``.
+
+Each cycle is encoded once as a whole request (one ResourceMetrics per distinct resource, one
+ScopeMetrics, one Metric per OTel name); a serialized message followed by another is their merge,
+and merging two requests appends their ``resource_metrics``, so a batch, a merged backlog and a
+replayed journal are their cycles joined, never decoded and encoded again.
+
+Mapping (``sidecar.metrics.OTEL``): gauges become Gauge, counters monotonic Sum, the conventions'
+UpDownCounters non-monotonic Sum, all cumulative; the ``_bucket``/``_sum``/``_count`` series of a
+histogram become one explicit-bucket HistogramDataPoint. Sums and histograms carry the agent's
+start as ``start_time_unix_nano``.
+"""
+
+from __future__ import annotations
+
+import struct
+import zlib
+from collections.abc import Iterable, Iterator, Mapping
+from dataclasses import dataclass
+
+from sidecar import metrics
+from sidecar.samples import Labels, Series
+
+CONTENT_HEADERS = {"Content-Encoding": "gzip", "Content-Type": "application/x-protobuf"}
+CUMULATIVE = 2  # AggregationTemporality
+_FIXED64 = struct.Struct("<Q")
+_DOUBLE = struct.Struct("<d")
+_SMALL = [bytes((n,)) for n in range(0x80)]
+_HISTOGRAM_PARTS = ("_bucket", "_sum", "_count")
+
+
+def varint(n: int) -> bytes:
+    """Unsigned base-128 varint. ``sidecar.remote_write`` has one too, but importing it loads
+    snappy (1.6 MiB resident) into an agent that may send no remote-write at all."""
+    if n < 0x80:
+        return _SMALL[n]
+    return bytes((n >> shift & 0x7F) | (0x80 if n >> (shift + 7) else 0)
+                 for shift in range(0, n.bit_length(), 7))
+
+
+def field(tag: int, payload: bytes) -> bytes:
+    """A length-delimited field whose tag byte is ``tag`` (field number << 3 | 2)."""
+    return bytes((tag,)) + varint(len(payload)) + payload
+
+
+def key_value(key: str, value: str | int, tag: int = 0x0A) -> bytes:
+    """A KeyValue as the field ``tag`` (Resource.attributes is field 1, NumberDataPoint's 7,
+    HistogramDataPoint's 9); ints (``process.pid``) as AnyValue.int_value, the rest as
+    string_value."""
+    any_value = b"\x18" + varint(value) if isinstance(value, int) else field(0x0A, value.encode())
+    return field(tag, field(0x0A, key.encode()) + field(0x12, any_value))
+
+
+@dataclass(frozen=True, slots=True)
+class _Point:
+    """Where one Prometheus series goes: the resource it belongs to, the OTel metric, and the
+    encoded attributes of its data point (plus the histogram bound, for a bucket)."""
+
+    resource: Labels
+    metric: str
+    source: str  # the Prometheus name (of the histogram, for its parts)
+    attributes: bytes
+    cumulative: bool  # a Sum or Histogram point: it carries the start time
+    part: str = ""  # for a histogram: _bucket, _sum or _count
+    bound: float | None = None  # a _bucket series' le; inf for +Inf
+
+
+# OTel names that several Prometheus names share (told apart by an attribute): their Metric
+# gets no description, since each source's help text speaks of one direction only
+_SHARED = {o.name for o in metrics.OTEL.values()
+           if sum(1 for x in metrics.OTEL.values() if x.name == o.name) > 1}
+
+
+class Encoder:
+    """Encodes cycles; remembers where each series it has seen goes."""
+
+    def __init__(self, resource: Labels, resource_labels: Mapping[str, str], start_ms: int,
+                 scope_version: str, max_cached_series: int = 50_000) -> None:
+        """``resource``: attributes of every request's resource (service.name, host.name, ...);
+        ``resource_labels``: series labels that are the pod's identity, moved to the resource
+        under these names; ``start_ms``: the agent's start, the origin of cumulative figures."""
+        self.resource = resource
+        self.resource_labels = dict(resource_labels)
+        self.start_ns = _FIXED64.pack(start_ms * 1_000_000)
+        self.scope = field(0x0A, b"gpu-sidecar") + field(0x12, scope_version.encode())
+        self._points: dict[tuple[str, Labels], _Point] = {}
+        self._headers: dict[str, bytes] = {}
+        self._max = max_cached_series
+
+    def _point(self, name: str, labels: Labels) -> _Point:
+        key = (name, labels)
+        found = self._points.get(key)
+        if found is None:
+            if len(self._points) > self._max:
+                self._points.clear()
+            found = self._points[key] = self._place(name, labels)
+        return found
+
+    def _place(self, name: str, labels: Labels) -> _Point:
+        part, source = "", name
+        for suffix in _HISTOGRAM_PARTS:
+            stem = name.removesuffix(suffix)
+            spec = metrics.BY_NAME.get(stem)
+            if stem != name and spec is not None and spec.kind == "histogram":
+                part, source = suffix, stem
+        otel = metrics.OTEL.get(source)
+        resource: list[tuple[str, str]] = []
+        attributes: dict[str, str | int] = dict(otel.attributes) if otel else {}
+        bound = None
+        for k, v in labels:
+            if k in self.resource_labels:
+                resource.append((self.resource_labels[k], v))
+            elif k == "le" and part:
+                bound = float(v)
+            elif k == "pid" and v.isdigit():
+                attributes["process.pid"] = int(v)
+            else:
+                attributes[metrics.POINT_LABELS.get(k, k)] = v
+        if any(k == "gpu_uuid" for k, _ in labels):
+            attributes.update(metrics.GPU_ATTRIBUTES)
+        tag = 0x4A if part else 0x3A
+        encoded = b"".join(key_value(k, v, tag) for k, v in sorted(attributes.items()))
+        return _Point(tuple(sorted(resource)), otel.name if otel else name, source, encoded,
+                      otel is not None and otel.instrument != "gauge", part, bound)
+
+    def _header(self, p: _Point) -> bytes:
+        """Name, description and unit of a Metric, encoded once."""
+        head = self._headers.get(p.metric)
+        if head is None:
+            spec, otel = metrics.BY_NAME.get(p.source), metrics.OTEL.get(p.source)
+            head = field(0x0A, p.metric.encode())
+            if spec is not None and otel is not None:
+                if p.metric not in _SHARED:
+                    head += field(0x12, spec.help.encode())
+                head += field(0x1A, otel.unit.encode())
+            head = self._headers[p.metric] = head
+        return head
+
+    def cycle(self, series: Iterable[Series]) -> bytes:
+        """One cycle as a whole ExportMetricsServiceRequest."""
+        # resource -> OTel metric -> (its first point's placing, encoded points or histograms)
+        grouped: dict[Labels, dict[str, tuple[_Point, list[bytes | _Histogram]]]] = {}
+        histograms: dict[tuple[Labels, str, bytes], _Histogram] = {}
+        start = self.start_ns
+        for s in series:
+            p = self._point(s.name, s.labels)
+            points = grouped.setdefault(p.resource, {}).setdefault(p.metric, (p, []))[1]
+            if p.part:
+                key = (p.resource, p.metric, p.attributes)
+                h = histograms.get(key)
+                if h is None:
+                    h = histograms[key] = _Histogram(p.attributes, s.timestamp_ms)
+                    points.append(h)
+                h.add(p, s.value)
+                continue
+            body = p.attributes + b"\x11" + start if p.cumulative else p.attributes
+            points.append(field(0x0A, body + b"\x19" + _FIXED64.pack(s.timestamp_ms * 1_000_000)
+                                + b"\x21" + _DOUBLE.pack(s.value)))
+        return b"".join(self._resource_metrics(resource, by_metric)
+                        for resource, by_metric in grouped.items())
+
+    def _resource_metrics(self, resource: Labels,
+                          by_metric: dict[str, tuple[_Point, list[bytes | _Histogram]]]) -> bytes:
+        attrs = b"".join(key_value(k, v) for k, v in sorted((*self.resource, *resource)))
+        encoded = b"".join(field(0x12, self._metric(first, points))
+                           for first, points in by_metric.values())
+        return field(0x0A, field(0x0A, attrs) + field(0x12, field(0x0A, self.scope) + encoded))
+
+    def _metric(self, first: _Point, points: list[bytes | _Histogram]) -> bytes:
+        otel = metrics.OTEL.get(first.source)
+        data = b"".join(p if isinstance(p, bytes) else field(0x0A, p.encode(self.start_ns))
+                        for p in points)
+        instrument = otel.instrument if otel is not None else "gauge"
+        if instrument == "gauge":
+            body = field(0x2A, data)
+        elif instrument == "histogram":
+            body = field(0x4A, data + b"\x10" + varint(CUMULATIVE))
+        else:
+            monotonic = b"\x01" if instrument == "counter" else b"\x00"
+            body = field(0x3A, data + b"\x10" + varint(CUMULATIVE) + b"\x18" + monotonic)
+        return self._header(first) + body
+
+
+class _Histogram:
+    """The _bucket, _sum and _count series of one histogram in one cycle, gathered."""
+
+    __slots__ = ("attributes", "buckets", "count", "sum", "ts")
+
+    def __init__(self, attributes: bytes, ts: int) -> None:
+        self.attributes = attributes
+        self.ts = ts
+        self.buckets: list[tuple[float, float]] = []  # (le, cumulative count)
+        self.sum = 0.0
+        self.count = 0.0
+
+    def add(self, p: _Point, value: float) -> None:
+        if p.part == "_bucket" and p.bound is not None:
+            self.buckets.append((p.bound, value))
+        elif p.part == "_sum":
+            self.sum = value
+        elif p.part == "_count":
+            self.count = value
+
+    def encode(self, start: bytes) -> bytes:
+        """A HistogramDataPoint: Prometheus' cumulative buckets become per-bucket counts; the
+        +Inf bucket is the count minus the last finite bound's cumulative count."""
+        finite = sorted(b for b in self.buckets if b[0] != float("inf"))
+        counts, previous = [], 0
+        for _, cumulative in finite:
+            counts.append(int(cumulative) - previous)
+            previous = int(cumulative)
+        counts.append(int(self.count) - previous)
+        return (self.attributes + b"\x11" + start + b"\x19" + _FIXED64.pack(self.ts * 1_000_000)
+                + b"\x21" + _FIXED64.pack(int(self.count)) + b"\x29" + _DOUBLE.pack(self.sum)
+                + field(0x32, b"".join(_FIXED64.pack(max(0, c)) for c in counts))
+                + field(0x3A, b"".join(_DOUBLE.pack(le) for le, _ in finite)))
+
+
+def compress(payload: bytes) -> bytes:
+    """gzip, which every OTLP/HTTP receiver must accept."""
+    packer = zlib.compressobj(6, zlib.DEFLATED, 31)
+    return packer.compress(payload) + packer.flush()
+
+
+def decompress(body: bytes) -> bytes:
+    return zlib.decompress(body, 31)
+
+
+# -- answers -----------------------------------------------------------------------------------
+
+
+def _fields(data: bytes) -> Iterator[tuple[int, int | bytes]]:
+    """(field number, value) of a protobuf message's varint and length-delimited fields; raises
+    ValueError on anything else or on a truncated message."""
+    i = 0
+    while i < len(data):
+        tag, i = _read_varint(data, i)
+        number, wire = tag >> 3, tag & 7
+        if wire == 0:
+            value, i = _read_varint(data, i)
+            yield number, value
+        elif wire == 2:
+            length, i = _read_varint(data, i)
+            if i + length > len(data):
+                raise ValueError("truncated")
+            yield number, data[i:i + length]
+            i += length
+        else:
+            raise ValueError(f"wire type {wire}")
+
+
+def _read_varint(data: bytes, i: int) -> tuple[int, int]:
+    value = shift = 0
+    while True:
+        if i >= len(data) or shift > 63:
+            raise ValueError("bad varint")
+        byte = data[i]
+        i += 1
+        value |= (byte & 0x7F) << shift
+        if not byte & 0x80:
+            return value, i
+        shift += 7
+
+
+@dataclass(frozen=True, slots=True)
+class PartialSuccess:
+    rejected: int
+    message: str
+
+
+def partial_success(body: bytes) -> PartialSuccess | None:
+    """The ``partial_success`` of an ExportMetricsServiceResponse, when the receiver said one
+    (points rejected, or a warning in the message); None for a full success or an answer that
+    is not such a response."""
+    try:
+        for number, value in _fields(body):
+            if number == 1 and isinstance(value, bytes):
+                rejected, message = 0, ""
+                for n, v in _fields(value):
+                    if n == 1 and isinstance(v, int):
+                        rejected = v - (1 << 64) if v >= 1 << 63 else v
+                    elif n == 2 and isinstance(v, bytes):
+                        message = v.decode("utf-8", "replace")
+                if rejected or message:
+                    return PartialSuccess(rejected, message)
+    except ValueError:
+        return None
+    return None
+
+
+def status_message(body: bytes) -> str | None:
+    """The ``message`` of the google.rpc.Status an OTLP receiver answers a failure with."""
+    try:
+        for number, value in _fields(body):
+            if number == 2 and isinstance(value, bytes):
+                return value.decode("utf-8", "replace")
+    except ValueError:
+        return None
+    return None

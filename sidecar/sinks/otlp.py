@@ -1,0 +1,102 @@
+"""OTLP/HTTP metrics sink: the spooled pipeline of ``sidecar.sinks.delivery.SpooledSink`` (batch,
+journal, spool, one request in flight, in order) with OTLP bodies: gzip-compressed protobuf
+``ExportMetricsServiceRequest`` (``sidecar.otlp``).
+
+Answers follow the OTLP/HTTP specification: 429, 502, 503 and 504 are retried with backoff,
+``Retry-After`` honoured, like network errors; every other 4xx and 5xx must not be retried, so
+the batch is set aside in the spool's ``rejected/`` (as remote-write does with a 4xx). A 2xx
+with ``partial_success`` is delivered; the points it says were rejected are counted
+(``gpu_sidecar_samples_dropped_total{reason="partial_success"}``) and logged.
+"""
+
+from __future__ import annotations
+
+import socket
+import time
+from collections.abc import Mapping
+from typing import Any
+
+from sidecar import __version__, metrics, otlp
+from sidecar.samples import Series
+from sidecar.sinks import sink_label
+from sidecar.sinks.delivery import HINTS, Answers, HttpOptions, Response, SpooledSink
+from sidecar.spool import Spool
+
+RETRIED = frozenset({429, 502, 503, 504})  # the OTLP/HTTP specification's retryable statuses
+
+OTLP_HINTS = {
+    **HINTS,
+    400: "the receiver refused the data itself (OTLP: bad data); the batch is set aside in the "
+         "spool's rejected/",
+    404: "no OTLP endpoint at this URL: an OpenTelemetry Collector takes /v1/metrics on port "
+         "4318, Prometheus 3 /api/v1/otlp/v1/metrics (with --web.enable-otlp-receiver), "
+         "VictoriaMetrics /opentelemetry/v1/metrics",
+    405: "wrong method for this URL: is it the OTLP metrics path (.../v1/metrics)?",
+    415: "the receiver does not take protobuf bodies or gzip: it must support OTLP/HTTP protobuf",
+    500: "the receiver failed; OTLP says not to retry a 500, so the batch is set aside in the "
+         "spool's rejected/",
+    501: "the receiver does not implement OTLP metrics at this URL",
+}
+
+
+def _said(response: Response) -> str:
+    """An OTLP receiver answers a failure with a google.rpc.Status: its message, else the text."""
+    message = None
+    if "protobuf" in response.headers.get("Content-Type", ""):
+        message = otlp.status_message(response.content)
+    return message if message is not None else response.text
+
+
+OTLP_ANSWERS = Answers(retried=RETRIED.__contains__, said=_said, hints=OTLP_HINTS)
+
+
+def sink_name(url: str) -> str:
+    """The ``sink`` label: ``otlp:`` and the URL's scheme-less host, port and path."""
+    return sink_label("otlp", url)
+
+
+class OtlpCodec:
+    """OTLP/HTTP protobuf: each cycle an ExportMetricsServiceRequest, gzip."""
+
+    kind = "otlp"
+    headers = otlp.CONTENT_HEADERS
+    answers = OTLP_ANSWERS
+    drop_reasons = ("partial_success",)
+
+    def __init__(self, resource: Mapping[str, str], extra_labels: tuple[str, ...] = (),
+                 start_ms: int | None = None) -> None:
+        """``resource``: attributes of every request's resource besides the pod's identity,
+        which comes with the series (their labels ``namespace``, ``pod``, ``node``,
+        ``container``, and each ``--extra-label``, named in ``extra_labels``)."""
+        self.encoder = otlp.Encoder(
+            tuple(sorted(resource.items())),
+            {**metrics.RESOURCE_LABELS, **{k: k for k in extra_labels}},
+            int(time.time() * 1000) if start_ms is None else start_ms, __version__)
+
+    def cycle(self, series: list[Series]) -> bytes:
+        return self.encoder.cycle(series)
+
+    def compress(self, payload: bytes) -> bytes:
+        return otlp.compress(payload)
+
+    def decompress(self, body: bytes) -> bytes:
+        return otlp.decompress(body)
+
+    def partial(self, response: Response) -> tuple[int, str] | None:
+        found = otlp.partial_success(response.content) if response.content else None
+        return None if found is None else (found.rejected, found.message)
+
+
+def default_resource() -> dict[str, str]:
+    """What the agent says of itself on every resource: service.name and version, host.name
+    (the pod's name in Kubernetes)."""
+    return {"service.name": "gpu-sidecar", "service.version": __version__,
+            "host.name": socket.gethostname()}
+
+
+def otlp_sink(url: str, spool: Spool, http: HttpOptions, *, name: str | None = None,
+              extra_labels: tuple[str, ...] = (), **pipeline: Any) -> SpooledSink:
+    """An OTLP sink: the spooled pipeline with the OTLP codec. ``pipeline``: the keyword
+    arguments of ``SpooledSink`` (push_interval_s, max_batch_samples, clock)."""
+    codec = OtlpCodec(default_resource(), extra_labels)
+    return SpooledSink(url, spool, http, codec, name=name or sink_name(url), **pipeline)

@@ -1,0 +1,190 @@
+"""A batch Job's run summary: how each GPU's three layers went over the whole run.
+
+A Job's history in a time-series database answers "how did it go" only while someone keeps the
+Job's time range, the dashboard and the thresholds in mind; the summary answers it in a few
+series pushed once, at the end, keyed by the Job: the peak and the mean of each ratio, the share
+of the run a GPU spent beyond each alert threshold (``sidecar.thresholds``, the shipped rules'),
+the allocator's retries and OOMs, and the p99 request latency over the run.
+
+It reads the series each cycle emits, so the summary is by construction a function of what the
+sinks received (and what the test reads back from stdout). Memory is constant in the length of
+the run: per GPU a few running figures and one counter per latency bucket, no sample history.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from sidecar.samples import Labels, Series
+from sidecar.thresholds import THRESHOLDS, Thresholds
+
+# the ratios of the three layers whose peak and mean the summary keeps
+RATIOS = (
+    "gpu_sm_occupancy_ratio", "gpu_tensor_core_util_ratio", "gpu_mem_bandwidth_util_ratio",
+    "gpu_pcie_tx_bandwidth_util_ratio", "gpu_pcie_rx_bandwidth_util_ratio",
+    "gpu_memory_fragmentation_ratio",
+)
+# counters whose increase over the run the summary reports
+COUNTERS = {"gpu_allocator_alloc_retries_total": "gpu_run_alloc_retries",
+            "gpu_allocator_ooms_total": "gpu_run_ooms"}
+# conditions of the alert rules a single cycle can show (PCIe; fragmentation on a large cache;
+# low occupancy, which the rule pairs with a slow p99, reported here on its own)
+CONDITIONS = ("pcie_saturated", "fragmented", "low_occupancy")
+_RESERVED = "gpu_allocator_reserved_bytes"
+_BUCKET = "inference_request_duration_seconds_bucket"
+_WATCHED = frozenset((*RATIOS, *COUNTERS, _RESERVED))
+
+
+@dataclass
+class _Increase:
+    """A counter's increase since zero, a reset (a process restart) counted as a new start."""
+
+    last: float = 0.0
+    total: float = 0.0
+
+    def see(self, value: float) -> None:
+        self.total += value - self.last if value >= self.last else value
+        self.last = value
+
+
+@dataclass
+class _GpuRun:
+    cycles: int = 0
+    peak: dict[str, float] = field(default_factory=dict)
+    total: dict[str, float] = field(default_factory=dict)
+    seen: dict[str, int] = field(default_factory=dict)
+    beyond: dict[str, int] = field(default_factory=dict)  # condition -> cycles it held
+    judged: dict[str, int] = field(default_factory=dict)  # condition -> cycles with its inputs
+    counters: dict[str, _Increase] = field(default_factory=dict)
+    buckets: dict[float, _Increase] = field(default_factory=dict)  # upper bound -> increase
+
+    def add(self, figures: dict[str, float], t: Thresholds) -> None:
+        self.cycles += 1
+        for name in RATIOS:
+            value = figures.get(name)
+            if value is None or math.isnan(value):
+                continue
+            self.peak[name] = max(value, self.peak.get(name, -math.inf))
+            self.total[name] = self.total.get(name, 0.0) + value
+            self.seen[name] = self.seen.get(name, 0) + 1
+        for name in COUNTERS:
+            if name in figures:
+                self.counters.setdefault(name, _Increase()).see(figures[name])
+        tx = figures.get("gpu_pcie_tx_bandwidth_util_ratio")
+        rx = figures.get("gpu_pcie_rx_bandwidth_util_ratio")
+        occupancy = figures.get("gpu_sm_occupancy_ratio")
+        fragmentation = figures.get("gpu_memory_fragmentation_ratio")
+        verdicts = {
+            "pcie_saturated": None if tx is None and rx is None else t.pcie_saturated(tx, rx),
+            "fragmented": None if fragmentation is None else
+            t.fragmented(fragmentation, figures.get(_RESERVED)),
+            "low_occupancy": None if occupancy is None else t.low_occupancy(occupancy),
+        }
+        for condition, held in verdicts.items():
+            if held is not None:
+                self.judged[condition] = self.judged.get(condition, 0) + 1
+                self.beyond[condition] = self.beyond.get(condition, 0) + held
+
+    def add_buckets(self, counts: dict[float, float]) -> None:
+        for bound, count in counts.items():
+            self.buckets.setdefault(bound, _Increase()).see(count)
+
+    def p99(self) -> float | None:
+        return quantile(0.99, {b: c.total for b, c in self.buckets.items()})
+
+
+def quantile(q: float, cumulative: dict[float, float]) -> float | None:
+    """The q-quantile of a cumulative histogram (upper bound -> count, ``inf`` included),
+    interpolated linearly within its bucket as Prometheus' ``histogram_quantile`` does: a
+    quantile in the +Inf bucket is the highest finite bound."""
+    bounds = sorted(cumulative)
+    if not bounds or bounds[-1] != math.inf or cumulative[math.inf] <= 0:
+        return None
+    rank = q * cumulative[math.inf]
+    lower, below = 0.0, 0.0
+    for bound in bounds:
+        count = cumulative[bound]
+        if count >= rank:
+            if bound == math.inf:
+                return lower
+            if count == below:
+                return bound
+            return lower + (bound - lower) * (rank - below) / (count - below)
+        lower, below = bound, count
+    return lower
+
+
+class RunSummary:
+    """Fed every cycle's series; ``series`` gives the summary at the end of the run."""
+
+    def __init__(self, job_name: str, pod_labels: Labels, thresholds: Thresholds = THRESHOLDS) -> None:
+        self.job_name = job_name
+        self.labels = tuple(sorted((*pod_labels, ("job_name", job_name))))
+        self.thresholds = thresholds
+        self.start_ms: int | None = None
+        self.end_ms: int | None = None
+        self._gpus: dict[Labels, _GpuRun] = {}
+
+    def add(self, series: list[Series]) -> None:
+        figures: dict[Labels, dict[str, float]] = {}
+        buckets: dict[Labels, dict[float, float]] = {}
+        ts = None
+        for s in series:
+            ts = s.timestamp_ms
+            if s.name in _WATCHED:
+                figures.setdefault(s.labels, {})[s.name] = s.value
+            elif s.name == _BUCKET:
+                gpu = tuple(pair for pair in s.labels if pair[0] != "le")
+                le = dict(s.labels)["le"]
+                buckets.setdefault(gpu, {})[math.inf if le == "+Inf" else float(le)] = s.value
+        if ts is None:
+            return
+        if self.start_ms is None:
+            self.start_ms = ts
+        self.end_ms = ts
+        for labels, figs in figures.items():
+            self._gpu(labels).add(figs, self.thresholds)
+        for labels, counts in buckets.items():
+            self._gpu(labels).add_buckets(counts)
+
+    def _gpu(self, labels: Labels) -> _GpuRun:
+        run = self._gpus.get(labels)
+        if run is None:
+            run = self._gpus[labels] = _GpuRun()
+        return run
+
+    def series(self) -> list[Series]:
+        if self.start_ms is None or self.end_ms is None:
+            return []
+        ts = self.end_ms
+        out = [
+            Series("gpu_run_start_timestamp_seconds", self.labels, self.start_ms / 1000, ts),
+            Series("gpu_run_end_timestamp_seconds", self.labels, self.end_ms / 1000, ts),
+            Series("gpu_run_duration_seconds", self.labels, (self.end_ms - self.start_ms) / 1000, ts),
+        ]
+        for gpu_labels, run in sorted(self._gpus.items()):
+            labels = tuple(sorted((*gpu_labels, ("job_name", self.job_name))))
+
+            def with_(extra: tuple[str, str], labels: Labels = labels) -> Labels:
+                return tuple(sorted((*labels, extra)))
+
+            out.append(Series("gpu_run_samples", labels, float(run.cycles), ts))
+            for name in RATIOS:
+                if name in run.seen:
+                    figure = with_(("figure", name))
+                    out.append(Series("gpu_run_max_ratio", figure, run.peak[name], ts))
+                    out.append(Series("gpu_run_mean_ratio", figure,
+                                      run.total[name] / run.seen[name], ts))
+            for condition in CONDITIONS:
+                if run.judged.get(condition):
+                    out.append(Series("gpu_run_above_threshold_ratio",
+                                      with_(("condition", condition)),
+                                      run.beyond[condition] / run.judged[condition], ts))
+            for counter, name in COUNTERS.items():
+                if counter in run.counters:
+                    out.append(Series(name, labels, run.counters[counter].total, ts))
+            p99 = run.p99()
+            if p99 is not None:
+                out.append(Series("gpu_run_request_duration_p99_seconds", labels, p99, ts))
+        return out

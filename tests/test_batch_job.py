@@ -1,0 +1,265 @@
+"""A batch Job's run: keyed by the Job at the Pushgateway, and summarised at the end.
+
+The summary is checked against what the same run printed on stdout, recomputed here without the
+agent's code: peaks, means, the share of samples beyond the alert thresholds, the allocator's
+counters and the p99 over the run.
+"""
+
+from __future__ import annotations
+
+import math
+import signal
+import subprocess
+import sys
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import pytest
+
+from sidecar.summary import RunSummary, quantile
+from sidecar.thresholds import THRESHOLDS
+from tests.conftest import ROOT
+from tests.receivers import Agent, Prometheus, Pushgateway, VictoriaMetrics, running
+
+RATIOS = ("gpu_sm_occupancy_ratio", "gpu_tensor_core_util_ratio", "gpu_mem_bandwidth_util_ratio",
+          "gpu_pcie_tx_bandwidth_util_ratio", "gpu_pcie_rx_bandwidth_util_ratio",
+          "gpu_memory_fragmentation_ratio")
+
+# the model server of the Job, in its own process: publishes, then exits before the agent stops
+APP = """
+import sys, time
+from sidecar.simulate.app import SimulatedApp
+from sidecar.simulate.scenarios import build
+scenario = build(sys.argv[2])
+app = SimulatedApp(sys.argv[1], [g.uuid for g in scenario.gpus], scenario.app, interval_s=0.2)
+app.start()
+time.sleep(float(sys.argv[3]))
+app.stop()
+"""
+
+
+def job_run(tmp: Path, scenario: str, job: str, pod: str, *sink: str, seconds: float = 2.5) -> Agent:
+    """Agent and app start; the app works ``seconds`` and exits; then the agent gets SIGTERM,
+    as Kubernetes sends it to a native sidecar once the Job's main container has ended."""
+    tmp.mkdir(parents=True, exist_ok=True)
+    sock = tmp / "app.sock"
+    agent = Agent(["--simulate", scenario, "--no-simulated-app", "--socket", str(sock),
+                   "--interval", "0.2", "--push-interval", "0.5", "--batch-job", job,
+                   "--pod-namespace", "ml", "--pod-name", pod, "--shutdown-timeout", "5", *sink])
+    agent.start()
+    deadline = time.monotonic() + 10
+    while not sock.exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    app = subprocess.run([sys.executable, "-c", APP, str(sock), scenario, str(seconds)],
+                         cwd=ROOT, timeout=seconds + 20, capture_output=True, text=True)
+    assert app.returncode == 0, app.stderr
+    agent.signal(signal.SIGTERM)
+    assert agent.wait() == 0, "".join(agent.err)[-2000:]
+    return agent
+
+
+def hist_quantile(q: float, buckets: dict[str, float]) -> float:
+    """histogram_quantile, written out again for the test."""
+    pairs = sorted((math.inf if le == "+Inf" else float(le), c) for le, c in buckets.items())
+    rank = q * pairs[-1][1]
+    prev_bound, prev_count = 0.0, 0.0
+    for bound, count in pairs:
+        if count >= rank:
+            if math.isinf(bound):
+                return prev_bound
+            return prev_bound + (bound - prev_bound) * (rank - prev_count) / (count - prev_count)
+        prev_bound, prev_count = bound, count
+    raise AssertionError("unreachable")
+
+
+def expected_summary(rows: list[tuple[str, tuple, int, float]], job: str, pod: str) -> dict:
+    """The summary the stdout record implies, keyed like the agent's series."""
+    t = THRESHOLDS
+    by_cycle: dict[tuple, dict[int, dict[str, float]]] = defaultdict(lambda: defaultdict(dict))
+    last_buckets: dict[tuple, dict[str, float]] = defaultdict(dict)
+    last_ts = max(ts for name, _, ts, _ in rows)
+    first_ts = min(ts for name, _, ts, _ in rows)
+    for name, labels, ts, value in rows:
+        if name.startswith("gpu_run_"):
+            continue
+        if name == "inference_request_duration_seconds_bucket" and ts == last_ts:
+            gpu = tuple(p for p in labels if p[0] != "le")
+            last_buckets[gpu][dict(labels)["le"]] = value
+        elif "gpu_uuid" in dict(labels) and "pid" not in dict(labels):
+            by_cycle[labels][ts][name] = value
+
+    def key(name: str, labels: tuple, *extra: tuple[str, str]) -> tuple:
+        return name, tuple(sorted((*labels, ("job_name", job), *extra)))
+
+    run = (("namespace", "ml"), ("pod", pod))
+    out = {key("gpu_run_start_timestamp_seconds", run): first_ts / 1000,
+           key("gpu_run_end_timestamp_seconds", run): last_ts / 1000,
+           key("gpu_run_duration_seconds", run): (last_ts - first_ts) / 1000}
+    for gpu, cycles in by_cycle.items():
+        if "gpu_utilization_ratio" not in next(iter(cycles.values())):
+            continue  # a label set that is not a GPU's (none expected)
+        out[key("gpu_run_samples", gpu)] = len(cycles)
+        for name in RATIOS:
+            values = [c[name] for c in cycles.values() if name in c]
+            if values:
+                out[key("gpu_run_max_ratio", gpu, ("figure", name))] = max(values)
+                out[key("gpu_run_mean_ratio", gpu, ("figure", name))] = sum(values) / len(values)
+        # a GPU's first cycle has no rates yet (they need two readings): not judged
+        pcie = [max(c.get("gpu_pcie_tx_bandwidth_util_ratio", 0),
+                    c.get("gpu_pcie_rx_bandwidth_util_ratio", 0)) > t.pcie_util_ratio
+                for c in cycles.values()
+                if {"gpu_pcie_tx_bandwidth_util_ratio", "gpu_pcie_rx_bandwidth_util_ratio"} & set(c)]
+        frag = [c["gpu_memory_fragmentation_ratio"] > t.fragmentation_ratio
+                and c["gpu_allocator_reserved_bytes"] > t.fragmentation_min_reserved_bytes
+                for c in cycles.values() if "gpu_memory_fragmentation_ratio" in c]
+        occ = [c["gpu_sm_occupancy_ratio"] < t.occupancy_ratio
+               for c in cycles.values() if "gpu_sm_occupancy_ratio" in c]
+        for condition, held in (("pcie_saturated", pcie), ("fragmented", frag),
+                                ("low_occupancy", occ)):
+            if held:
+                out[key("gpu_run_above_threshold_ratio", gpu, ("condition", condition))] = \
+                    sum(held) / len(held)
+        final = cycles[max(cycles)]
+        out[key("gpu_run_alloc_retries", gpu)] = final["gpu_allocator_alloc_retries_total"]
+        out[key("gpu_run_ooms", gpu)] = final["gpu_allocator_ooms_total"]
+        out[key("gpu_run_request_duration_p99_seconds", gpu)] = hist_quantile(0.99, last_buckets[gpu])
+    return out
+
+
+def printed_summary(agent: Agent) -> dict:
+    return {(name, labels): value for name, labels, _, value in agent.sampled()
+            if name.startswith("gpu_run_")}
+
+
+def assert_summary(got: dict, want: dict) -> None:
+    assert set(got) == set(want)
+    for k, v in want.items():
+        assert got[k] == pytest.approx(v, rel=1e-9, abs=1e-12), k
+
+
+def summary_groups(pgw: Pushgateway) -> list[dict]:
+    return [g for g in pgw.groups() if "job_name" in g["labels"]]
+
+
+def test_a_job_leaves_one_group_with_its_summary_and_a_rerun_replaces_it(tmp_path):
+    pgw = Pushgateway(tmp_path).start()
+    prom = Prometheus(tmp_path, scrape=f"127.0.0.1:{pgw.port}").start()
+    with running(pgw, prom):
+        first = job_run(tmp_path / "1", "pcie-saturated", "embed-2026-11-30", "embed-abcde",
+                        "--pushgateway-url", pgw.base)
+        printed = printed_summary(first)
+        want = expected_summary(first.sampled(), "embed-2026-11-30", "embed-abcde")
+        assert_summary(printed, want)
+        assert any(v == 1.0 for (n, labels), v in printed.items()
+                   if n == "gpu_run_above_threshold_ratio" and ("condition", "pcie_saturated") in labels)
+
+        groups = pgw.groups()
+        assert [g["labels"] for g in groups] == [
+            {"job": "gpu-sidecar", "namespace": "ml", "job_name": "embed-2026-11-30"}]
+        stored = {k: v for k, v in Pushgateway.values(groups[0]).items() if k[0].startswith("gpu_run_")}
+        assert_summary(stored, want)  # kept at exit: no delete for a Job
+
+        # Prometheus scraped it, with the Job's labels honoured
+        deadline = time.monotonic() + 15
+        scraped: list[dict] = []
+        while not scraped and time.monotonic() < deadline:
+            scraped = prom.query('gpu_run_duration_seconds{job_name="embed-2026-11-30"}')
+            time.sleep(0.5)
+        assert scraped and float(scraped[0]["value"][1]) == pytest.approx(
+            want[("gpu_run_duration_seconds",
+                  (("job_name", "embed-2026-11-30"), ("namespace", "ml"), ("pod", "embed-abcde")))])
+        assert scraped[0]["metric"]["namespace"] == "ml"
+
+        rerun = job_run(tmp_path / "2", "pcie-saturated", "embed-2026-11-30", "embed-fghij",
+                        "--pushgateway-url", pgw.base)
+        groups = summary_groups(pgw)
+        assert len(groups) == 1  # replaced, not added
+        stored = {k: v for k, v in Pushgateway.values(groups[0]).items() if k[0].startswith("gpu_run_")}
+        assert_summary(stored, expected_summary(rerun.sampled(), "embed-2026-11-30", "embed-fghij"))
+        pods = {dict(k[1]).get("pod") for k in Pushgateway.values(groups[0])}
+        assert "embed-fghij" in pods and "embed-abcde" not in pods
+
+        other = job_run(tmp_path / "3", "fragmented", "eval-7", "eval-7-xyz",
+                        "--pushgateway-url", pgw.base)
+        assert sorted(g["labels"]["job_name"] for g in summary_groups(pgw)) == [
+            "embed-2026-11-30", "eval-7"]
+        printed = printed_summary(other)
+        assert_summary(printed, expected_summary(other.sampled(), "eval-7", "eval-7-xyz"))
+        assert any(v == 1.0 for (n, labels), v in printed.items()
+                   if n == "gpu_run_above_threshold_ratio" and ("condition", "fragmented") in labels)
+
+
+def test_the_summary_arrives_by_remote_write_at_the_runs_end_time(tmp_path):
+    vm = VictoriaMetrics(tmp_path).start()
+    with running(vm):
+        agent = job_run(tmp_path / "run", "fragmented", "train-42", "train-42-pod",
+                        "--remote-write-url", vm.write_url, "--spool-dir", str(tmp_path / "spool"))
+        want = expected_summary(agent.sampled(), "train-42", "train-42-pod")
+        assert_summary(printed_summary(agent), want)
+        end_ms = max(ts for _, _, ts, _ in agent.sampled())
+        deadline = time.monotonic() + 15
+        rows = vm.samples('{__name__=~"gpu_run_.+"}')
+        while len(rows) < len(want) and time.monotonic() < deadline:
+            time.sleep(0.5)
+            rows = vm.samples('{__name__=~"gpu_run_.+"}')
+        assert {ts for _, _, ts, _ in rows} == {end_ms}
+        assert_summary({(n, labels): v for n, labels, _, v in rows}, want)
+
+
+def test_delete_on_exit_is_refused_for_a_job():
+    agent = Agent(["--simulate", "healthy", "--batch-job", "j", "--pushgateway-url",
+                   "http://127.0.0.1:9", "--pushgateway-delete-on-exit"]).start()
+    assert agent.wait() == 2
+    assert "leave it off for Jobs" in "".join(agent.err)
+
+
+# -- the summary's arithmetic -----------------------------------------------------------------
+
+
+def test_quantile_interpolates_like_histogram_quantile():
+    cumulative = {0.1: 10.0, 0.25: 60.0, 0.5: 90.0, 1.0: 100.0, math.inf: 100.0}
+    assert quantile(0.5, cumulative) == pytest.approx(0.1 + 0.15 * (50 - 10) / 50)
+    assert quantile(0.99, cumulative) == pytest.approx(0.5 + 0.5 * (99 - 90) / 10)
+    assert quantile(0.99, {0.1: 0.0, 1.0: 5.0, math.inf: 10.0}) == 1.0  # in +Inf: highest bound
+    assert quantile(0.99, {0.1: 0.0, math.inf: 0.0}) is None  # no requests
+    assert quantile(0.99, {0.1: 3.0}) is None  # no +Inf bucket: not a histogram
+
+
+def test_counters_that_restart_are_added_up_not_subtracted():
+    from sidecar.samples import Series
+
+    gpu = (("gpu_uuid", "GPU-a"),)
+    summary = RunSummary("j", ())
+    for ts, retries in enumerate([0, 3, 5, 1, 2]):  # the worker restarted after 5
+        summary.add([Series("gpu_allocator_alloc_retries_total", gpu, float(retries), ts)])
+    got = {s.name: s.value for s in summary.series()}
+    assert got["gpu_run_alloc_retries"] == 5 + 2
+    assert got["gpu_run_duration_seconds"] == 0.004
+
+
+def test_a_killed_job_agent_loses_its_summary_only(tmp_path):
+    """SIGKILL: the cycles the agent printed are all stored (the journal), but no summary; the
+    agent restarted on the same spool summarises the run from its restart."""
+    vm = VictoriaMetrics(tmp_path).start()
+    with running(vm):
+        args = ["--simulate", "healthy", "--interval", "0.2", "--push-interval", "15",
+                "--batch-job", "train-9", "--pod-namespace", "ml", "--pod-name", "train-9-p",
+                "--remote-write-url", vm.write_url, "--spool-dir", str(tmp_path / "spool")]
+        killed = Agent(args).start()
+        time.sleep(2.5)
+        killed.signal(signal.SIGKILL)
+        killed.wait()
+        assert not printed_summary(killed)
+        restarted = Agent(args).start()
+        time.sleep(1.5)
+        assert restarted.stop() == 0
+        stored = {(n, labels, ts): v for n, labels, ts, v in vm.settled()}
+        printed = {(n, labels, ts) for n, labels, ts, _ in killed.sampled()}
+        assert printed and printed <= set(stored)  # the journal kept every printed cycle
+        summaries = {(n, labels): v for (n, labels, _), v in stored.items()
+                     if n == "gpu_run_start_timestamp_seconds"}
+        assert len(summaries) == 1  # the restarted agent's only
+        first_after_restart = min(ts for _, _, ts, _ in restarted.sampled())
+        assert next(iter(summaries.values())) == first_after_restart / 1000
+        assert first_after_restart > max(ts for _, _, ts in printed)

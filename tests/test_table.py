@@ -1,0 +1,190 @@
+"""The stdout sink for a person at a terminal (the live table) and for everything else (today's
+exposition, unchanged). The table tests run the real command line in a pseudo-terminal."""
+
+from __future__ import annotations
+
+import importlib.util
+import io
+import json
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+from sidecar import samples as sm
+from sidecar.metrics import BY_NAME
+from sidecar.samples import Series
+from sidecar.sinks.stdout import StdoutSink, json_lines, prometheus_text
+from sidecar.table import ALT_SCREEN, CLEAR_BELOW, HIDE_CURSOR, HOME, MAIN_SCREEN, SHOW_CURSOR, Table
+from tests.conftest import ROOT, run_cli
+
+_spec = importlib.util.spec_from_file_location("readme_table", ROOT / "scripts" / "readme_table.py")
+readme_table = importlib.util.module_from_spec(_spec)  # type: ignore[arg-type]
+_spec.loader.exec_module(readme_table)  # type: ignore[union-attr]
+
+GOLDEN = ROOT / "tests" / "golden"
+ESCAPE = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
+ROW = re.compile(r"^\s*\d+ \|")
+
+
+def fixed_series() -> list[Series]:
+    """Two GPUs with every figure, a histogram, odd label values and non-finite numbers: the
+    input the golden files were rendered from by the stdout sink before the table existed."""
+    ts = 1_767_225_600_123
+    out: list[Series] = []
+    for i in range(2):
+        ident = sm.GpuIdentity(uuid=f"GPU-0000000{i}-aaaa-bbbb-cccc-dddddddddddd",
+                               name='Sim "H200"\\x', index=str(i))
+        sample = sm.GpuSample(
+            ident, ts,
+            sm.ComputeLayer(0.55 + i / 100, 0.42, 0.7, 0.62),
+            sm.MemoryLayer(0.45, 0.35, 70 * 2**30, 141 * 2**30, 71 * 2**30),
+            sm.IoLayer(2.0e9, 6.0e9 + i, 63.015384615e9, 5, 16, 3, 20e9, 2.5e10),
+            sm.AppFigures((sm.AllocatorFigures(41, 60 * 2**30, 52 * 2**30, 52 * 2**30, 2**30, 7,
+                                               0, 3 * 2**30, None),),
+                          sm.LatencyHistogram((0.05, 0.1, 0.25), (10, 90, 99, 100), 6.25), 7, 0))
+        out += sm.sample_series(sample, {"namespace": "ml", "pod": "llm-0"})
+    out.append(Series("gpu_sidecar_up", (("pod", "llm-0"),), 1.0, ts))
+    out.append(Series("gpu_sidecar_cycle_duration_seconds", (), 0.000123, ts))
+    out.append(Series("gpu_sidecar_samples_dropped_total", (("reason", "x"),), float("nan"), ts))
+    out.append(Series("some_unknown_metric", (), float("inf"), ts))
+    return out
+
+
+def golden_prometheus() -> str:
+    """The exposition as the sink wrote it before the table; HELP texts are metrics.py's (a
+    placeholder in the file, so an edited help text does not read as a changed format)."""
+    text = (GOLDEN / "stdout.prom").read_text()
+    return re.sub(r"^# HELP (\S+) @HELP@$", lambda m: f"# HELP {m[1]} {BY_NAME[m[1]].help}", text,
+                  flags=re.M)
+
+
+# -- not a terminal: today's output ------------------------------------------------------------
+
+def test_renderers_write_todays_format_byte_for_byte():
+    series = fixed_series()
+    assert prometheus_text(series) == golden_prometheus()
+    assert json_lines(series) == (GOLDEN / "stdout.jsonl").read_text()
+
+
+@pytest.mark.parametrize(("fmt", "expected"), [("auto", "prom"), ("prometheus", "prom"),
+                                               ("json", "jsonl")])
+def test_the_sink_into_a_pipe_writes_exactly_the_renderers_output(fmt, expected):
+    stream = io.StringIO()  # not a terminal, as a pipe or a container's log
+    sink = StdoutSink(fmt, stream)
+    sink.emit(fixed_series())
+    assert sink.close(0.0)
+    want = golden_prometheus() if expected == "prom" else (GOLDEN / "stdout.jsonl").read_text()
+    assert stream.getvalue() == want
+
+
+def test_piped_run_prints_exposition_not_the_table():
+    proc = run_cli("run", "--simulate", "healthy", "--once")
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.startswith("# HELP gpu_sm_occupancy_ratio ")
+    assert "\x1b" not in proc.stdout and "verdict" not in proc.stdout
+    rows = run_cli("run", "--simulate", "healthy", "--once", "--output", "json").stdout
+    assert all(json.loads(line)["name"] for line in rows.splitlines())
+
+
+def test_the_table_module_is_not_loaded_on_the_push_or_pipe_path():
+    code = ("import sys, contextlib, io\n"
+            "from sidecar.cli import main\n"
+            "with contextlib.redirect_stdout(io.StringIO()):\n"
+            "    rc = main(['run', '--simulate', 'healthy', '--once'])\n"
+            "print(rc, 'sidecar.table' in sys.modules, 'sidecar.diagnose' in sys.modules)\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT,
+                          timeout=60, env={k: v for k, v in os.environ.items()
+                                           if not k.startswith("GPU_SIDECAR_")})
+    assert proc.stdout.split() == ["0", "False", "False"], proc.stderr
+
+
+def test_explicit_table_into_a_pipe_gives_plain_frames():
+    proc = run_cli("run", "--simulate", "fragmented", "--once", "--output", "table")
+    assert proc.returncode == 0, proc.stderr
+    assert "\x1b" not in proc.stdout
+    lines = proc.stdout.splitlines()
+    assert sum(1 for line in lines if ROW.match(line)) == 2
+    assert all(line.rstrip().endswith("mem: frag") for line in lines if ROW.match(line))
+
+
+# -- a terminal: the live table ----------------------------------------------------------------
+
+def pty_run(*args: str, frames: int = 0) -> tuple[str, int]:
+    return readme_table.run_in_pty(args, frames=frames)
+
+
+def test_on_a_terminal_the_table_refreshes_in_place_fits_120_columns_and_ctrl_c_restores():
+    out, code = pty_run("run", "--simulate", "healthy", "--simulate-gpus", "8", "--interval",
+                        "0.3", "--log-level", "warning", frames=4)
+    assert code == 0, out[-2000:]
+    assert "# HELP" not in out  # the table, not the exposition
+    start = out.index(ALT_SCREEN + HIDE_CURSOR)  # its own screen, cursor hidden while drawing
+    end = out.index(MAIN_SCREEN + SHOW_CURSOR, start)  # given back on Ctrl-C
+    drawn = out[start:end].split(HOME)[1:]
+    assert len(drawn) >= 4
+    for frame in drawn:  # each frame redraws from the top-left corner and clears what is left
+        assert frame.rstrip("\r\n").endswith(CLEAR_BELOW) or CLEAR_BELOW in frame
+        lines = ESCAPE.sub("", frame).replace("\r", "").split("\n")
+        assert sum(1 for line in lines if line.startswith("GPU | util")) == 1
+        assert [int(line.split("|")[0]) for line in lines if ROW.match(line)] == list(range(8))
+        assert max(len(line) for line in lines) <= 120
+    assert out.count(ALT_SCREEN) == 1  # one screen redrawn, not pages appended
+    last = ESCAPE.sub("", out[end:]).replace("\r", "").split("\n")
+    assert sum(1 for line in last if ROW.match(line)) == 8  # the last frame stays after exit
+    frame = last[:last.index(next(line for line in last if line.startswith("used: "))) + 1]
+    assert max(len(line) for line in frame) <= 120  # as drawn, not cut to the terminal
+    assert out.rindex(SHOW_CURSOR) > out.rindex(HIDE_CURSOR)
+
+
+def test_on_a_terminal_an_explicit_format_wins_over_the_table():
+    out, code = pty_run("run", "--simulate", "healthy", "--once", "--output", "prometheus",
+                        "--log-level", "warning")
+    assert code == 0, out[-2000:]
+    assert "# HELP gpu_sm_occupancy_ratio" in out and ALT_SCREEN not in out
+
+
+def test_verdict_column_names_the_layer_and_says_when_compute_cannot_be_judged():
+    for scenario, verdict in (("pcie-saturated", "IO: PCIe"), ("old-driver", "ok? no GPM"),
+                              ("low-occupancy", "compute: occ")):
+        proc = run_cli("run", "--simulate", scenario, "--once", "--output", "table")
+        assert proc.returncode == 0, proc.stderr
+        rows = [line for line in proc.stdout.splitlines() if ROW.match(line)]
+        assert rows and all(line.rstrip().endswith(verdict) for line in rows), proc.stdout
+
+
+def test_a_plain_stream_gets_frames_one_after_the_other_without_escapes():
+    stream = io.StringIO()
+    table = Table(stream, live=False)
+    first, second = table.frame(fixed_series()), table.frame(fixed_series())
+    assert "\x1b" not in first + second and table.restore() == ""
+    assert first.count("GPU | util") == 1 and first.endswith("\n\n")
+
+
+# -- the README shows a captured table ------------------------------------------------------------
+
+def structure(lines: list[str]) -> list[object]:
+    """What a capture must keep from run to run: the title without its clock, the header and
+    legend to the letter, and per row its GPU, where the column separators fall and the verdict."""
+    out: list[object] = [re.sub(r"\d\d:\d\d:\d\d$", "HH:MM:SS", lines[0])]
+    for line in lines[1:]:
+        if ROW.match(line):
+            out.append((line.split("|")[0].strip(), [i for i, c in enumerate(line) if c == "|"],
+                        line.rsplit("|", 1)[1].strip()))
+        else:
+            out.append(line)
+    return out
+
+
+def test_readme_first_command_shows_the_table_captured_by_the_script():
+    readme = (ROOT / "README.md").read_text()
+    first = re.search(r"```sh\n(.*?)\n```", readme, re.S)
+    assert first and first[1].endswith(".venv/bin/gpu-sidecar " + " ".join(readme_table.COMMAND))
+    shown = readme_table.readme_block(readme)
+    assert readme.index(readme_table.BEGIN) < readme.index("```sh", first.end())  # right below
+    fresh = readme_table.capture()
+    assert len(shown) == len(fresh) and sum(1 for line in shown if ROW.match(line)) == 2
+    assert structure(shown) == structure(fresh), (
+        "README.md's table is stale: run `.venv/bin/python scripts/readme_table.py`")
