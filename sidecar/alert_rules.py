@@ -180,11 +180,13 @@ groups:
 
       - alert: GPUSidecarSamplesDropped
         expr: |
-          increase(gpu_sidecar_samples_dropped_total{
-            reason=~"spool_full|spool_write_failed|rejected|corrupt|unreadable"}[15m]) > 0
+          increase(gpu_sidecar_samples_dropped_total{reason=~
+            "spool_full|spool_write_failed|rejected|corrupt|unreadable|partial_success|unencodable"
+          }[15m]) > 0
           or
-          (gpu_sidecar_samples_dropped_total{
-            reason=~"spool_full|spool_write_failed|rejected|corrupt|unreadable"} > 0
+          (gpu_sidecar_samples_dropped_total{reason=~
+            "spool_full|spool_write_failed|rejected|corrupt|unreadable|partial_success|unencodable"
+          } > 0
             unless gpu_sidecar_samples_dropped_total offset 15m)
         for: 0m
         labels:

@@ -1,17 +1,21 @@
 """The journal of the open batch: every cycle reaches disk before the next one is sampled.
 
-A remote-write sink keeps the batch it is filling in memory for a whole push interval (15 s by
-default). Without a journal, a SIGKILL or an OOM kill loses that batch: up to fifteen samples
-per series. So each cycle's series are also appended, as one record, to a file named after the
-spool sequence number the batch will have once sealed. Sealing writes the batch to the spool,
-then deletes the journal; a journal found at start-up was never sealed and is replayed into the
-spool under its own number, so the send order stays the sampling order.
+A spooled sink (remote-write, OTLP: ``sidecar.sinks.delivery.SpooledSink``) keeps the batch it
+is filling in memory for a whole push interval (15 s by default). Without a journal, a SIGKILL
+or an OOM kill loses that batch: up to fifteen samples per series. So each cycle's series are
+also appended, as one record, to a file named after the spool sequence number the batch will
+have once sealed. Sealing writes the batch to the spool, then deletes the journal; a journal
+found at start-up was never sealed and is replayed into the spool under its own number, so the
+send order stays the sampling order.
 
 Records are appended with ``write(2)`` and not fsynced: a process that dies keeps what it wrote
 (the kernel has it), which is the failure this is for; a node that loses power may lose the
 journal's tail, which the per-record CRC detects. Record layout: body length (u32) | samples
-(u32) | CRC-32 of body (u32) | body, where the body is one cycle as an uncompressed remote-write
-``WriteRequest``: the sealed batch is these bodies joined, so a replay needs no decoding.
+(u32) | CRC-32 of body (u32) | body, where the body is one cycle encoded by the sink's codec as
+a whole uncompressed request (a remote-write ``WriteRequest``, an OTLP
+``ExportMetricsServiceRequest``): requests of either protocol joined are one request, so the
+sealed batch is these bodies joined (then compressed by the codec), and a replay needs no
+decoding.
 """
 
 from __future__ import annotations

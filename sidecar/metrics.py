@@ -126,9 +126,12 @@ METRICS: tuple[MetricSpec, ...] = (
     _m("gpu_sidecar_samples_collected_total", "counter", "samples", "self", "agent",
        "GPU samples taken (one per GPU per cycle)."),
     _m("gpu_sidecar_samples_dropped_total", "counter", "samples", "self", "agent",
-       "Samples lost, by reason (gpu_unavailable; per sink: spool_full, spool_write_failed, "
+       "Samples lost, by reason (gpu_unavailable; sink_error, a cycle a sink failed to take, "
+       "which the log sink_emit_failed explains; per sink: spool_full, spool_write_failed, "
        "rejected, corrupt, unreadable; per OTLP sink also partial_success, the data points the "
-       "receiver said it rejected). Every sink reason exists at 0 from the first push."),
+       "receiver said it rejected, and unencodable, series OTLP cannot carry, such as a "
+       "histogram whose count is NaN, infinite, negative or above 64 bits). Every sink reason "
+       "exists at 0 from the first push."),
     _m("gpu_sidecar_collection_errors_total", "counter", "errors", "self", "agent",
        "NVML reads that failed, by reason (gpu_lost, nvml_error)."),
     _m("gpu_sidecar_cycle_overruns_total", "counter", "cycles", "self", "agent",

@@ -12,12 +12,22 @@ replayed journal are their cycles joined, never decoded and encoded again.
 
 Mapping (``sidecar.metrics.OTEL``): gauges become Gauge, counters monotonic Sum, the conventions'
 UpDownCounters non-monotonic Sum, all cumulative; the ``_bucket``/``_sum``/``_count`` series of a
-histogram become one explicit-bucket HistogramDataPoint. Sums and histograms carry the agent's
-start as ``start_time_unix_nano``.
+histogram become one explicit-bucket HistogramDataPoint.
+
+Sums and histograms carry a ``start_time_unix_nano`` per series: the time the encoder first saw
+the series, moved to the time of the point when a monotonic Sum's value or a Histogram's count
+goes down (a reset: the source restarted counting). Resources carry ``service.instance.id``:
+``<namespace>/<pod>`` when the series name a pod, else the host name.
+
+Nothing a series carries makes ``cycle`` raise: a histogram point whose counts are not
+non-negative integers within 64 bits, or a series that cannot be encoded at all, is left out and
+counted in ``Encoder.dropped["unencodable"]``; an integer attribute outside int64 goes as a
+string.
 """
 
 from __future__ import annotations
 
+import math
 import struct
 import zlib
 from collections.abc import Iterable, Iterator, Mapping
@@ -32,13 +42,26 @@ _FIXED64 = struct.Struct("<Q")
 _DOUBLE = struct.Struct("<d")
 _SMALL = [bytes((n,)) for n in range(0x80)]
 _HISTOGRAM_PARTS = ("_bucket", "_sum", "_count")
+_INT64 = range(-(1 << 63), 1 << 63)
+_UINT64_MAX = (1 << 64) - 1
+UNENCODABLE = "unencodable"  # the gpu_sidecar_samples_dropped_total reason
+# what encoding a value the wire cannot carry raises (struct for fixed64, int() for NaN/inf)
+_ENCODING_ERRORS = (ValueError, OverflowError, struct.error, TypeError)
 
 
 def varint(n: int) -> bytes:
-    """Unsigned base-128 varint. ``sidecar.remote_write`` has one too, but importing it loads
-    snappy (1.6 MiB resident) into an agent that may send no remote-write at all."""
-    if n < 0x80:
+    """Base-128 varint of a uint64, or of an int64 (a negative one as its 64-bit two's
+    complement, ten bytes, as protobuf encodes int64). ``sidecar.remote_write`` has one too, but
+    importing it loads snappy (1.6 MiB resident) into an agent that may send no remote-write at
+    all. Raises ValueError for what fits neither."""
+    if 0 <= n < 0x80:
         return _SMALL[n]
+    if n < 0:
+        if n < -(1 << 63):
+            raise ValueError(f"{n} is below int64")
+        n += 1 << 64
+    elif n > _UINT64_MAX:
+        raise ValueError(f"{n} is above uint64")
     return bytes((n >> shift & 0x7F) | (0x80 if n >> (shift + 7) else 0)
                  for shift in range(0, n.bit_length(), 7))
 
@@ -50,9 +73,12 @@ def field(tag: int, payload: bytes) -> bytes:
 
 def key_value(key: str, value: str | int, tag: int = 0x0A) -> bytes:
     """A KeyValue as the field ``tag`` (Resource.attributes is field 1, NumberDataPoint's 7,
-    HistogramDataPoint's 9); ints (``process.pid``) as AnyValue.int_value, the rest as
-    string_value."""
-    any_value = b"\x18" + varint(value) if isinstance(value, int) else field(0x0A, value.encode())
+    HistogramDataPoint's 9); ints (``process.pid``) as AnyValue.int_value (int64), the rest, and
+    an int outside int64, as string_value."""
+    if isinstance(value, int) and value in _INT64:
+        any_value = b"\x18" + varint(value)
+    else:
+        any_value = field(0x0A, str(value).encode())
     return field(tag, field(0x0A, key.encode()) + field(0x12, any_value))
 
 
@@ -66,6 +92,7 @@ class _Point:
     source: str  # the Prometheus name (of the histogram, for its parts)
     attributes: bytes
     cumulative: bool  # a Sum or Histogram point: it carries the start time
+    monotonic: bool = False  # a monotonic Sum: its value going down is a reset
     part: str = ""  # for a histogram: _bucket, _sum or _count
     bound: float | None = None  # a _bucket series' le; inf for +Inf
 
@@ -83,14 +110,23 @@ class Encoder:
                  scope_version: str, max_cached_series: int = 50_000) -> None:
         """``resource``: attributes of every request's resource (service.name, host.name, ...);
         ``resource_labels``: series labels that are the pod's identity, moved to the resource
-        under these names; ``start_ms``: the agent's start, the origin of cumulative figures."""
+        under these names; ``start_ms``: the agent's start (``start_ns``, for the bench's
+        generated-class variant; each series' start time is its own, see the module)."""
         self.resource = resource
         self.resource_labels = dict(resource_labels)
         self.start_ns = _FIXED64.pack(start_ms * 1_000_000)
         self.scope = field(0x0A, b"gpu-sidecar") + field(0x12, scope_version.encode())
         self._points: dict[tuple[str, Labels], _Point] = {}
         self._headers: dict[str, bytes] = {}
+        self._resources: dict[Labels, bytes] = {}
+        # per cumulative point (resource, metric, attributes): [start, last value or count]
+        self._starts: dict[tuple[Labels, str, bytes], list] = {}
         self._max = max_cached_series
+        self.dropped: dict[str, int] = {UNENCODABLE: 0}  # samples left out, by reason
+        own = dict(resource)
+        self._pod_keys = (self.resource_labels.get("namespace", "k8s.namespace.name"),
+                          self.resource_labels.get("pod", "k8s.pod.name"))
+        self._host = own.get("host.name", "")
 
     def _point(self, name: str, labels: Labels) -> _Point:
         key = (name, labels)
@@ -100,6 +136,25 @@ class Encoder:
                 self._points.clear()
             found = self._points[key] = self._place(name, labels)
         return found
+
+    def _start(self, p: _Point, value: float, ts_ms: int) -> bytes:
+        """The start time of a cumulative point: when its series was first seen, moved to this
+        point's time when a monotonic figure went down (the source restarted counting)."""
+        key = (p.resource, p.metric, p.attributes)
+        state = self._starts.get(key)
+        if state is None:
+            if len(self._starts) > self._max:  # bounded like the placings: beyond it, series
+                self._starts.clear()           # seen again start afresh
+            state = self._starts[key] = [_FIXED64.pack(ts_ms * 1_000_000), value]
+        else:
+            if p.monotonic and value < state[1]:
+                state[0] = _FIXED64.pack(ts_ms * 1_000_000)
+            if not math.isnan(value):
+                state[1] = value
+        return state[0]
+
+    def _drop(self, samples: int) -> None:
+        self.dropped[UNENCODABLE] += samples
 
     def _place(self, name: str, labels: Labels) -> _Point:
         part, source = "", name
@@ -116,8 +171,8 @@ class Encoder:
             if k in self.resource_labels:
                 resource.append((self.resource_labels[k], v))
             elif k == "le" and part:
-                bound = float(v)
-            elif k == "pid" and v.isdigit():
+                bound = float(v)  # not a number: ValueError, the series is unencodable
+            elif k == "pid" and v.isascii() and v.isdigit():  # not "²", which int() refuses
                 attributes["process.pid"] = int(v)
             else:
                 attributes[metrics.POINT_LABELS.get(k, k)] = v
@@ -126,7 +181,9 @@ class Encoder:
         tag = 0x4A if part else 0x3A
         encoded = b"".join(key_value(k, v, tag) for k, v in sorted(attributes.items()))
         return _Point(tuple(sorted(resource)), otel.name if otel else name, source, encoded,
-                      otel is not None and otel.instrument != "gauge", part, bound)
+                      otel is not None and otel.instrument != "gauge",
+                      otel is not None and otel.instrument in ("counter", "histogram"), part,
+                      bound)
 
     def _header(self, p: _Point) -> bytes:
         """Name, description and unit of a Metric, encoded once."""
@@ -146,35 +203,83 @@ class Encoder:
         # resource -> OTel metric -> (its first point's placing, encoded points or histograms)
         grouped: dict[Labels, dict[str, tuple[_Point, list[bytes | _Histogram]]]] = {}
         histograms: dict[tuple[Labels, str, bytes], _Histogram] = {}
-        start = self.start_ns
         for s in series:
-            p = self._point(s.name, s.labels)
-            points = grouped.setdefault(p.resource, {}).setdefault(p.metric, (p, []))[1]
-            if p.part:
-                key = (p.resource, p.metric, p.attributes)
-                h = histograms.get(key)
-                if h is None:
-                    h = histograms[key] = _Histogram(p.attributes, s.timestamp_ms)
-                    points.append(h)
-                h.add(p, s.value)
+            try:
+                p = self._point(s.name, s.labels)
+                if p.part:
+                    key = (p.resource, p.metric, p.attributes)
+                    h = histograms.get(key)
+                    if h is None:
+                        h = histograms[key] = _Histogram(p.attributes, s.timestamp_ms)
+                        grouped.setdefault(p.resource, {}).setdefault(p.metric, (p, []))[1].append(h)
+                    h.add(p, s.value)
+                    continue
+                body = p.attributes
+                if p.cumulative:
+                    body += b"\x11" + self._start(p, s.value, s.timestamp_ms)
+                point = field(0x0A, body + b"\x19" + _FIXED64.pack(s.timestamp_ms * 1_000_000)
+                              + b"\x21" + _DOUBLE.pack(s.value))
+            except _ENCODING_ERRORS:
+                self._drop(1)
                 continue
-            body = p.attributes + b"\x11" + start if p.cumulative else p.attributes
-            points.append(field(0x0A, body + b"\x19" + _FIXED64.pack(s.timestamp_ms * 1_000_000)
-                                + b"\x21" + _DOUBLE.pack(s.value)))
+            grouped.setdefault(p.resource, {}).setdefault(p.metric, (p, []))[1].append(point)
+        for (resource, metric, _), h in histograms.items():
+            by_metric = grouped[resource]
+            points = by_metric[metric][1]
+            at = next(i for i, x in enumerate(points) if x is h)
+            encoded = self._histogram(resource, metric, h)
+            if encoded is not None:
+                points[at] = encoded
+                continue
+            self._drop(h.series)
+            del points[at]
+            if not points:
+                del by_metric[metric]
+                if not by_metric:
+                    del grouped[resource]
         return b"".join(self._resource_metrics(resource, by_metric)
                         for resource, by_metric in grouped.items())
 
+    def _histogram(self, resource: Labels, metric: str, h: _Histogram) -> bytes | None:
+        """A HistogramDataPoint, or None when it cannot be encoded: every count must be a
+        non-negative integer within 64 bits (not NaN, infinite, negative or huge)."""
+        counts = [h.count, *(c for _, c in h.buckets)]
+        if not all(isinstance(c, (int, float)) and not isinstance(c, bool) and math.isfinite(c)
+                   and 0 <= c <= _UINT64_MAX for c in counts):
+            return None
+        try:
+            h.start = self._start(_Point(resource, metric, "", h.attributes, True, True),
+                                  h.count, h.ts)
+            return field(0x0A, h.encode())
+        except _ENCODING_ERRORS:  # a timestamp or sum the wire cannot carry
+            return None
+
+    def _resource_attributes(self, resource: Labels) -> bytes:
+        """The encoded attributes of a resource: the agent's own, the pod's identity from the
+        series, and service.instance.id (``<namespace>/<pod>``, else the host name)."""
+        found = self._resources.get(resource)
+        if found is None:
+            if len(self._resources) > self._max:
+                self._resources.clear()
+            attrs = dict((*self.resource, *resource))
+            namespace, pod = (attrs.get(k, "") for k in self._pod_keys)
+            instance = (f"{namespace}/{pod}" if namespace else pod) if pod else self._host
+            if instance:
+                attrs.setdefault("service.instance.id", instance)
+            found = self._resources[resource] = b"".join(
+                key_value(k, v) for k, v in sorted(attrs.items()))
+        return found
+
     def _resource_metrics(self, resource: Labels,
                           by_metric: dict[str, tuple[_Point, list[bytes | _Histogram]]]) -> bytes:
-        attrs = b"".join(key_value(k, v) for k, v in sorted((*self.resource, *resource)))
+        attrs = self._resource_attributes(resource)
         encoded = b"".join(field(0x12, self._metric(first, points))
                            for first, points in by_metric.values())
         return field(0x0A, field(0x0A, attrs) + field(0x12, field(0x0A, self.scope) + encoded))
 
     def _metric(self, first: _Point, points: list[bytes | _Histogram]) -> bytes:
         otel = metrics.OTEL.get(first.source)
-        data = b"".join(p if isinstance(p, bytes) else field(0x0A, p.encode(self.start_ns))
-                        for p in points)
+        data = b"".join(p for p in points if isinstance(p, bytes))  # histograms encoded by now
         instrument = otel.instrument if otel is not None else "gauge"
         if instrument == "gauge":
             body = field(0x2A, data)
@@ -189,7 +294,7 @@ class Encoder:
 class _Histogram:
     """The _bucket, _sum and _count series of one histogram in one cycle, gathered."""
 
-    __slots__ = ("attributes", "buckets", "count", "sum", "ts")
+    __slots__ = ("attributes", "buckets", "count", "series", "start", "sum", "ts")
 
     def __init__(self, attributes: bytes, ts: int) -> None:
         self.attributes = attributes
@@ -197,8 +302,11 @@ class _Histogram:
         self.buckets: list[tuple[float, float]] = []  # (le, cumulative count)
         self.sum = 0.0
         self.count = 0.0
+        self.series = 0  # how many series it gathers (what is dropped if it cannot be encoded)
+        self.start = b""
 
     def add(self, p: _Point, value: float) -> None:
+        self.series += 1
         if p.part == "_bucket" and p.bound is not None:
             self.buckets.append((p.bound, value))
         elif p.part == "_sum":
@@ -206,16 +314,17 @@ class _Histogram:
         elif p.part == "_count":
             self.count = value
 
-    def encode(self, start: bytes) -> bytes:
+    def encode(self) -> bytes:
         """A HistogramDataPoint: Prometheus' cumulative buckets become per-bucket counts; the
-        +Inf bucket is the count minus the last finite bound's cumulative count."""
+        +Inf bucket is the count minus the last finite bound's cumulative count. Its counts were
+        checked (``Encoder._start_of_histogram``)."""
         finite = sorted(b for b in self.buckets if b[0] != float("inf"))
         counts, previous = [], 0
         for _, cumulative in finite:
             counts.append(int(cumulative) - previous)
             previous = int(cumulative)
         counts.append(int(self.count) - previous)
-        return (self.attributes + b"\x11" + start + b"\x19" + _FIXED64.pack(self.ts * 1_000_000)
+        return (self.attributes + b"\x11" + self.start + b"\x19" + _FIXED64.pack(self.ts * 1_000_000)
                 + b"\x21" + _FIXED64.pack(int(self.count)) + b"\x29" + _DOUBLE.pack(self.sum)
                 + field(0x32, b"".join(_FIXED64.pack(max(0, c)) for c in counts))
                 + field(0x3A, b"".join(_DOUBLE.pack(le) for le, _ in finite)))
@@ -234,9 +343,13 @@ def decompress(body: bytes) -> bytes:
 # -- answers -----------------------------------------------------------------------------------
 
 
+_FIXED_SIZES = {1: 8, 5: 4}  # wire types fixed64 and fixed32
+
+
 def _fields(data: bytes) -> Iterator[tuple[int, int | bytes]]:
-    """(field number, value) of a protobuf message's varint and length-delimited fields; raises
-    ValueError on anything else or on a truncated message."""
+    """(field number, value) of a protobuf message's varint and length-delimited fields; fixed32
+    and fixed64 fields (none that we read) are skipped; raises ValueError on groups, anything
+    else, or a truncated message."""
     i = 0
     while i < len(data):
         tag, i = _read_varint(data, i)
@@ -250,6 +363,10 @@ def _fields(data: bytes) -> Iterator[tuple[int, int | bytes]]:
                 raise ValueError("truncated")
             yield number, data[i:i + length]
             i += length
+        elif wire in _FIXED_SIZES:
+            i += _FIXED_SIZES[wire]
+            if i > len(data):
+                raise ValueError("truncated")
         else:
             raise ValueError(f"wire type {wire}")
 
@@ -293,12 +410,20 @@ def partial_success(body: bytes) -> PartialSuccess | None:
     return None
 
 
-def status_message(body: bytes) -> str | None:
-    """The ``message`` of the google.rpc.Status an OTLP receiver answers a failure with."""
+def status_message(body: bytes) -> str:
+    """What the google.rpc.Status an OTLP receiver answers a failure with says: its message, else
+    its code; never the binary body as text."""
+    code, message = 0, ""
     try:
         for number, value in _fields(body):
-            if number == 2 and isinstance(value, bytes):
-                return value.decode("utf-8", "replace")
+            if number == 1 and isinstance(value, int):
+                code = value - (1 << 64) if value >= 1 << 63 else value
+            elif number == 2 and isinstance(value, bytes):
+                message = value.decode("utf-8", "replace")
     except ValueError:
-        return None
-    return None
+        return f"({len(body)} bytes of protobuf that are not a google.rpc.Status)"
+    if message:
+        return message
+    if code:
+        return f"google.rpc.Status code {code}, no message"
+    return "(no message)"

@@ -19,7 +19,8 @@ The directory is locked (``flock`` on ``.lock``, which holds the owner's pid): t
 spool would send each other's batches twice and delete them under each other.
 
 File layout: ``GSB1`` | body length (u32) | samples (u32) | CRC-32 of body (u32) | body, where the
-body is the request exactly as sent (snappy-compressed remote-write protobuf).
+body is the request exactly as sent (compressed by the sink's codec: snappy remote-write
+protobuf, or gzip OTLP protobuf).
 """
 
 from __future__ import annotations

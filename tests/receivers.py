@@ -352,13 +352,16 @@ class LocalServer:
 
 class FaultProxy(LocalServer):
     """Forwards POSTs to ``target``; ``plan(n)`` may answer request n itself (status, headers,
-    body). Records every request: arrival time and the status the agent got."""
+    body). Records every request: arrival time and the status the agent got. ``require``: headers
+    a request must carry, as an authenticating gateway checks them; one without them is answered
+    401 (the plan is not asked)."""
 
     def __init__(self, target: str, plan: Callable[[int, bytes], tuple[int, dict, bytes] | None],
-                 delay: float = 0.0):
+                 delay: float = 0.0, require: dict[str, str] | None = None):
         self.target = target
         self.plan = plan
         self.delay = delay  # seconds before each answer: a slow or hanging receiver
+        self.require = dict(require or {})  # may be changed while it runs
         self.log: list[tuple[float, int, bytes]] = []
         self.headers: list[dict[str, str]] = []  # per request, as it arrived on the wire
         self.lock = threading.Lock()
@@ -369,7 +372,10 @@ class FaultProxy(LocalServer):
                 body = self.rfile.read(int(self.headers.get("Content-Length", 0)))
                 with proxy.lock:
                     n = len(proxy.log)
-                    answer = proxy.plan(n, body)
+                    if any(self.headers.get(k) != v for k, v in proxy.require.items()):
+                        answer = (401, {}, b"unauthorized: bad or missing credentials")
+                    else:
+                        answer = proxy.plan(n, body)
                 if proxy.delay:
                     time.sleep(proxy.delay)
                 if answer is None:
@@ -525,12 +531,15 @@ def otlp_rows(requests: list) -> list[tuple[str, tuple, int, float]]:
 
     back_point = {v: k for k, v in POINT_LABELS.items()}
     back_resource = {v: k for k, v in RESOURCE_LABELS.items()}
-    own = {"service.name", "service.version", "host.name"}
+    own = {"service.name", "service.version", "host.name", "service.instance.id"}
     rows = []
     for request in requests:
         for rm in request.resource_metrics:
             resource = {kv.key: kv.value.string_value for kv in rm.resource.attributes}
             assert resource["service.name"] == "gpu-sidecar" and resource["host.name"]
+            pod, namespace = resource.get("k8s.pod.name"), resource.get("k8s.namespace.name")
+            assert resource["service.instance.id"] == (
+                (f"{namespace}/{pod}" if namespace else pod) if pod else resource["host.name"])
             res_labels = [(back_resource.get(k, k), v) for k, v in resource.items() if k not in own]
             for sm in rm.scope_metrics:
                 assert sm.scope.name == "gpu-sidecar"

@@ -17,6 +17,7 @@ import pytest
 import requests
 
 from sidecar.sinks.delivery import (
+    DATA_REFUSALS,
     Http,
     HttpOptions,
     Refused,
@@ -38,6 +39,7 @@ def response(status: int, text: str = "", headers: dict | None = None) -> Respon
 @pytest.mark.parametrize(("status", "kind", "reason"), [
     (500, Retryable, "http_5xx"), (503, Retryable, "http_5xx"), (429, Retryable, "http_429"),
     (400, Refused, None), (401, Refused, None), (404, Refused, None), (413, Refused, None),
+    (422, Refused, None), (403, Refused, None),
 ])
 def test_which_answers_are_retried(status, kind, reason):
     with pytest.raises(kind) as err:
@@ -45,6 +47,9 @@ def test_which_answers_are_retried(status, kind, reason):
     assert "receiver text" in str(err.value)
     if reason:
         assert err.value.reason == reason
+    # of the refusals, only answers about the data set a batch aside (and split a merged
+    # request); a wrong URL or credentials keep the spool and retry (SpooledSink)
+    assert (status in DATA_REFUSALS) == (status in (400, 413, 422))
     check(response(204))
     check(response(200))
 
@@ -187,7 +192,8 @@ def test_secrets_never_appear_in_logs_errors_or_help(tmp_path):
                      ["--basic-auth-user", "alice", "--basic-auth-password-file", str(password)]):
             url = proxy.url.replace("http://", "http://bob:url-secret@")
             text = _run_briefly(url, tmp_path, auth)
-            assert "batch_refused" in text and "authentication failed" in text
+            # a 401 keeps the spool and is logged once, with what to fix
+            assert text.count("push_refused") == 1 and "authentication failed" in text
             for secret in ("tok-9f8e7d6c5b4a", "pw-1a2b3c4d", "url-secret", "hdr-secret-77"):
                 assert secret not in text
     finally:

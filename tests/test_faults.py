@@ -363,8 +363,8 @@ def test_a_receiver_echoing_the_request_never_puts_a_secret_in_the_log(tmp_path)
         time.sleep(1.5)
         assert agent.stop() == 0
     text = "".join(agent.err) + "".join(agent.out)
-    refused = events(agent, "batch_refused")
-    assert refused and "***" in refused[0]["receiver_said"]
+    refused = events(agent, "push_refused")  # a 401: logged once, every batch kept
+    assert len(refused) == 1 and "***" in refused[0]["receiver_said"]
     for secret in ("tok-0a1b2c3d4e5f", "hdr-9z8y7x", "pw-secret-77", basic.decode()):
         assert secret not in text
     assert json.dumps(refused[0])  # the log line is whole JSON
@@ -477,3 +477,68 @@ def test_pushgateway_values_that_arrive_while_a_push_fails_are_pushed_without_wa
         sink.close(time.monotonic() + 2)
     pushed = [body for _, status, body in proxy.log if status < 300]
     assert pushed and b"0.75" in pushed[0], proxy.log
+
+
+def _backlog_sink(url: str, spool_dir: Path, token: Path, batches: int = 30,
+                  max_bytes: int = 1 << 20) -> tuple[RemoteWriteSink, Spool]:
+    """A remote-write sink with ``batches`` single-sample batches waiting in its spool."""
+    spool = Spool(spool_dir, max_bytes=max_bytes)
+    options = HttpOptions(timeout_s=5, initial_backoff_s=0.05, max_backoff_s=0.1,
+                          bearer_token_file=str(token))
+    sink = RemoteWriteSink(url, spool, options, push_interval_s=0.0)
+    for i in range(batches):
+        sink.emit([Series("backlog_sample", (("i", str(i)),), float(i), 1_700_000_000_000 + i)])
+    return sink, spool
+
+
+def test_a_backlog_refused_401_is_kept_whole_and_delivered_once_the_token_is_fixed(tmp_path):
+    """30 spooled batches (one merged request) meet an authenticating gateway that answers 401
+    to the token the agent has; 2 s later the Secret is fixed. Nothing may be set aside: the
+    whole backlog reaches VictoriaMetrics, the refusal counted per attempt and logged once when
+    it starts, once when it ends."""
+    vm = VictoriaMetrics(tmp_path).start()
+    proxy = FaultProxy(vm.write_url, lambda n, body: None,
+                       require={"Authorization": "Bearer new-token"})
+    token = tmp_path / "token"
+    token.write_text("old-token\n")
+    with running(vm, proxy), structlog.testing.capture_logs() as logs:
+        sink, spool = _backlog_sink(proxy.url, tmp_path / "spool", token)
+        assert len(spool) == 30
+        sink.start()
+        time.sleep(2.0)
+        assert len(spool) == 30, "a refusal about credentials must keep every batch"
+        token.write_text("new-token\n")  # the kubelet swapped the Secret
+        assert _until(lambda: len(spool) == 0)
+        assert sink.close(time.monotonic() + 2)
+        stored = vm.settled(30)
+    assert sorted(v for n, _, _, v in stored if n == "backlog_sample") == [float(i) for i in range(30)]
+    assert not list((tmp_path / "spool").rglob("rejected/*"))
+    assert spool.dropped_samples["rejected"] == 0
+    refusals = sum(1 for _, status, _ in proxy.log if status == 401)
+    assert refusals >= 5 and sink.failures["http_401"] == refusals
+    began = [e for e in logs if e["event"] == "push_refused"]
+    ended = [e for e in logs if e["event"] == "push_refused_ended"]
+    assert len(began) == 1 and "authentication failed" in began[0]["hint"]
+    assert "old-token" not in str(logs) and "new-token" not in str(logs)
+    assert len(ended) == 1 and ended[0]["attempts"] == refusals
+
+
+def test_a_receiver_refusing_403_for_ever_keeps_the_spool_within_its_bound(tmp_path):
+    """Held batches are not exempt from the bound: the oldest go as spool_full, never to
+    rejected/."""
+    proxy = FaultProxy("http://127.0.0.1:9/unused", lambda n, body: (403, {}, b"forbidden"))
+    token = tmp_path / "token"
+    token.write_text("t\n")
+    bound = 4_000
+    with running(proxy):
+        sink, spool = _backlog_sink(proxy.url, tmp_path / "spool", token, batches=10,
+                                    max_bytes=bound)
+        sink.start()
+        for i in range(200):
+            sink.emit([Series("more", (("i", str(i)),), float(i), 1_700_000_001_000 + i)])
+            time.sleep(0.005)
+        sink.close(time.monotonic() + 0.5)
+    assert 0 < spool.bytes() <= bound
+    assert spool.dropped_samples["spool_full"] > 0 and spool.dropped_samples["rejected"] == 0
+    assert not list((tmp_path / "spool").rglob("rejected/*"))
+    assert sink.failures["http_403"] == sum(1 for _, status, _ in proxy.log if status == 403) > 0

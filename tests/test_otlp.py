@@ -10,6 +10,7 @@ receiver fails, refuses, answers partial_success and hangs, and nothing spooled 
 from __future__ import annotations
 
 import gzip
+import itertools
 import math
 import signal
 import subprocess
@@ -96,9 +97,11 @@ def test_every_point_decoded_matches_what_the_agent_printed(tmp_path):
     resource = {kv.key: kv.value.string_value
                 for kv in receiver.stored[0].resource_metrics[0].resource.attributes}
     assert {k: resource[k] for k in ("k8s.namespace.name", "k8s.pod.name", "k8s.container.name",
-                                     "k8s.node.name", "service.name", "cluster")} == {
+                                     "k8s.node.name", "service.name", "service.instance.id",
+                                     "cluster")} == {
         "k8s.namespace.name": "ml", "k8s.pod.name": "llm-0", "k8s.container.name": "server",
-        "k8s.node.name": "gpu-node-3", "service.name": "gpu-sidecar", "cluster": "prod"}
+        "k8s.node.name": "gpu-node-3", "service.name": "gpu-sidecar",
+        "service.instance.id": "ml/llm-0", "cluster": "prod"}
     names = {m.name for r in receiver.stored for rm in r.resource_metrics
              for sm in rm.scope_metrics for m in sm.metrics}
     assert {"hw.gpu.memory.usage", "hw.gpu.memory.limit", "hw.gpu.utilization",
@@ -112,8 +115,16 @@ def test_every_point_decoded_matches_what_the_agent_printed(tmp_path):
     assert attrs["hw.id"].startswith("GPU-") and "Simulated" in attrs["hw.model"]
     pid = next(p for m, p in points if m.name == "gpu.app.process.reserved")
     assert any(kv.key == "process.pid" and kv.value.int_value > 0 for kv in pid.attributes)
-    starts = {p.start_time_unix_nano for m, p in points if m.WhichOneof("data") != "gauge"}
-    assert len(starts) == 1  # the agent's start, the origin of every cumulative figure
+    # every cumulative point starts when its series was first seen (none was reset here)
+    first_seen: dict = {}
+    cumulative = [(str(rm.resource), m, p) for r in receiver.stored for rm in r.resource_metrics
+                  for sm in rm.scope_metrics for m in sm.metrics if m.WhichOneof("data") != "gauge"
+                  for p in getattr(m, m.WhichOneof("data")).data_points]
+    for resource, m, p in sorted(cumulative, key=lambda rmp: rmp[2].time_unix_nano):
+        key = (resource, m.name, tuple(sorted((kv.key, str(kv.value)) for kv in p.attributes)))
+        first_seen.setdefault(key, p.time_unix_nano)
+        assert p.start_time_unix_nano == first_seen[key], m.name
+    assert len(first_seen) > 10
     assert not list((tmp_path / "spool").rglob("*.batch"))
 
 
@@ -204,9 +215,9 @@ def test_503_and_429_are_retried_honouring_retry_after_and_nothing_is_lost(tmp_p
     assert len(events(agent, "receiver_recovered")) == 1
 
 
-@pytest.mark.parametrize("status", [400, 500])
+@pytest.mark.parametrize("status", [400, 422])
 def test_a_refused_batch_is_sent_once_set_aside_and_the_rest_flows(tmp_path, status):
-    """OTLP says: never retry a 400 or a 500 (only 429, 502, 503, 504). The batch goes to the
+    """An answer about the data itself (400, 413, 422) is never retried: the batch goes to the
     spool's rejected/, counted; it is not lost from sight, and later batches keep flowing."""
     message = b"metric name is invalid"
     # google.rpc.Status{code: 3, message} (googleapis-common-protos is not installed here)
@@ -226,20 +237,40 @@ def test_a_refused_batch_is_sent_once_set_aside_and_the_rest_flows(tmp_path, sta
     assert len(logged) == 1 and logged[0]["receiver_said"].endswith("metric name is invalid")
 
 
-def test_partial_success_is_delivered_counted_and_logged_once(tmp_path):
-    partial = ExportMetricsServiceResponse(partial_success=ExportMetricsPartialSuccess(
-        rejected_data_points=2, error_message="2 points out of order")).SerializeToString()
-    receiver = OtlpReceiver(lambda n, request: (200, PROTOBUF, partial))
+def partial_answer(rejected: int, message: str) -> bytes:
+    return ExportMetricsServiceResponse(partial_success=ExportMetricsPartialSuccess(
+        rejected_data_points=rejected, error_message=message)).SerializeToString()
+
+
+def test_partial_success_is_delivered_counted_and_each_condition_logged_once(tmp_path):
+    """Points rejected (an error), then a warning only (rejected 0, a message), then points
+    rejected again: three conditions, three log lines, whatever the number of answers. The same
+    body with a JSON Content-Type is not read as protobuf."""
+    rejected, warning = partial_answer(2, "2 points out of order"), partial_answer(0, "slow down")
+
+    def plan(n, request):
+        if n < 4:
+            return 200, PROTOBUF, rejected
+        if n < 8:
+            return 200, PROTOBUF, warning
+        if n < 10:  # the same bytes, said to be JSON: not ours to decode as protobuf
+            return 200, {"Content-Type": "application/json"}, partial_answer(5, "json says")
+        return 200, PROTOBUF, rejected
+
+    receiver = OtlpReceiver(plan)
     with running(receiver):
         agent = run_for(Agent(otlp_args(receiver.url, tmp_path / "spool", "--push-interval",
                                         "0.2")), 4.0)
     assert_delivered_exactly(receiver, agent)  # not sent again: the receiver has the rest
     answered = len(receiver.log)
+    assert answered >= 12
     counted = last(agent, "gpu_sidecar_samples_dropped_total", reason="partial_success")
-    assert counted is not None and 0 < counted <= 2 * answered and counted % 2 == 0
-    logged = events(agent, "partial_success")
-    assert answered >= 10 and [e["count"] for e in logged] == [1, 10]  # not one line per batch
-    assert logged[0]["points_rejected"] == 2 and logged[0]["receiver_said"] == "2 points out of order"
+    assert counted is not None and 0 < counted <= 2 * (answered - 6) and counted % 2 == 0
+    assert "json says" not in "".join(agent.err)
+    logged = [(e["level"], e["points_rejected"], e["receiver_said"])
+              for e in events(agent, "partial_success")]
+    assert logged == [("error", 2, "2 points out of order"), ("warning", 0, "slow down"),
+                      ("error", 2, "2 points out of order")]
 
 
 def test_a_hanging_receiver_holds_neither_sampling_nor_shutdown_and_the_next_start_sends_all(
@@ -278,3 +309,185 @@ def test_a_killed_agent_loses_nothing_its_journal_held(tmp_path):
     printed = keyed([*first.sampled(), *second.sampled()])
     assert keyed(otlp_rows(receiver.stored)) == printed
     assert len(events(second, "journal_replayed")) == 1
+
+
+# -- in process: a backlog spooled before the sender starts ------------------------------------
+
+
+def _status(code: int) -> bytes:
+    """google.rpc.Status{code} with no message, and a fixed32 field this agent does not know
+    (a newer receiver's): the answer must be read all the same, and never printed as text."""
+    return b"\x08" + bytes((code,)) + b"\x1d\x01\x02\x03\x04"
+
+
+def _backlog(url: str, spool_dir: Path, batches: int = 30):
+    from sidecar.sinks.delivery import HttpOptions
+    from sidecar.sinks.otlp import otlp_sink
+    from sidecar.spool import Spool
+
+    spool = Spool(spool_dir, max_bytes=64 << 20)
+    sink = otlp_sink(url, spool, HttpOptions(timeout_s=5, initial_backoff_s=0.05,
+                                             max_backoff_s=0.1),
+                     push_interval_s=0.0, max_batch_samples=1000)
+    labels = (("gpu_uuid", "GPU-1"), ("namespace", "ml"), ("pod", "llm-0"))
+    for i in range(batches):  # each emit seals a batch: 30 batches wait in the spool
+        sink.emit([Series("gpu_sm_occupancy_ratio", labels, i / 100, 1_700_000_000_000 + i)])
+    assert len(spool) == batches
+    return sink, spool
+
+
+def _until(condition, timeout: float = 15.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and not condition():
+        time.sleep(0.02)
+    return condition()
+
+
+@pytest.mark.parametrize("status", [500, 404, 501])
+def test_a_backlog_that_meets_500s_or_a_wrong_url_stays_in_the_spool_and_is_all_delivered(
+        tmp_path, status):
+    """30 spooled batches, merged into one request; the receiver answers ``status`` for 2 s,
+    then accepts. A 500 is retried with backoff (Prometheus 3 answers 500 for transient append
+    errors); a 404 or 501 (wrong URL, no OTLP there) keeps every batch and retries at the
+    longest backoff. Nothing may reach rejected/: everything is delivered once it accepts."""
+    import structlog
+
+    refuse_until = [float("inf")]
+
+    def plan(n, request):
+        if time.monotonic() < refuse_until[0]:
+            return status, PROTOBUF, _status(5)
+        return None
+
+    receiver = OtlpReceiver(plan)
+    with running(receiver), structlog.testing.capture_logs() as logs:
+        sink, spool = _backlog(receiver.url, tmp_path / "spool")
+        refuse_until[0] = time.monotonic() + 2.0
+        sink.start()
+        assert _until(lambda: len(spool) == 0), f"{len(spool)} batches left"
+        assert sink.close(time.monotonic() + 2)
+    assert not list((tmp_path / "spool").rglob("rejected/*")), "a batch was set aside"
+    assert spool.dropped_samples["rejected"] == 0
+    values = sorted(p.as_double for r in receiver.stored for rm in r.resource_metrics
+                    for sm in rm.scope_metrics for m in sm.metrics for p in m.gauge.data_points)
+    assert values == [i / 100 for i in range(30)]  # all of it, once
+    refusals = sum(1 for _, answered, _ in receiver.log if answered == status)
+    assert refusals >= 5  # it did refuse for a while
+    if status == 500:
+        assert sink.failures["http_5xx"] == refusals
+        assert [e["event"] for e in logs if e["event"].startswith("push_")] == ["push_failing"]
+        assert len([e for e in logs if e["event"] == "receiver_recovered"]) == 1
+        return
+    assert sink.failures[f"http_{status}"] == refusals  # per attempt
+    began = [e for e in logs if e["event"] == "push_refused"]
+    ended = [e for e in logs if e["event"] == "push_refused_ended"]
+    assert len(began) == 1 and len(ended) == 1 and ended[0]["attempts"] == refusals
+    assert began[0]["receiver_said"] == f"HTTP {status}: google.rpc.Status code 5, no message"
+    assert began[0]["hint"] and began[0]["backlog_batches"] == 30
+    times = [t for t, answered, _ in receiver.log if answered == status]
+    assert min(b - a for a, b in itertools.pairwise(times)) >= 0.09  # the longest wait
+
+
+def test_an_answer_that_cannot_be_read_after_a_2xx_never_sends_the_batch_again(tmp_path):
+    receiver = OtlpReceiver()
+    with running(receiver):
+        import structlog
+
+        sink, spool = _backlog(receiver.url, tmp_path / "spool", batches=3)
+
+        def unreadable(response):
+            raise RuntimeError("decoder bug")
+
+        sink.codec.partial = unreadable
+        with structlog.testing.capture_logs() as logs:
+            sink.start()
+            assert _until(lambda: len(spool) == 0)
+            time.sleep(0.5)  # time for a resend, were there one
+            assert sink.close(time.monotonic() + 2)
+    assert len(receiver.log) == 1, "an accepted batch was sent again"
+    assert sink.failures["internal"] == 1 and sink.samples_pushed == 3
+    assert [e["event"] for e in logs if e["log_level"] == "error"] == ["answer_unreadable"]
+
+
+# -- the encoder: what any figure does on the wire ---------------------------------------------
+
+
+def _points(encoder: otlp.Encoder, series: list[Series]) -> list:
+    request = ExportMetricsServiceRequest.FromString(encoder.cycle(series))
+    return [(m.name, p) for rm in request.resource_metrics for sm in rm.scope_metrics
+            for m in sm.metrics for p in getattr(m, m.WhichOneof("data")).data_points]
+
+
+def test_a_counter_that_goes_down_gets_a_new_start_and_a_new_series_starts_when_first_seen():
+    encoder = otlp.Encoder((("service.name", "gpu-sidecar"), ("host.name", "node-a")),
+                           metrics.RESOURCE_LABELS, 1000, "t")
+    gpu = (("gpu_uuid", "GPU-1"),)
+    name, hist = "gpu_pcie_replay_errors_total", "inference_request_duration_seconds"
+
+    def cycle(ts: int, errors: float, count: float, other: bool = False) -> dict:
+        series = [Series(name, gpu, errors, ts),
+                  Series(f"{hist}_bucket", (*gpu, ("le", "+Inf")), count, ts),
+                  Series(f"{hist}_sum", gpu, count / 10, ts), Series(f"{hist}_count", gpu, count, ts)]
+        if other:
+            series.append(Series(name, (("gpu_uuid", "GPU-2"),), 1.0, ts))
+        return {(n, dict((kv.key, kv.value.string_value) for kv in p.attributes)["hw.id"]):
+                p.start_time_unix_nano // 1_000_000 for n, p in _points(encoder, series)}
+
+    first = cycle(5000, 3.0, 10.0)
+    assert set(first.values()) == {5000}  # first seen, not the encoder's start (1000)
+    assert set(cycle(6000, 4.0, 12.0).values()) == {5000}  # growing: the same start
+    later = cycle(7000, 1.0, 12.0, other=True)  # the counter went down: reset; GPU-2 is new
+    assert later == {("hw.errors", "GPU-1"): 7000, ("gpu.app.request.duration", "GPU-1"): 5000,
+                     ("hw.errors", "GPU-2"): 7000}
+    assert set(cycle(8000, 2.0, 2.0, other=True).values()) == {7000, 8000}
+    assert cycle(9000, 2.0, 3.0)[("gpu.app.request.duration", "GPU-1")] == 8000  # count reset
+    resource = ExportMetricsServiceRequest.FromString(encoder.cycle(
+        [Series(name, gpu, 2.0, 9000)])).resource_metrics[0].resource
+    assert {kv.key: kv.value.string_value for kv in resource.attributes}[
+        "service.instance.id"] == "node-a"  # no pod: the host name
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -1.0, 2.0 ** 64, 1e300])
+def test_a_histogram_the_wire_cannot_carry_is_left_out_and_counted_never_raised(tmp_path, bad):
+    from sidecar.sinks.otlp import OtlpCodec
+
+    codec = OtlpCodec({"service.name": "gpu-sidecar", "host.name": "h"})
+    gpu = (("gpu_uuid", "GPU-1"),)
+    hist = "inference_request_duration_seconds"
+    series = [Series(f"{hist}_bucket", (*gpu, ("le", "0.1")), 1.0, 2000),
+              Series(f"{hist}_bucket", (*gpu, ("le", "+Inf")), bad, 2000),
+              Series(f"{hist}_sum", gpu, 1.0, 2000), Series(f"{hist}_count", gpu, bad, 2000),
+              Series("gpu_utilization_ratio", gpu, bad, 2000),  # a double carries any of them
+              Series("gpu_app_process_reserved_bytes", (*gpu, ("pid", "²")), 1.0, 2000),
+              Series("gpu_app_process_reserved_bytes", (*gpu, ("pid", str(1 << 63))), 2.0, 2000),
+              Series("gpu_app_process_reserved_bytes", (*gpu, ("pid", "4242")), 3.0, 2000)]
+    points = _points(codec.encoder, series)
+    assert [n for n, _ in points].count("gpu.app.request.duration") == 0
+    assert codec.dropped == {"unencodable": 4}
+    util = next(p for n, p in points if n == "hw.gpu.utilization")
+    assert util.as_double == bad or (math.isnan(bad) and math.isnan(util.as_double))
+    pids = [next(kv.value for kv in p.attributes if kv.key == "process.pid")
+            for n, p in points if n == "gpu.app.process.reserved"]
+    assert [v.WhichOneof("value") for v in pids] == ["string_value", "string_value", "int_value"]
+    assert pids[1].string_value == str(1 << 63) and pids[2].int_value == 4242
+
+
+def test_varint_encodes_int64_as_twos_complement_and_refuses_what_fits_no_64_bits():
+    from opentelemetry.proto.common.v1.common_pb2 import AnyValue
+
+    for n in (-1, -(1 << 63), (1 << 63) - 1, 0, 300):
+        assert AnyValue.FromString(b"\x18" + otlp.varint(n)).int_value == n
+    assert len(otlp.varint(-1)) == 10
+    for n in (1 << 64, -(1 << 63) - 1):
+        with pytest.raises(ValueError):
+            otlp.varint(n)
+
+
+def test_answers_with_fields_this_agent_does_not_know_are_still_read():
+    partial = partial_answer(3, "3 points too old")
+    # an unknown fixed64 field before, a fixed32 field after (a newer receiver's additions)
+    answer = b"\x11" + bytes(8) + partial + b"\x1d" + bytes(4)
+    assert otlp.partial_success(answer) == otlp.PartialSuccess(3, "3 points too old")
+    assert otlp.status_message(b"\x08\x07") == "google.rpc.Status code 7, no message"
+    assert otlp.status_message(b"\x08\x03\x12\x03bad\x1d" + bytes(4)) == "bad"
+    assert otlp.status_message(b"\xff\xff").startswith("(2 bytes of protobuf")

@@ -2,11 +2,16 @@
 journal, spool, one request in flight, in order) with OTLP bodies: gzip-compressed protobuf
 ``ExportMetricsServiceRequest`` (``sidecar.otlp``).
 
-Answers follow the OTLP/HTTP specification: 429, 502, 503 and 504 are retried with backoff,
-``Retry-After`` honoured, like network errors; every other 4xx and 5xx must not be retried, so
-the batch is set aside in the spool's ``rejected/`` (as remote-write does with a 4xx). A 2xx
-with ``partial_success`` is delivered; the points it says were rejected are counted
-(``gpu_sidecar_samples_dropped_total{reason="partial_success"}``) and logged.
+Answers: 429, 500, 502, 503 and 504 are retried with backoff, ``Retry-After`` honoured, like
+network errors. Retrying a 500 departs from the OTLP/HTTP specification ("MUST NOT retry"), on
+purpose: Prometheus 3 answers 500 for transient append errors, and the product promises that
+nothing spooled is lost. 400, 413 and 422 are answers about the data: the refused batch is set
+aside in the spool's ``rejected/`` (a merged backlog is split first, as for remote-write). Any
+other refusal (401, 403, 404, 405, 415, 501, any other 5xx ...) says the URL, the credentials or
+the receiver are wrong: every batch stays in the spool, the head retried at the longest backoff
+(``SpooledSink``). A 2xx with ``partial_success`` is delivered; the points it says were rejected
+are counted (``gpu_sidecar_samples_dropped_total{reason="partial_success"}``) and each condition
+logged once.
 """
 
 from __future__ import annotations
@@ -22,7 +27,8 @@ from sidecar.sinks import sink_label
 from sidecar.sinks.delivery import HINTS, Answers, HttpOptions, Response, SpooledSink
 from sidecar.spool import Spool
 
-RETRIED = frozenset({429, 502, 503, 504})  # the OTLP/HTTP specification's retryable statuses
+# the OTLP/HTTP specification's retryable statuses, and 500 (see the module's docstring)
+RETRIED = frozenset({429, 500, 502, 503, 504})
 
 OTLP_HINTS = {
     **HINTS,
@@ -33,18 +39,20 @@ OTLP_HINTS = {
          "VictoriaMetrics /opentelemetry/v1/metrics",
     405: "wrong method for this URL: is it the OTLP metrics path (.../v1/metrics)?",
     415: "the receiver does not take protobuf bodies or gzip: it must support OTLP/HTTP protobuf",
-    500: "the receiver failed; OTLP says not to retry a 500, so the batch is set aside in the "
-         "spool's rejected/",
     501: "the receiver does not implement OTLP metrics at this URL",
 }
 
 
 def _said(response: Response) -> str:
-    """An OTLP receiver answers a failure with a google.rpc.Status: its message, else the text."""
-    message = None
-    if "protobuf" in response.headers.get("Content-Type", ""):
-        message = otlp.status_message(response.content)
-    return message if message is not None else response.text
+    """An OTLP receiver answers a failure with a google.rpc.Status: its message (or code), else
+    the text of an answer that is not protobuf."""
+    if _protobuf(response):
+        return otlp.status_message(response.content)
+    return response.text
+
+
+def _protobuf(response: Response) -> bool:
+    return "protobuf" in (response.headers.get("Content-Type") or "").lower()
 
 
 OTLP_ANSWERS = Answers(retried=RETRIED.__contains__, said=_said, hints=OTLP_HINTS)
@@ -61,7 +69,7 @@ class OtlpCodec:
     kind = "otlp"
     headers = otlp.CONTENT_HEADERS
     answers = OTLP_ANSWERS
-    drop_reasons = ("partial_success",)
+    drop_reasons = ("partial_success", otlp.UNENCODABLE)
 
     def __init__(self, resource: Mapping[str, str], extra_labels: tuple[str, ...] = (),
                  start_ms: int | None = None) -> None:
@@ -72,6 +80,7 @@ class OtlpCodec:
             tuple(sorted(resource.items())),
             {**metrics.RESOURCE_LABELS, **{k: k for k in extra_labels}},
             int(time.time() * 1000) if start_ms is None else start_ms, __version__)
+        self.dropped = self.encoder.dropped  # series it could not encode, by reason
 
     def cycle(self, series: list[Series]) -> bytes:
         return self.encoder.cycle(series)
@@ -83,13 +92,15 @@ class OtlpCodec:
         return otlp.decompress(body)
 
     def partial(self, response: Response) -> tuple[int, str] | None:
-        found = otlp.partial_success(response.content) if response.content else None
+        if not response.content or not _protobuf(response):  # JSON, text: not ours to read
+            return None
+        found = otlp.partial_success(response.content)
         return None if found is None else (found.rejected, found.message)
 
 
 def default_resource() -> dict[str, str]:
     """What the agent says of itself on every resource: service.name and version, host.name
-    (the pod's name in Kubernetes)."""
+    (the pod's name in Kubernetes); the encoder adds service.instance.id."""
     return {"service.name": "gpu-sidecar", "service.version": __version__,
             "host.name": socket.gethostname()}
 
