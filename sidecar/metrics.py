@@ -286,6 +286,13 @@ def _otel(m: MetricSpec) -> OtelSpec:
 
 OTEL: dict[str, OtelSpec] = {m.name: _otel(m) for m in METRICS}
 
+# hw.gpu.io has no Prometheus series of its own: the OTLP encoder integrates the PCIe rates
+# (each direction's attribute is its source's, above) into a byte total per GPU and direction
+GPU_IO = OtelSpec("hw.gpu.io", "By", "counter")
+GPU_IO_SOURCES = ("gpu_pcie_tx_bytes_per_second", "gpu_pcie_rx_bytes_per_second")
+GPU_IO_HELP = ("Bytes moved over PCIe, per direction: the integral of the measured PCIe rate "
+               "since the start time.")
+
 # Prometheus label -> OTel attribute; the pod's identity goes on the resource, the rest on points
 RESOURCE_LABELS: dict[str, str] = {"namespace": "k8s.namespace.name", "pod": "k8s.pod.name",
                                    "node": "k8s.node.name", "container": "k8s.container.name"}
@@ -341,9 +348,20 @@ def _render_otel() -> list[str]:
         "non-monotonic Sum, the latency histogram as an explicit-bucket Histogram (its `le`",
         "buckets become bounds and per-bucket counts). Names and units (UCUM) follow the OpenTelemetry",
         "semantic conventions where they define the figure, ours under `gpu.` otherwise.",
-        "`hw.gpu.io` is not sent: the conventions define it as a byte counter, and the agent has",
-        "PCIe and NVLink rates, not byte totals; the rates go as `gpu.pcie.throughput` and",
-        "`gpu.nvlink.throughput` with the conventions' `network.io.direction`.",
+        "The PCIe and NVLink rates go as `gpu.pcie.throughput` and `gpu.nvlink.throughput` with",
+        "the conventions' `network.io.direction`. The conventions' `hw.gpu.io` (the GPU's I/O, a",
+        "byte counter) has no Prometheus series: the OTLP sink sends it as a monotonic Sum in `By`",
+        "per GPU and direction, the integral of `gpu_pcie_tx_bytes_per_second` and",
+        "`gpu_pcie_rx_bytes_per_second`: each point adds its rate times the time since the",
+        "series' previous point. That is the NVML byte counters' delta when the rate came from",
+        "them (fields 197/198) over the same interval, as close when it came from GPM (an",
+        "average between two GPM samples), and an estimate from `nvmlDeviceGetPcieThroughput`",
+        "(a 20 ms window per cycle). The first point is 0 and starts the",
+        "total (its start time). A gap adds nothing and restarts nothing: a rate absent from a",
+        "cycle, or not a finite non-negative number, adds nothing for its interval, nor does a",
+        "point that comes more than 3 times the series' previous interval after its last point",
+        "(a stalled agent). PCIe only: NVLink traffic is between GPUs, not the GPU's I/O. A",
+        "restarted agent starts again from 0 with a new start time.",
         "",
         "Resource attributes: `service.name` (gpu-sidecar), `service.version`, `host.name`, and "
         + ", ".join(f"`{o}` (from `{p}`)" for p, o in RESOURCE_LABELS.items())
@@ -361,7 +379,9 @@ def _render_otel() -> list[str]:
         o = OTEL[m.name]
         fixed = ", ".join(f"`{k}={v}`" for k, v in o.attributes) or "-"
         lines.append(f"| `{m.name}` | `{o.name}` | {kinds[o.instrument]} | `{o.unit}` | {fixed} |")
-    lines.append("")
+    directions = ", ".join(f"`{k}={v}`" for s in GPU_IO_SOURCES for k, v in OTEL[s].attributes)
+    lines += [f"| (integral of {' and '.join(f'`{s}`' for s in GPU_IO_SOURCES)}) | "
+              f"`{GPU_IO.name}` | {kinds[GPU_IO.instrument]} | `{GPU_IO.unit}` | {directions} |", ""]
     return lines
 
 

@@ -19,6 +19,17 @@ the series, moved to the time of the point when a monotonic Sum's value or a His
 goes down (a reset: the source restarted counting). Resources carry ``service.instance.id``:
 ``<namespace>/<pod>`` when the series name a pod, else the host name.
 
+``hw.gpu.io`` (a monotonic Sum in bytes, per GPU and ``network.io.direction``) has no series of
+its own: each PCIe rate point (``metrics.GPU_IO_SOURCES``) also gives one, the integral of that
+series' rate, ``rate x (its time - the previous point's time)`` added on each cycle: the NVML
+byte counters' delta when the rate came from them over the same interval, close to it from GPM,
+an estimate from nvmlDeviceGetPcieThroughput's 20 ms window. The first point is 0 and its time
+the start time (kept per series, bounded like the others; the total never goes down, so no
+reset moves it). A gap adds nothing and restarts nothing: a point whose series was absent the
+cycle before, or that comes more than 3 times the series' last interval after its previous
+point, adds nothing for that gap; nor does a rate that is not a finite non-negative number, for
+its own interval.
+
 Nothing a series carries makes ``cycle`` raise: a histogram point whose counts are not
 non-negative integers within 64 bits, or a series that cannot be encoded at all, is left out and
 counted in ``Encoder.dropped["unencodable"]``; an integer attribute outside int64 goes as a
@@ -97,6 +108,23 @@ class _Point:
     bound: float | None = None  # a _bucket series' le; inf for +Inf
 
 
+@dataclass(slots=True)
+class _Integral:
+    """The ``hw.gpu.io`` total of one GPU and direction."""
+
+    start: bytes  # start_time_unix_nano, encoded: the time of the series' first point
+    ts_ms: int  # the time of its last point
+    cycle: int  # the encoder's cycle of its last point
+    step_ms: int = 0  # the last interval counted; 0 until one was
+    total: float = 0.0  # bytes since start
+
+
+def _otel_of(p: _Point) -> metrics.OtelSpec | None:
+    return metrics.GPU_IO if p.metric == metrics.GPU_IO.name else metrics.OTEL.get(p.source)
+
+
+_GAP = 3  # an interval longer than this many times the last one counted is a gap
+
 # OTel names that several Prometheus names share (told apart by an attribute): their Metric
 # gets no description, since each source's help text speaks of one direction only
 _SHARED = {o.name for o in metrics.OTEL.values()
@@ -121,6 +149,9 @@ class Encoder:
         self._resources: dict[Labels, bytes] = {}
         # per cumulative point (resource, metric, attributes): [start, last value or count]
         self._starts: dict[tuple[Labels, str, bytes], list] = {}
+        # per hw.gpu.io series (resource, attributes): its integral of the PCIe rate
+        self._io: dict[tuple[Labels, bytes], _Integral] = {}
+        self._cycles = 0  # cycles encoded, to tell a series absent from the last one
         self._max = max_cached_series
         self.dropped: dict[str, int] = {UNENCODABLE: 0}  # samples left out, by reason
         own = dict(resource)
@@ -152,6 +183,27 @@ class Encoder:
             if not math.isnan(value):
                 state[1] = value
         return state[0]
+
+    def _io_point(self, p: _Point, rate: float, ts_ms: int) -> tuple[_Point, bytes]:
+        """The ``hw.gpu.io`` point of a PCIe rate point (see the module)."""
+        key = (p.resource, p.attributes)
+        io = self._io.get(key)
+        if io is None:
+            if len(self._io) > self._max:  # bounded like the start times
+                self._io.clear()
+            io = self._io[key] = _Integral(_FIXED64.pack(ts_ms * 1_000_000), ts_ms, self._cycles)
+        else:
+            step = ts_ms - io.ts_ms
+            after_last = io.cycle == self._cycles - 1  # not absent from the last cycle
+            in_time = step > 0 and (not io.step_ms or step <= _GAP * io.step_ms)
+            if after_last and in_time:
+                io.step_ms = step
+                if math.isfinite(rate) and rate >= 0:
+                    io.total += rate * step / 1000
+            io.ts_ms, io.cycle = ts_ms, self._cycles
+        point = field(0x0A, p.attributes + b"\x11" + io.start + b"\x19"
+                      + _FIXED64.pack(ts_ms * 1_000_000) + b"\x21" + _DOUBLE.pack(io.total))
+        return _Point(p.resource, metrics.GPU_IO.name, p.source, p.attributes, True, True), point
 
     def _drop(self, samples: int) -> None:
         self.dropped[UNENCODABLE] += samples
@@ -189,10 +241,12 @@ class Encoder:
         """Name, description and unit of a Metric, encoded once."""
         head = self._headers.get(p.metric)
         if head is None:
-            spec, otel = metrics.BY_NAME.get(p.source), metrics.OTEL.get(p.source)
+            spec, otel = metrics.BY_NAME.get(p.source), _otel_of(p)
             head = field(0x0A, p.metric.encode())
             if spec is not None and otel is not None:
-                if p.metric not in _SHARED:
+                if otel is metrics.GPU_IO:
+                    head += field(0x12, metrics.GPU_IO_HELP.encode())
+                elif p.metric not in _SHARED:
                     head += field(0x12, spec.help.encode())
                 head += field(0x1A, otel.unit.encode())
             head = self._headers[p.metric] = head
@@ -203,6 +257,7 @@ class Encoder:
         # resource -> OTel metric -> (its first point's placing, encoded points or histograms)
         grouped: dict[Labels, dict[str, tuple[_Point, list[bytes | _Histogram]]]] = {}
         histograms: dict[tuple[Labels, str, bytes], _Histogram] = {}
+        self._cycles += 1
         for s in series:
             try:
                 p = self._point(s.name, s.labels)
@@ -223,6 +278,9 @@ class Encoder:
                 self._drop(1)
                 continue
             grouped.setdefault(p.resource, {}).setdefault(p.metric, (p, []))[1].append(point)
+            if p.source in metrics.GPU_IO_SOURCES:
+                io, point = self._io_point(p, s.value, s.timestamp_ms)
+                grouped[p.resource].setdefault(io.metric, (io, []))[1].append(point)
         for (resource, metric, _), h in histograms.items():
             by_metric = grouped[resource]
             points = by_metric[metric][1]
@@ -278,7 +336,7 @@ class Encoder:
         return field(0x0A, field(0x0A, attrs) + field(0x12, field(0x0A, self.scope) + encoded))
 
     def _metric(self, first: _Point, points: list[bytes | _Histogram]) -> bytes:
-        otel = metrics.OTEL.get(first.source)
+        otel = _otel_of(first)
         data = b"".join(p for p in points if isinstance(p, bytes))  # histograms encoded by now
         instrument = otel.instrument if otel is not None else "gauge"
         if instrument == "gauge":

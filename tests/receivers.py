@@ -522,11 +522,40 @@ class OtlpReceiver(LocalServer):
         self.url = self.serve(Handler, "/v1/metrics")
 
 
+def otlp_io(requests: list) -> dict[tuple[str, str], list[tuple[int, int, float]]]:
+    """The ``hw.gpu.io`` points of decoded OTLP requests, per (hw.id, network.io.direction):
+    (start ns, time ns, bytes) in the order sent, checking on the way that each is a cumulative
+    monotonic Sum in By with the GPU's attributes. ``otlp_rows`` leaves them out: they are no
+    series of the agent's."""
+    from sidecar.metrics import GPU_ATTRIBUTES, GPU_IO
+
+    out: dict[tuple[str, str], list[tuple[int, int, float]]] = {}
+    for request in requests:
+        for rm in request.resource_metrics:
+            for sm in rm.scope_metrics:
+                for metric in sm.metrics:
+                    if metric.name != GPU_IO.name:
+                        continue
+                    assert metric.WhichOneof("data") == "sum" and metric.unit == "By"
+                    assert metric.sum.is_monotonic and metric.sum.aggregation_temporality == 2
+                    for p in metric.sum.data_points:
+                        attrs = {kv.key: kv.value.string_value for kv in p.attributes}
+                        assert {k: attrs.pop(k) for k, _ in GPU_ATTRIBUTES} == dict(GPU_ATTRIBUTES)
+                        assert attrs.keys() == {"hw.id", "hw.model", "gpu.index",
+                                                "network.io.direction"}, attrs
+                        assert p.WhichOneof("value") == "as_double"
+                        key = (attrs["hw.id"], attrs["network.io.direction"])
+                        out.setdefault(key, []).append(
+                            (p.start_time_unix_nano, p.time_unix_nano, p.as_double))
+    return out
+
+
 def otlp_rows(requests: list) -> list[tuple[str, tuple, int, float]]:
     """Decoded OTLP requests turned back into the agent's Prometheus series (name, sorted labels,
     ts ms, value) through the mapping table, checking on the way what the mapping promises:
-    units, instrument types, cumulative temporality, start times, GPU attributes."""
-    from sidecar.metrics import GPU_ATTRIBUTES, OTEL, POINT_LABELS, RESOURCE_LABELS
+    units, instrument types, cumulative temporality, start times, GPU attributes. ``hw.gpu.io``
+    is left out (``otlp_io``)."""
+    from sidecar.metrics import GPU_ATTRIBUTES, GPU_IO, OTEL, POINT_LABELS, RESOURCE_LABELS
     from sidecar.samples import format_bound
 
     back_point = {v: k for k, v in POINT_LABELS.items()}
@@ -544,6 +573,8 @@ def otlp_rows(requests: list) -> list[tuple[str, tuple, int, float]]:
             for sm in rm.scope_metrics:
                 assert sm.scope.name == "gpu-sidecar"
                 for metric in sm.metrics:
+                    if metric.name == GPU_IO.name:
+                        continue
                     kind = metric.WhichOneof("data")
                     points = getattr(metric, kind).data_points
                     if kind in ("sum", "histogram"):

@@ -30,7 +30,7 @@ from sidecar import metrics, otlp
 from sidecar.samples import Series
 from sidecar.spool import HEADER
 from tests.conftest import ROOT, run_cli
-from tests.receivers import Agent, OtlpReceiver, otlp_rows, running
+from tests.receivers import Agent, OtlpReceiver, otlp_io, otlp_rows, running
 from tests.test_faults import events, last
 
 PROTOBUF = {"Content-Type": "application/x-protobuf"}
@@ -59,6 +59,45 @@ def assert_delivered_exactly(receiver: OtlpReceiver, agent: Agent,
     assert not extra, f"{len(extra)} delivered but never sampled, e.g. {sorted(extra)[:3]}"
     for key, value in sampled.items():
         assert stored[key] == value or (math.isnan(value) and math.isnan(stored[key])), key
+
+
+def integral_of_rates(sampled: list) -> dict[tuple[str, str], list[tuple[int, float]]]:
+    """hw.gpu.io as issue #14 defines it, from what the agent printed: per GPU and direction,
+    (time ms, bytes so far), each cycle adding its PCIe rate times the time since the previous
+    cycle; nothing for a step after a cycle without the rate or longer than 3 times the last."""
+    cycles = sorted({ts for _, _, ts, _ in sampled})
+    next_cycle = dict(itertools.pairwise(cycles))
+    direction = {"gpu_pcie_tx_bytes_per_second": "transmit",
+                 "gpu_pcie_rx_bytes_per_second": "receive"}
+    rates: dict[tuple[str, str], list[tuple[int, float]]] = {}
+    for name, labels, ts, value in sampled:
+        if name in direction:
+            rates.setdefault((dict(labels)["gpu_uuid"], direction[name]), []).append((ts, value))
+    out = {}
+    for key, points in rates.items():
+        points.sort()
+        total, last_step, totals = 0.0, 0, [(points[0][0], 0.0)]
+        for (before, _), (ts, rate) in itertools.pairwise(points):
+            step = ts - before
+            if next_cycle[before] == ts and (not last_step or step <= 3 * last_step):
+                total += rate * step / 1000
+                last_step = step
+            totals.append((ts, total))
+        out[key] = totals
+    return out
+
+
+def assert_io_is_the_integral_of_the_printed_rates(receiver: OtlpReceiver, agent: Agent) -> None:
+    sent = otlp_io(receiver.stored)
+    expected = integral_of_rates(agent.sampled())
+    assert sent.keys() == expected.keys() and len(sent) >= 2  # both directions of each GPU
+    for key, points in sent.items():
+        points.sort(key=lambda p: p[1])
+        assert [ns // 1_000_000 for _, ns, _ in points] == [ts for ts, _ in expected[key]], key
+        assert {start for start, _, _ in points} == {points[0][1]}, "starts at its first point"
+        for (_, ns, value), (_, total) in zip(points, expected[key], strict=True):
+            assert math.isclose(value, total, rel_tol=1e-12), (key, ns, value, total)
+        assert points[0][2] == 0.0 and points[-1][2] > 0
 
 
 def run_for(agent: Agent, seconds: float) -> Agent:
@@ -91,6 +130,7 @@ def test_every_point_decoded_matches_what_the_agent_printed(tmp_path):
             "cluster=prod", "--app-process-series")), 3.0)
     assert_delivered_exactly(receiver, agent)
     assert len({ts for _, _, ts, _ in agent.sampled()}) >= 10  # cycles
+    assert_io_is_the_integral_of_the_printed_rates(receiver, agent)
     headers = receiver.headers[0]
     assert headers["Content-Type"] == "application/x-protobuf"
     assert headers["Content-Encoding"] == "gzip"
@@ -104,7 +144,7 @@ def test_every_point_decoded_matches_what_the_agent_printed(tmp_path):
         "service.instance.id": "ml/llm-0", "cluster": "prod"}
     names = {m.name for r in receiver.stored for rm in r.resource_metrics
              for sm in rm.scope_metrics for m in sm.metrics}
-    assert {"hw.gpu.memory.usage", "hw.gpu.memory.limit", "hw.gpu.utilization",
+    assert {"hw.gpu.memory.usage", "hw.gpu.memory.limit", "hw.gpu.utilization", "hw.gpu.io",
             "gpu.pcie.throughput", "gpu.app.request.duration", "gpu.sm.occupancy"} <= names
     points = [(m, p) for r in receiver.stored for rm in r.resource_metrics
               for sm in rm.scope_metrics for m in sm.metrics
@@ -445,6 +485,45 @@ def test_a_counter_that_goes_down_gets_a_new_start_and_a_new_series_starts_when_
         [Series(name, gpu, 2.0, 9000)])).resource_metrics[0].resource
     assert {kv.key: kv.value.string_value for kv in resource.attributes}[
         "service.instance.id"] == "node-a"  # no pod: the host name
+
+
+def test_hw_gpu_io_starts_at_0_and_a_gap_or_a_missing_rate_adds_nothing_for_its_interval():
+    encoder = otlp.Encoder((("service.name", "gpu-sidecar"),), metrics.RESOURCE_LABELS, 1000, "t",
+                           max_cached_series=4)
+    gpu = (("gpu_uuid", "GPU-1"),)
+    tx, rx = "gpu_pcie_tx_bytes_per_second", "gpu_pcie_rx_bytes_per_second"
+
+    def cycle(ts: int, rate: float | None) -> tuple:
+        series = [Series("gpu_utilization_ratio", gpu, 0.5, ts), Series(rx, gpu, 1000.0, ts)]
+        if rate is not None:
+            series.append(Series(tx, gpu, rate, ts))
+        io = {dict((kv.key, kv.value.string_value) for kv in p.attributes)[
+            "network.io.direction"]: p for n, p in _points(encoder, series) if n == "hw.gpu.io"}
+        assert io["receive"].start_time_unix_nano == 5000 * 1_000_000
+        if rate is None:
+            assert "transmit" not in io
+            return ()
+        p = io["transmit"]
+        assert p.time_unix_nano == ts * 1_000_000
+        return p.start_time_unix_nano // 1_000_000, p.as_double
+
+    assert cycle(5000, 100.0) == (5000, 0.0)  # the first point starts the integral
+    assert cycle(5200, 50.0) == (5000, 10.0)  # + 50 B/s x 0.2 s
+    assert cycle(5400, float("nan")) == (5000, 10.0)  # no rate for this interval
+    assert cycle(5600, 10.0) == (5000, 12.0)
+    assert cycle(5800, None) == ()  # absent from a cycle ...
+    assert cycle(6000, 100.0) == (5000, 12.0)  # ... the gap it leaves adds nothing
+    assert cycle(6200, 100.0) == (5000, 32.0)
+    assert cycle(6900, 100.0) == (5000, 32.0)  # 700 ms > 3 x 200 ms: a stall, nothing added
+    assert cycle(7100, 100.0) == (5000, 52.0)  # and nothing restarted
+    assert cycle(7700, 100.0) == (5000, 112.0)  # 3 x 200 ms exactly: still counted
+    request = ExportMetricsServiceRequest.FromString(encoder.cycle([Series(tx, gpu, 1.0, 9000)]))
+    metric = request.resource_metrics[0].scope_metrics[0].metrics[-1]
+    assert (metric.name, metric.unit, metric.sum.is_monotonic) == ("hw.gpu.io", "By", True)
+    assert metric.description == metrics.GPU_IO_HELP
+    for i in range(10):  # the totals are bounded like the start times
+        encoder.cycle([Series(tx, (("gpu_uuid", f"GPU-{i + 2}"),), 1.0, 10_000)])
+    assert len(encoder._io) <= 5
 
 
 @pytest.mark.parametrize("bad", [float("nan"), float("inf"), -1.0, 2.0 ** 64, 1e300])
