@@ -45,7 +45,11 @@ name; they become the labels namespace, pod, node and container on every series.
 
 DIAGNOSE_EPILOG = """\
 Exit codes: 0 nothing found, 1 a bottleneck found on at least one GPU (or a GPU lost), 2
-configuration error (also: no GPU to judge), 3 NVML unavailable.
+configuration error (also: no GPU to judge), 3 NVML unavailable, 130 interrupted by SIGINT
+(Ctrl-C) and 143 by SIGTERM before the window ended (the report then printed is marked PARTIAL).
+Beside a running agent (the app socket held) the app layer is not judged and, with --gpus
+announced, every visible GPU is judged on its NVML layers. Without NVML, --no-nvml judges the
+app layer only.
 
 """ + OPTIONS_NOTE
 
@@ -225,7 +229,8 @@ def _sinks(cfg: config.Config, spool_root: str) -> list[Sink]:
         grouping = {k: v for k, v in pairs if v}
         sinks.append(PushgatewaySink(cfg.pushgateway_url, http, job=cfg.pushgateway_job,
                                      grouping=grouping, push_interval_s=cfg.push_interval,
-                                     delete_on_exit=cfg.pushgateway_delete_on_exit))
+                                     delete_on_exit=cfg.pushgateway_delete_on_exit,
+                                     summary_at_exit=bool(cfg.batch_job)))
     if cfg.stdout:
         sinks.append(StdoutSink(cfg.output))
     return sinks

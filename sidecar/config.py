@@ -390,12 +390,23 @@ def _label(text: str) -> str:
     return text
 
 
+def _job_name(text: str) -> str:
+    """A Job's name as the label batch.kubernetes.io/job-name carries it: it becomes a path
+    segment of the Pushgateway's grouping URL, where '.' or '..' would be normalised away."""
+    if text and (len(text) > 63 or not re.fullmatch(r"[a-z0-9]([-a-z0-9.]*[a-z0-9])?", text)):
+        raise ValueError("must be a Kubernetes Job name: at most 63 lowercase letters, digits, "
+                         "'-' or '.', starting and ending with a letter or digit")
+    return text
+
+
 OPTIONS: tuple[Option, ...] = (
     Option("interval", "Seconds between samples (0.1..3600; default 5). GPM figures are averages "
            "over this interval.", _seconds(0.1, 3600), commands=("run", "diagnose")),
-    Option("gpus", "Which GPUs to export: 'announced' (default: the GPUs the app announced over "
-           "the socket), 'visible' (every GPU NVML shows this container) or a comma-separated "
-           "list of GPU/MIG UUIDs.", _gpus, commands=("run", "probe", "diagnose")),
+    Option("gpus", "Which GPUs to sample (run exports them, diagnose judges them; probe reports "
+           "every visible GPU and only checks that the UUIDs named are visible): 'announced' "
+           "(default: the GPUs the app announced over the socket), 'visible' (every GPU NVML "
+           "shows this container) or a comma-separated list of GPU/MIG UUIDs.", _gpus,
+           commands=("run", "probe", "diagnose")),
     Option("socket", "Path of the app's Unix datagram socket (default "
            f"{protocol.DEFAULT_SOCKET_PATH}; the client reads {protocol.SOCKET_ENV} too). With "
            "--simulate and no path given, a private temporary one.", _socket_path,
@@ -425,11 +436,13 @@ OPTIONS: tuple[Option, ...] = (
            _positive_float, commands=("run", "probe", "diagnose")),
     Option("gpu_retry_interval", "Seconds between attempts to re-open a lost GPU (default 30).",
            _seconds(1, 3600), commands=("run",)),
-    Option("no_nvml", "Run without NVML: export only the app's allocator and latency figures.",
-           _bool, flag_only=True),
+    Option("no_nvml", "Run without NVML: export (diagnose: judge) only the app's allocator and "
+           "latency figures.", _bool, flag_only=True, commands=("run", "probe", "diagnose")),
     Option("output", "stdout format: 'auto' (default: 'table' when stdout is a terminal, "
            "'prometheus' otherwise), 'table' (one row per GPU with the three layers, the app's "
-           "p50/p99 and a verdict, redrawn in place every --interval on a terminal), "
+           "p50/p99 and a verdict, redrawn in place every --interval on a terminal; on a dumb "
+           "terminal (TERM=dumb or unset) 'auto' gives 'prometheus' and 'table' prints plain "
+           "frames one after another, without escape codes), "
            "'prometheus' (text exposition with millisecond timestamps) or 'json' (one series per "
            "line).", _choice("auto", "table", "prometheus", "json"), commands=("run",)),
     Option("stdout", "Also write every series to stdout (in --output format) when receivers are "
@@ -479,7 +492,7 @@ OPTIONS: tuple[Option, ...] = (
     Option("batch_job", "Name of the batch Job this pod runs (downward API: the label "
            "batch.kubernetes.io/job-name). Adds a run summary, pushed with the last sample to "
            "every sink and labelled job_name; the Pushgateway group becomes job + namespace + "
-           "job_name, so a rerun replaces its group. Leave empty for Deployments.", _label,
+           "job_name, so a rerun replaces its group. Leave empty for Deployments.", _job_name,
            commands=("run",)),
     Option("push_interval", "Seconds between pushes; samples are batched in between "
            "(default 15).", _seconds(0.1, 3600), commands=("run",)),

@@ -166,6 +166,10 @@ METRICS: tuple[MetricSpec, ...] = (
        "End minus start of the sampled run (no GPU labels)."),
     _m("gpu_run_samples", "gauge", "samples", "run", "agent",
        "Cycles in which the GPU was sampled: the denominator of the means and shares."),
+    _m("gpu_run_unreadable_samples", "gauge", "samples", "run", "agent",
+       "Cycles in which the GPU was selected but could not be read (lost, or NVML failing): "
+       "not part of the means and shares, so a GPU lost mid-run shows here, not as a healthy "
+       "mean."),
     _m("gpu_run_max_ratio", "gauge", "ratio", "run", "agent: the cycles' series",
        "Peak over the run of the ratio named by label figure (gpu_sm_occupancy_ratio, "
        "gpu_tensor_core_util_ratio, gpu_mem_bandwidth_util_ratio, "
@@ -178,11 +182,15 @@ METRICS: tuple[MetricSpec, ...] = (
        "fragmentation above its threshold on a cache above its minimum size), low_occupancy "
        "(SM occupancy below its threshold, whatever the latency)."),
     _m("gpu_run_alloc_retries", "gauge", "retries", "run", "app",
-       "Allocator retries during the run (restarts of the counter counted as new starts)."),
-    _m("gpu_run_ooms", "gauge", "errors", "run", "app", "CUDA out-of-memory errors during the run."),
+       "Allocator retries the app's counters show at the end of the run, a restart of the "
+       "counter counted as a new start: from the app's start, which in a Job (the agent a "
+       "native sidecar, started first) is the run's; an agent started after the app counts "
+       "the app's earlier retries too."),
+    _m("gpu_run_ooms", "gauge", "errors", "run", "app",
+       "CUDA out-of-memory errors, counted as gpu_run_alloc_retries."),
     _m("gpu_run_request_duration_p99_seconds", "gauge", "seconds", "run", "app",
-       "p99 request latency over the whole run, from the histogram's increase, interpolated "
-       "as histogram_quantile does."),
+       "p99 request latency from the app's latency histogram, counted as gpu_run_alloc_retries "
+       "(from the app's start), interpolated as histogram_quantile does."),
 )
 
 BY_NAME: dict[str, MetricSpec] = {m.name: m for m in METRICS}
@@ -267,6 +275,7 @@ _OTEL_NAMES: dict[str, tuple[str, tuple[tuple[str, str], ...], Instrument | None
     "gpu_run_end_timestamp_seconds": ("gpu.run.end", (), None),
     "gpu_run_duration_seconds": ("gpu.run.duration", (), None),
     "gpu_run_samples": ("gpu.run.samples", (), None),
+    "gpu_run_unreadable_samples": ("gpu.run.unreadable_samples", (), None),
     "gpu_run_max_ratio": ("gpu.run.max", (), None),
     "gpu_run_mean_ratio": ("gpu.run.mean", (), None),
     "gpu_run_above_threshold_ratio": ("gpu.run.above_threshold", (), None),

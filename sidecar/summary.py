@@ -32,8 +32,9 @@ COUNTERS = {"gpu_allocator_alloc_retries_total": "gpu_run_alloc_retries",
 # low occupancy, which the rule pairs with a slow p99, reported here on its own)
 CONDITIONS = ("pcie_saturated", "fragmented", "low_occupancy")
 _RESERVED = "gpu_allocator_reserved_bytes"
+_AVAILABLE = "gpu_sidecar_gpu_available"  # 0 in a cycle the GPU was selected but not read
 _BUCKET = "inference_request_duration_seconds_bucket"
-_WATCHED = frozenset((*RATIOS, *COUNTERS, _RESERVED))
+_WATCHED = frozenset((*RATIOS, *COUNTERS, _RESERVED, _AVAILABLE))
 
 
 @dataclass
@@ -51,6 +52,7 @@ class _Increase:
 @dataclass
 class _GpuRun:
     cycles: int = 0
+    unreadable: int = 0  # cycles in which the GPU was selected but could not be read (lost)
     peak: dict[str, float] = field(default_factory=dict)
     total: dict[str, float] = field(default_factory=dict)
     seen: dict[str, int] = field(default_factory=dict)
@@ -60,6 +62,9 @@ class _GpuRun:
     buckets: dict[float, _Increase] = field(default_factory=dict)  # upper bound -> increase
 
     def add(self, figures: dict[str, float], t: Thresholds) -> None:
+        if figures.get(_AVAILABLE) == 0.0:
+            self.unreadable += 1
+            return
         self.cycles += 1
         for name in RATIOS:
             value = figures.get(name)
@@ -113,6 +118,10 @@ def quantile(q: float, cumulative: dict[float, float]) -> float | None:
             return lower + (bound - lower) * (rank - below) / (count - below)
         lower, below = bound, count
     return lower
+
+
+def is_summary(name: str) -> bool:
+    return name.startswith("gpu_run_")
 
 
 class RunSummary:
@@ -170,6 +179,7 @@ class RunSummary:
                 return tuple(sorted((*labels, extra)))
 
             out.append(Series("gpu_run_samples", labels, float(run.cycles), ts))
+            out.append(Series("gpu_run_unreadable_samples", labels, float(run.unreadable), ts))
             for name in RATIOS:
                 if name in run.seen:
                     figure = with_(("figure", name))

@@ -3,7 +3,8 @@
 The Pushgateway refuses timestamps and keeps only the last push of a group, so this sink has no
 history and no spool: each push replaces the group with the newest cycle. For history (and for
 nothing lost during an outage) use remote-write. It never forgets a group by itself, so
-``--pushgateway-delete-on-exit`` deletes this pod's group at shutdown.
+``--pushgateway-delete-on-exit`` deletes this pod's group at shutdown; a batch Job's group is
+kept, holding only the run summary after the Job's last push.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from sidecar.sinks.delivery import (
     redact,
     retrying,
 )
+from sidecar.summary import is_summary
 
 IDLE_WAIT_S = 60.0
 
@@ -80,6 +82,7 @@ class PushgatewaySink:
         grouping: dict[str, str] | None = None,
         push_interval_s: float = 15.0,
         delete_on_exit: bool = False,
+        summary_at_exit: bool = False,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.url = url.rstrip("/")
@@ -90,6 +93,7 @@ class PushgatewaySink:
         self.http = Http(http)
         self.push_interval_s = push_interval_s
         self.delete_on_exit = delete_on_exit
+        self.summary_at_exit = summary_at_exit
         self.clock = clock
         self.pushes = 0
         self.failures: Counter[str] = Counter({reason: 0 for reason in FAILURE_REASONS})
@@ -200,6 +204,8 @@ class PushgatewaySink:
         def final() -> None:
             self._thread.join(timeout=max(0.0, deadline - time.monotonic()))
             self._stop.clear()
+            if self.summary_at_exit:
+                self._keep_summary_only()
             self._push_latest(lambda _s: time.monotonic() >= deadline)
             if self.delete_on_exit:
                 self._delete(deadline)
@@ -207,6 +213,13 @@ class PushgatewaySink:
 
         self._final = threading.Thread(target=final, name="pushgateway-final", daemon=True)
         self._final.start()
+
+    def _keep_summary_only(self) -> None:
+        """A finished Job's group keeps its run summary alone: its last live values would read as
+        current at every scrape (and keep alerts on them firing) until the Job runs again."""
+        with self._lock:
+            last = self._pending if self._pending is not None else self._latest.series
+            self._pending = [s for s in last if is_summary(s.name)]
 
     def close(self, deadline: float) -> bool:
         if self._final is None:
