@@ -64,7 +64,8 @@ class Agent:
         self._gpu_labels: dict[str, tuple[GpuIdentity, Labels]] = {}  # uuid -> labels, kept
         self._emit_errors: set[tuple[str, str]] = set()  # (sink, error type) logged once
         # a batch Job's run summary, fed every cycle and sent with the last one
-        self.summary = RunSummary(config.batch_job, self._pod_labels) if config.batch_job else None
+        self.summary = RunSummary(config.batch_job, self._pod_labels,
+                                  index=config.batch_job_index) if config.batch_job else None
         if source is not None:
             self._identities = {i.uuid: i for i in source.devices()}
 

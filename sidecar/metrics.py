@@ -158,6 +158,7 @@ METRICS: tuple[MetricSpec, ...] = (
     _m("gpu_sidecar_spool_batches", "gauge", "batches", "self", "agent",
        "Batches waiting in the disk spool, per remote-write sink."),
     # run: a batch Job's summary (--batch-job), sent once with the last cycle, labelled job_name
+    # (and job_index for an Indexed Job's pod)
     _m("gpu_run_start_timestamp_seconds", "gauge", "seconds", "run", "agent: first cycle",
        "Unix time of the run's first sample (no GPU labels)."),
     _m("gpu_run_end_timestamp_seconds", "gauge", "seconds", "run", "agent: last cycle",
@@ -309,7 +310,8 @@ POINT_LABELS: dict[str, str] = {"gpu_uuid": "hw.id", "gpu_name": "hw.model", "gp
                                 "pid": "process.pid", "sink": "gpu.sidecar.sink",
                                 "reason": "gpu.sidecar.reason", "state": "gpu.sidecar.state",
                                 "version": "gpu.sidecar.version", "mode": "gpu.sidecar.mode",
-                                "job_name": "k8s.job.name", "figure": "gpu.run.figure",
+                                "job_name": "k8s.job.name", "job_index": "gpu.job.index",
+                                "figure": "gpu.run.figure",
                                 "condition": "gpu.run.condition"}
 # added to every point of a GPU (one with a gpu_uuid label): the hardware conventions require
 # hw.type, and every GPU the agent reads is NVIDIA's (NVML)

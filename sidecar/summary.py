@@ -127,9 +127,12 @@ def is_summary(name: str) -> bool:
 class RunSummary:
     """Fed every cycle's series; ``series`` gives the summary at the end of the run."""
 
-    def __init__(self, job_name: str, pod_labels: Labels, thresholds: Thresholds = THRESHOLDS) -> None:
+    def __init__(self, job_name: str, pod_labels: Labels, thresholds: Thresholds = THRESHOLDS,
+                 *, index: str = "") -> None:
         self.job_name = job_name
-        self.labels = tuple(sorted((*pod_labels, ("job_name", job_name))))
+        # the Job and, for an Indexed Job's pod, its completion index
+        self.job: Labels = (("job_name", job_name), *((("job_index", index),) if index else ()))
+        self.labels = tuple(sorted((*pod_labels, *self.job)))
         self.thresholds = thresholds
         self.start_ms: int | None = None
         self.end_ms: int | None = None
@@ -173,7 +176,7 @@ class RunSummary:
             Series("gpu_run_duration_seconds", self.labels, (self.end_ms - self.start_ms) / 1000, ts),
         ]
         for gpu_labels, run in sorted(self._gpus.items()):
-            labels = tuple(sorted((*gpu_labels, ("job_name", self.job_name))))
+            labels = tuple(sorted((*gpu_labels, *self.job)))
 
             def with_(extra: tuple[str, str], labels: Labels = labels) -> Labels:
                 return tuple(sorted((*labels, extra)))

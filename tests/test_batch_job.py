@@ -11,6 +11,7 @@ import math
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections import defaultdict
 from pathlib import Path
@@ -199,6 +200,29 @@ def test_a_job_leaves_one_group_with_its_summary_and_a_rerun_replaces_it(tmp_pat
                    if n == "gpu_run_above_threshold_ratio" and ("condition", "fragmented") in labels)
 
 
+def test_parallel_pods_of_an_indexed_job_keep_a_group_each(tmp_path):
+    pgw = Pushgateway(tmp_path).start()
+    with running(pgw):
+        runs: dict[str, Agent] = {}
+
+        def pod(index: str) -> None:
+            runs[index] = job_run(tmp_path / index, "healthy", "shard", f"shard-{index}-x",
+                                  "--pushgateway-url", pgw.base, "--batch-job-index", index)
+
+        threads = [threading.Thread(target=pod, args=(i,)) for i in "01"]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=60)
+        groups = {g["labels"]["job_index"]: g for g in summary_groups(pgw)}
+        assert sorted(groups) == ["0", "1"]
+        for index, agent in runs.items():
+            stored = Pushgateway.values(groups[index])
+            assert {dict(k[1])["pod"] for k in stored} == {f"shard-{index}-x"}
+            assert all(dict(k[1])["job_index"] == index for k in stored)
+            assert {k[0] for k in stored} == {k[0] for k in printed_summary(agent)}
+
+
 def test_the_summary_arrives_by_remote_write_at_the_runs_end_time(tmp_path):
     vm = VictoriaMetrics(tmp_path).start()
     with running(vm):
@@ -234,6 +258,13 @@ def test_a_job_name_the_grouping_url_cannot_carry_is_refused(name):
     agent = Agent(["--simulate", "healthy", "--once", "--batch-job", name]).start()
     assert agent.wait() == 2
     assert "must be a Kubernetes Job name" in "".join(agent.err)
+
+
+def test_a_completion_index_needs_its_job_and_must_be_a_number():
+    alone = Agent(["--simulate", "healthy", "--once", "--batch-job-index", "3"]).start()
+    assert alone.wait() == 2 and "needs --batch-job" in "".join(alone.err)
+    bad = Agent(["--simulate", "healthy", "--once", "--batch-job", "j", "--batch-job-index", "x1"])
+    assert bad.start().wait() == 2 and "completion index" in "".join(bad.err)
 
 
 def test_delete_on_exit_is_refused_for_a_job():

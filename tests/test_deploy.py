@@ -293,11 +293,18 @@ def test_every_dashboard_query_returns_data_from_a_real_victoriametrics(tmp_path
         assert agent.stop() == 0
         vm.settled(len(agent.sampled()))
         failures = []
+        # series first written in the agent's last cycle (the run summary) can take VictoriaMetrics
+        # a few seconds to index for queries, after /api/v1/export already shows them
+        deadline = time.monotonic() + 15
         for panel in dashboard()["panels"]:
             for target in panel.get("targets", []):
                 expr = substitute(target["expr"])
-                r = requests.get(f"{vm.base}/api/v1/query", params={"query": expr}, timeout=30)
-                r.raise_for_status()
+                while True:
+                    r = requests.get(f"{vm.base}/api/v1/query", params={"query": expr}, timeout=30)
+                    r.raise_for_status()
+                    if r.json()["data"]["result"] or time.monotonic() > deadline:
+                        break
+                    time.sleep(0.5)
                 if not r.json()["data"]["result"]:
                     failures.append(f"{panel['title']}: {expr}")
         assert not failures, "queries without data:\n" + "\n".join(failures)
