@@ -30,16 +30,19 @@ _ESCAPE = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
 
 
 def run_in_pty(args: tuple[str, ...] | list[str], *, frames: int = 0, cols: int = 120,
-               rows: int = 40, timeout: float = 30) -> tuple[str, int]:
+               rows: int = 40, timeout: float = 30, term: str | None = "xterm",
+               interrupt_after: float | None = None) -> tuple[str, int]:
     """``python -m sidecar ARGS`` on a pseudo-terminal of ``cols`` x ``rows``: all it wrote
     (stdout and stderr share the terminal) and its exit status. With ``frames``, Ctrl-C is typed
-    once that many frames were drawn; the process is killed if it outlives ``timeout``."""
+    once that many frames were drawn (or, with ``interrupt_after``, after that many seconds);
+    the process is killed if it outlives ``timeout``. ``term`` is TERM (None: unset)."""
     import fcntl
     import struct
     import termios
 
     env = {k: v for k, v in os.environ.items() if not k.startswith("GPU_SIDECAR_")}
-    env.update(TERM="xterm", PYTHONUNBUFFERED="1")
+    env.pop("TERM", None)
+    env.update(PYTHONUNBUFFERED="1", **({} if term is None else {"TERM": term}))
     pid, fd = pty.fork()
     if pid == 0:  # the child: the pty is its terminal, sized before the agent asks
         fcntl.ioctl(0, termios.TIOCSWINSZ, struct.pack("HHHH", rows, cols, 0, 0))
@@ -47,10 +50,13 @@ def run_in_pty(args: tuple[str, ...] | list[str], *, frames: int = 0, cols: int 
         os.execve(sys.executable, [sys.executable, "-m", "sidecar", *args], env)
     out = b""
     sent = False
-    deadline = time.monotonic() + timeout
+    began = time.monotonic()
+    deadline = began + timeout
     try:
         while time.monotonic() < deadline:
-            if frames and not sent and out.count(b"\x1b[H") >= frames:
+            due = (out.count(b"\x1b[H") >= frames if interrupt_after is None
+                   else time.monotonic() - began >= interrupt_after)
+            if (frames or interrupt_after is not None) and not sent and due:
                 os.write(fd, b"\x03")  # Ctrl-C, through the terminal's line discipline
                 sent = True
             if not select.select([fd], [], [], 0.1)[0]:
@@ -71,10 +77,13 @@ def run_in_pty(args: tuple[str, ...] | list[str], *, frames: int = 0, cols: int 
 
 
 def last_frame(output: str) -> list[str]:
-    """The frame left on the main screen at exit: from its title to its legend line."""
+    """The frame left on the main screen at exit: from its title to the end of its legend (the
+    line starting ``legend: `` and its indented continuations)."""
     after = _ESCAPE.sub("", output[output.rindex(MAIN_SCREEN):]).replace("\r", "").split("\n")
     start = next(i for i, line in enumerate(after) if line.startswith("gpu-sidecar "))
-    end = next(i for i, line in enumerate(after) if line.startswith("used: "))
+    end = next(i for i, line in enumerate(after) if line.startswith("legend: "))
+    while end + 1 < len(after) and after[end + 1].startswith("  ") and after[end + 1].strip():
+        end += 1
     return after[start:end + 1]
 
 

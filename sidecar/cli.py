@@ -223,9 +223,11 @@ def _sinks(cfg: config.Config, spool_root: str) -> list[Sink]:
     if cfg.pushgateway_url:
         from sidecar.sinks.pushgateway import PushgatewaySink
 
-        # a Job's group is the Job's, so that a rerun replaces it; a Deployment's is the pod's
+        # a Job's group is the Job's (an Indexed Job's pod: the Job's and its index), so that a
+        # rerun replaces it; a Deployment's is the pod's
         pairs = (("namespace", cfg.pod_namespace),
-                 ("job_name", cfg.batch_job) if cfg.batch_job else ("pod", cfg.pod_name))
+                 ("job_name", cfg.batch_job) if cfg.batch_job else ("pod", cfg.pod_name),
+                 ("job_index", cfg.batch_job_index))
         grouping = {k: v for k, v in pairs if v}
         sinks.append(PushgatewaySink(cfg.pushgateway_url, http, job=cfg.pushgateway_job,
                                      grouping=grouping, push_interval_s=cfg.push_interval,

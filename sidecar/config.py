@@ -22,7 +22,7 @@ from sidecar.sinks import redact_url
 ENV_PREFIX = "GPU_SIDECAR_"
 RESERVED_LABELS = frozenset({"gpu_uuid", "gpu_name", "gpu_index", "namespace", "pod", "container",
                              "node", "pid", "le", "sink", "reason", "job", "instance", "version",
-                             "mode", "job_name", "figure", "condition"})
+                             "mode", "job_name", "job_index", "figure", "condition"})
 SCENARIOS = ("healthy", "pcie-saturated", "fragmented", "low-occupancy", "gpu-lost", "old-driver")
 
 
@@ -63,6 +63,7 @@ class Config:
     pushgateway_job: str = "gpu-sidecar"
     pushgateway_delete_on_exit: bool = False
     batch_job: str = ""
+    batch_job_index: str = ""
     push_interval: float = 15.0
     batch_max_samples: int = 20_000
     spool_dir: str = "/var/lib/gpu-sidecar/spool"
@@ -399,6 +400,12 @@ def _job_name(text: str) -> str:
     return text
 
 
+def _completion_index(text: str) -> str:
+    if text and not re.fullmatch(r"0|[1-9][0-9]{0,8}", text):
+        raise ValueError("must be a Job completion index: a whole number from 0, or empty")
+    return text
+
+
 OPTIONS: tuple[Option, ...] = (
     Option("interval", "Seconds between samples (0.1..3600; default 5). GPM figures are averages "
            "over this interval.", _seconds(0.1, 3600), commands=("run", "diagnose")),
@@ -493,6 +500,11 @@ OPTIONS: tuple[Option, ...] = (
            "batch.kubernetes.io/job-name). Adds a run summary, pushed with the last sample to "
            "every sink and labelled job_name; the Pushgateway group becomes job + namespace + "
            "job_name, so a rerun replaces its group. Leave empty for Deployments.", _job_name,
+           commands=("run",)),
+    Option("batch_job_index", "Completion index of this pod in an Indexed Job (downward API: "
+           "the label batch.kubernetes.io/job-completion-index); with --batch-job, labels the "
+           "summary job_index and joins the Pushgateway grouping key, so parallel pods of one "
+           "Job keep one group each. Empty for other Jobs.", _completion_index,
            commands=("run",)),
     Option("push_interval", "Seconds between pushes; samples are batched in between "
            "(default 15).", _seconds(0.1, 3600), commands=("run",)),
@@ -602,6 +614,8 @@ def build(command: str, args: argparse.Namespace, env: Mapping[str, str] = os.en
         raise ConfigError("give either a bearer token or basic auth, not both")
     if config.pushgateway_delete_on_exit and not config.pushgateway_url:
         raise ConfigError("--pushgateway-delete-on-exit needs --pushgateway-url")
+    if config.batch_job_index and not config.batch_job:
+        raise ConfigError("--batch-job-index needs --batch-job (the Job it is an index of)")
     if config.pushgateway_delete_on_exit and config.batch_job:
         raise ConfigError("--pushgateway-delete-on-exit would delete the group that keeps the run "
                           "summary of --batch-job: leave it off for Jobs (it is for Deployments)")

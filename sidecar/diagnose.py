@@ -149,43 +149,94 @@ class Window:
     latency_since_start: bool  # no increase in the window: quantiles of the whole histogram
 
 
-def summarize(cycles: Sequence[Mapping[str, Figures]]) -> dict[str, Window]:
-    """Each GPU seen in ``cycles`` (oldest first), summarised over them."""
-    seen: dict[str, list[Figures]] = {}
-    for cycle in cycles:
+class _Running:
+    """Running aggregates of one GPU's figures: sums and counts for the means, the last value of
+    the counters, the first and last histogram. Constant in size, however many cycles it saw."""
+
+    __slots__ = ("counts", "first_counters", "first_hist", "last", "last_hist", "n", "sums")
+
+    def __init__(self) -> None:
+        self.n = 0
+        self.sums: dict[str, float] = {}
+        self.counts: dict[str, int] = {}
+        self.last: Figures | None = None
+        self.first_counters: tuple[float | None, float | None] | None = None
+        self.first_hist: tuple[tuple[float, ...], tuple[float, ...]] | None = None
+        self.last_hist: tuple[tuple[float, ...], tuple[float, ...]] | None = None
+
+    def add(self, f: Figures) -> None:
+        self.n += 1
+        self.last = f
+        for name in _NUMBERS:
+            v = getattr(f, name)
+            if v is None:
+                continue
+            if name in _COUNTERS:
+                self.sums[name] = v
+            else:
+                self.sums[name] = self.sums.get(name, 0.0) + v
+            self.counts[name] = self.counts.get(name, 0) + 1
+        if self.first_counters is None and (f.retries is not None or f.ooms is not None):
+            self.first_counters = (f.retries, f.ooms)
+        if f.latency is not None:
+            if self.first_hist is None:
+                self.first_hist = f.latency
+            self.last_hist = f.latency
+
+
+class Summary:
+    """Each GPU over the cycles given to ``add``, as running aggregates: what ``diagnose`` keeps
+    for its window, so its memory does not grow with ``--duration``."""
+
+    def __init__(self) -> None:
+        self._gpus: dict[str, tuple[_Running, _Running]] = {}  # readable, unreadable
+        self._lost: dict[str, bool] = {}
+        self.cycles = 0
+
+    def add(self, cycle: Mapping[str, Figures]) -> None:
+        self.cycles += 1
         for uuid, fig in cycle.items():
-            seen.setdefault(uuid, []).append(fig)
-    return {uuid: _window(figs) for uuid, figs in seen.items()}
+            read, unread = self._gpus.setdefault(uuid, (_Running(), _Running()))
+            (read if fig.available else unread).add(fig)
+            self._lost[uuid] = not fig.available
+
+    def windows(self) -> dict[str, Window]:
+        return {uuid: _window(read, unread, self._lost[uuid])
+                for uuid, (read, unread) in self._gpus.items()}
 
 
-def _window(figs: list[Figures]) -> Window:
-    read = [f for f in figs if f.available]
-    base = read or figs
+def summarize(cycles: Iterable[Mapping[str, Figures]]) -> dict[str, Window]:
+    """Each GPU seen in ``cycles`` (oldest first), summarised over them."""
+    summary = Summary()
+    for cycle in cycles:
+        summary.add(cycle)
+    return summary.windows()
+
+
+def _window(read: _Running, unread: _Running, lost: bool) -> Window:
+    base = read if read.n else unread
     values: dict[str, object] = {}
-    for name in _NUMBERS:
-        present = [v for v in (getattr(f, name) for f in base) if v is not None]
-        if present:
-            values[name] = present[-1] if name in _COUNTERS else sum(present) / len(present)
-    last = base[-1]
+    for name, total in base.sums.items():
+        values[name] = total if name in _COUNTERS else total / base.counts[name]
+    last = base.last
+    assert last is not None
     mean = dataclasses.replace(last, **values)  # type: ignore[arg-type]
-    first_with = next((f for f in base if f.retries is not None or f.ooms is not None), last)
-    retries = None if last.retries is None else last.retries - (first_with.retries or 0)
-    ooms = None if last.ooms is None else last.ooms - (first_with.ooms or 0)
+    first_retries, first_ooms = base.first_counters or (last.retries, last.ooms)
+    retries = None if last.retries is None else last.retries - (first_retries or 0)
+    ooms = None if last.ooms is None else last.ooms - (first_ooms or 0)
     p50 = p99 = None
     requests = 0.0
     since_start = False
-    hists = [f.latency for f in base if f.latency is not None]
-    if hists:
-        (bounds, first), (last_bounds, now) = hists[0], hists[-1]
+    if base.first_hist is not None and base.last_hist is not None:
+        (bounds, first), (last_bounds, now) = base.first_hist, base.last_hist
         counts = tuple(b - a for a, b in zip(first, now, strict=True)) \
             if bounds == last_bounds else ()
         if not counts or counts[-1] <= 0 or min(counts) < 0:  # no requests, or a reset
             counts, since_start = now, True
         p50, p99 = quantile(0.5, last_bounds, counts), quantile(0.99, last_bounds, counts)
         requests = counts[-1]
-    return Window(mean=mean, samples=len(read), unreadable=len(figs) - len(read),
-                  lost=not figs[-1].available, retries=retries, ooms=ooms, p50=p50, p99=p99,
-                  requests=requests, latency_since_start=since_start)
+    return Window(mean=mean, samples=read.n, unreadable=unread.n, lost=lost, retries=retries,
+                  ooms=ooms, p50=p50, p99=p99, requests=requests, latency_since_start=since_start)
 
 
 @dataclass(frozen=True)
@@ -334,11 +385,12 @@ def _gib(value: float | None) -> str:
 
 
 def report(verdicts: Mapping[str, Verdict], *, seconds: float, samples: int, label: str,
-           t: Thresholds | None = None) -> str:
+           t: Thresholds | None = None, held: str = "") -> str:
     """What diagnose prints: a block per GPU, then one line of result."""
     t = t or thresholds.THRESHOLDS
     out = [f"gpu-sidecar diagnose: {len(verdicts)} GPU(s), {samples} samples over "
            f"{seconds:.1f} s{label}",
+           *textwrap.wrap(f"NOTE: {held}" if held else "", 100, subsequent_indent="  "),
            *textwrap.wrap(
                f"thresholds (sidecar/thresholds.py, as in the shipped alert rules): PCIe above "
                f"{t.pcie_util_ratio:.0%} of the link; fragmentation above "
@@ -396,27 +448,32 @@ def _count(value: float | None) -> str:
 
 
 def sample_window(agent: Agent, duration_s: float, interval_s: float,
-                  stop: threading.Event) -> tuple[list[dict[str, Figures]], float]:
-    """Cycles of ``agent`` every ``interval_s`` for ``duration_s`` (or until ``stop``): each
-    cycle's GPUs, and the seconds the window lasted."""
+                  stop: threading.Event) -> tuple[Summary, float]:
+    """Cycles of ``agent`` every ``interval_s`` for ``duration_s`` (or until ``stop``), folded
+    into running aggregates as they come (no cycle is kept), and the seconds the window lasted."""
     from sidecar.agent import PRIME_WINDOW_S
 
     agent.prime()
     stop.wait(PRIME_WINDOW_S)
     start = time.monotonic()
     end = start + duration_s
-    cycles: list[dict[str, Figures]] = []
+    summary = Summary()
     while True:
-        cycles.append(figures_of(agent.cycle()))
+        summary.add(figures_of(agent.cycle()))
         left = end - time.monotonic()
         if left <= 0 or stop.wait(min(interval_s, left)):
             break
-    return cycles, time.monotonic() - start
+    return summary, time.monotonic() - start
+
+
+HELD = ("the app socket {socket} is held by a running agent: the app layer (allocator, "
+        "fragmentation, request latency) is NOT judged here, only what NVML gives")
 
 
 def diagnose(cfg: Config, *, t: Thresholds | None = None) -> int:
-    """The command: 0 nothing found, 1 a bottleneck (or a lost GPU), 2 no GPU to judge; NVML
-    missing raises NvmlUnavailable (exit 3 in the command line)."""
+    """The command: 0 nothing found, 1 a bottleneck (or a lost GPU), 2 no GPU to judge, 128 +
+    the signal (130 SIGINT, 143 SIGTERM) when interrupted before the window ended, after the
+    partial report; NVML missing raises NvmlUnavailable (exit 3 in the command line)."""
     from sidecar import cli, signals
     from sidecar.agent import Agent
     from sidecar.app_socket import SocketInUse
@@ -426,25 +483,38 @@ def diagnose(cfg: Config, *, t: Thresholds | None = None) -> int:
         try:
             source, scenario, state = stack.enter_context(cli.sampling(cfg))
         except SocketInUse as exc:
-            # beside a running agent, which holds the socket: judge what NVML gives
+            # beside a running agent, which holds the socket: no app can announce its GPUs to
+            # this process, so judge every visible GPU's NVML layers (as --gpus visible would)
+            held = HELD.format(socket=cfg.socket)
+            if cfg.gpus == "announced" and not cfg.no_nvml:
+                cfg = dataclasses.replace(cfg, gpus="visible")
+                held += "; judging every visible GPU (--gpus visible)"
             log.warning("app_socket_in_use", error=str(exc),
                         effect="app figures (fragmentation, retries, latency) are not judged")
             source, scenario, state = stack.enter_context(cli.sampling(cfg, listen=False))
-            held = " (held by a running agent: no app can announce its GPUs to diagnose)"
-        agent = Agent(cfg, source=source, app=state, sinks=[],
-                      mode="simulated" if scenario is not None else "nvml")
-        cycles, seconds = sample_window(agent, cfg.duration, cfg.interval, signals.STOP)
-    windows = summarize(cycles)
+        mode = "simulated" if scenario is not None else ("nvml" if source else "app-only")
+        agent = Agent(cfg, source=source, app=state, sinks=[], mode=mode)
+        summary, seconds = sample_window(agent, cfg.duration, cfg.interval, signals.STOP)
+    interrupted = signals.STOP.is_set()
+    code_interrupted = 128 + (signals.received[0] if signals.received else 2)
+    windows = summary.windows()
     if not windows:
+        why = f" ({held})" if held else ""
         print(f"gpu-sidecar diagnose: no GPU to judge: with --gpus {cfg.gpus} the app announced "
-              f"none over {cfg.socket}{held} in {seconds:.0f} s; start sidecar.client in the "
+              f"none over {cfg.socket}{why} in {seconds:.0f} s; start sidecar.client in the "
               "model server, or name GPUs with --gpus (UUIDs from `gpu-sidecar probe`, or "
               "'visible')", file=sys.stderr)
-        return 2
+        return code_interrupted if interrupted else 2
     order = sorted(windows, key=lambda u: (len(windows[u].mean.index), windows[u].mean.index))
     verdicts = {uuid: judge(windows[uuid], t) for uuid in order}
     label = f"  [SIMULATED: scenario {cfg.simulate}]" if cfg.simulate else ""
-    if signals.STOP.is_set():
-        label += "  (interrupted: judged on what was sampled)"
-    sys.stdout.write(report(verdicts, seconds=seconds, samples=len(cycles), label=label, t=t))
+    if cfg.no_nvml:
+        label += "  [--no-nvml: app layer only]"
+    if interrupted:
+        label += (f"  PARTIAL: interrupted after {seconds:.1f} of {cfg.duration:.0f} s, judged "
+                  "on what was sampled")
+    sys.stdout.write(report(verdicts, seconds=seconds, samples=summary.cycles, label=label, t=t,
+                            held=held))
+    if interrupted:
+        return code_interrupted
     return 1 if any(v.findings for v in verdicts.values()) else 0

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import atexit
 import os
+import textwrap
 import time
 from collections import deque
 from collections.abc import Mapping, Sequence
@@ -29,60 +30,100 @@ from sidecar.thresholds import Thresholds
 HIDE_CURSOR, SHOW_CURSOR = "\x1b[?25l", "\x1b[?25h"
 ALT_SCREEN, MAIN_SCREEN = "\x1b[?1049h", "\x1b[?1049l"
 HOME, CLEAR_LINE_END, CLEAR_BELOW = "\x1b[H", "\x1b[K", "\x1b[J"
-HISTORY = 5  # cycles the verdict and the quantiles are taken over
-LEGEND = ("used: GiB of total; retry: allocator retries; PCIe: share of link, GB/s; NVLink: "
-          "TX/RX GB/s; why: gpu-sidecar diagnose")
+HISTORY = 5  # cycles the verdict, the quantiles and the retries are taken over
+LEGEND_START = "legend: "
+MORE = "… {n} more GPUs not shown (enlarge the terminal or use --output prometheus)"
 GiB = 1024**3
 
 
 @dataclass(frozen=True)
 class Column:
+    key: str
     title: str
     width: int
     group: str  # the layer it belongs to; "" for the GPU and verdict columns
     left: bool = False
+    legend: str = ""  # what the legend says about it, when it is shown
 
 
 COLUMNS = (
-    Column("GPU", 3, ""),
-    Column("util", 4, "compute"), Column("occ", 4, "compute"), Column("tensor", 6, "compute"),
-    Column("used", 8, "memory"), Column("dram", 4, "memory"), Column("frag", 4, "memory"),
-    Column("retry", 5, "memory"),
-    Column("PCIe RX", 10, "IO"), Column("PCIe TX", 10, "IO"), Column("NVLink", 9, "IO"),
-    Column("p50", 5, "app"), Column("p99", 5, "app"),
-    Column("verdict", 16, "", left=True),
+    Column("gpu", "GPU", 3, ""),
+    Column("util", "util", 4, "compute"),
+    Column("occ", "occ", 4, "compute"),
+    Column("tensor", "tensor", 6, "compute"),
+    Column("used", "used GiB", 8, "memory", legend="used GiB: used/total"),
+    Column("dram", "dram", 4, "memory"),
+    Column("frag", "frag", 4, "memory"),
+    Column("retry", "retry", 5, "memory",
+           legend=f"retry: allocator retries in the last {HISTORY} samples"),
+    Column("rx", "RX%", 4, "IO", legend="RX%/TX%: PCIe share of the link"),
+    Column("tx", "TX%", 4, "IO"),
+    Column("rx_rate", "RX GB/s", 7, "IO"),
+    Column("tx_rate", "TX GB/s", 7, "IO"),
+    Column("nvlink", "NVLink", 9, "IO", legend="NVLink: TX/RX GB/s"),
+    Column("p50", "p50", 5, "app"),
+    Column("p99", "p99", 5, "app"),
+    Column("verdict", "verdict", 16, "", left=True, legend="why: gpu-sidecar diagnose"),
 )
+# dropped in this order until the table fits the terminal; GPU, p99 and verdict always stay
+DROP_ORDER = ("nvlink", "tensor", "p50", "rx_rate", "tx_rate", "dram", "used", "util", "retry",
+              "frag", "tx", "rx", "occ")
 _GROUP_SEP = " | "
+_SHORT_GROUP = {"compute": "comp", "memory": "mem"}
 
 
-def _groups() -> list[list[int]]:
-    """Indexes of COLUMNS, grouped by consecutive layer."""
+def _groups(cols: Sequence[Column]) -> list[list[int]]:
+    """Indexes of ``cols``, grouped by consecutive layer."""
     out: list[list[int]] = []
-    for i, col in enumerate(COLUMNS):
-        if out and COLUMNS[out[-1][0]].group == col.group:
+    for i, col in enumerate(cols):
+        if out and cols[out[-1][0]].group == col.group:
             out[-1].append(i)
         else:
             out.append([i])
     return out
 
 
-def _line(cells: Sequence[str]) -> str:
+def width_of(cols: Sequence[Column]) -> int:
+    groups = _groups(cols)
+    return (sum(c.width for c in cols) + len(cols) - len(groups)
+            + len(_GROUP_SEP) * (len(groups) - 1))
+
+
+def layout(width: int | None) -> tuple[Column, ...]:
+    """The columns that fit ``width`` characters (all of them for None): the less important
+    ones are dropped whole, never cut."""
+    cols = COLUMNS
+    for key in DROP_ORDER:
+        if width is None or width_of(cols) <= width:
+            break
+        cols = tuple(c for c in cols if c.key != key)
+    return cols
+
+
+def _line(cells: Mapping[str, str], cols: Sequence[Column]) -> str:
     parts = []
-    for group in _groups():
+    for group in _groups(cols):
         parts.append(" ".join(
-            cells[i].ljust(COLUMNS[i].width) if COLUMNS[i].left else cells[i].rjust(COLUMNS[i].width)
-            for i in group))
+            cells[cols[i].key].ljust(cols[i].width) if cols[i].left
+            else cells[cols[i].key].rjust(cols[i].width) for i in group))
     return _GROUP_SEP.join(parts).rstrip()
 
 
-def header() -> list[str]:
-    """Two lines: the layers over their columns, then the columns."""
+def header(cols: Sequence[Column] = COLUMNS) -> list[str]:
+    """Two lines: the layers over their columns, then the columns; and a rule."""
     layer = []
-    for group in _groups():
-        span = sum(COLUMNS[i].width for i in group) + len(group) - 1
-        layer.append(COLUMNS[group[0]].group.ljust(span))
-    titles = _line([c.title for c in COLUMNS])
+    for group in _groups(cols):
+        span = sum(cols[i].width for i in group) + len(group) - 1
+        name = cols[group[0]].group
+        if len(name) > span:
+            name = _SHORT_GROUP.get(name, name)[:span]
+        layer.append(name.ljust(span))
+    titles = _line({c.key: c.title for c in cols}, cols)
     return [_GROUP_SEP.join(layer).rstrip(), titles, "-" * len(titles)]
+
+
+def legend(cols: Sequence[Column] = COLUMNS) -> str:
+    return LEGEND_START + "; ".join(c.legend for c in cols if c.legend)
 
 
 def _pct(value: float | None) -> str:
@@ -90,11 +131,11 @@ def _pct(value: float | None) -> str:
 
 
 def _rate(value: float | None) -> str:
-    """GB/s in at most five characters."""
+    """GB/s, the number only (the header says the unit)."""
     if value is None:
         return "-"
     gb = value / 1e9
-    return f"{gb:.1f}G" if gb < 100 else f"{gb:.0f}G"
+    return f"{gb:.1f}" if gb < 100 else f"{gb:.0f}"
 
 
 def _seconds(value: float | None) -> str:
@@ -103,47 +144,69 @@ def _seconds(value: float | None) -> str:
     return f"{value * 1000:.0f}ms" if value < 1 else f"{value:.1f}s"
 
 
-def _share(ratio: float | None, rate: float | None) -> str:
-    if ratio is None and rate is None:
-        return "-"
-    return f"{_pct(ratio)} {_rate(rate)}"
-
-
 def _memory(used: float | None, total: float | None) -> str:
     if used is None:
         return "-"
-    return f"{used / GiB:.0f}/{total / GiB:.0f}G" if total else f"{used / GiB:.0f}G"
+    return f"{used / GiB:.0f}/{total / GiB:.0f}" if total else f"{used / GiB:.0f}"
 
 
 def _nvlink(tx: float | None, rx: float | None) -> str:
     if tx is None and rx is None:
         return "-"
-    return "/".join("-" if v is None else f"{v / 1e9:.0f}" for v in (tx, rx)) + "G"
+    return "/".join("-" if v is None else f"{v / 1e9:.0f}" for v in (tx, rx))
 
 
-def row(v: Verdict) -> str:
+def cells(v: Verdict) -> dict[str, str]:
     w, m = v.window, v.window.mean
     if w.lost:
-        return _line([m.index] + ["-"] * (len(COLUMNS) - 2) + [v.short()])
-    return _line([
-        m.index, _pct(m.utilization), _pct(m.occupancy), _pct(m.tensor),
-        _memory(m.mem_used, m.mem_total), _pct(m.dram_bw), _pct(m.fragmentation),
-        "-" if m.retries is None else f"{m.retries:.0f}",
-        _share(m.pcie_rx_ratio, m.pcie_rx), _share(m.pcie_tx_ratio, m.pcie_tx),
-        _nvlink(m.nvlink_tx, m.nvlink_rx), _seconds(w.p50), _seconds(w.p99), v.short(),
-    ])
+        out = {c.key: "-" for c in COLUMNS}
+        out.update(gpu=m.index, verdict=v.short())
+        return out
+    return {
+        "gpu": m.index, "util": _pct(m.utilization), "occ": _pct(m.occupancy),
+        "tensor": _pct(m.tensor), "used": _memory(m.mem_used, m.mem_total),
+        "dram": _pct(m.dram_bw), "frag": _pct(m.fragmentation),
+        "retry": "-" if w.retries is None else f"{w.retries:.0f}",
+        "rx": _pct(m.pcie_rx_ratio), "tx": _pct(m.pcie_tx_ratio),
+        "rx_rate": _rate(m.pcie_rx), "tx_rate": _rate(m.pcie_tx),
+        "nvlink": _nvlink(m.nvlink_tx, m.nvlink_rx), "p50": _seconds(w.p50),
+        "p99": _seconds(w.p99), "verdict": v.short(),
+    }
 
 
-def render(cycles: Sequence[Mapping[str, Figures]], title: str, t: Thresholds | None = None) -> str:
-    """One frame, plain text: the title, the header and a row per GPU, judged on ``cycles``."""
+def row(v: Verdict, cols: Sequence[Column] = COLUMNS) -> str:
+    return _line(cells(v), cols)
+
+
+def render(cycles: Sequence[Mapping[str, Figures]], title: str, t: Thresholds | None = None, *,
+           width: int | None = None, height: int | None = None) -> str:
+    """One frame, plain text: the title, the header and a row per GPU, judged on ``cycles``.
+
+    With ``width``, only the columns that fit it (``layout``) and prose wrapped to it; with
+    ``height``, at most that many lines: when not every GPU fits, the legend goes, the GPUs that
+    are lost or have a bottleneck come first and a last line says how many are not shown."""
+    cols = layout(width)
+
+    def wrap(text: str) -> list[str]:
+        if width is None:
+            return [text]
+        return textwrap.wrap(text, max(width, 20), subsequent_indent="  ",
+                             break_on_hyphens=False) or [""]
+
     windows = summarize(cycles)
+    verdicts = {u: judge(w, t) for u, w in windows.items()}
     order = sorted(windows, key=lambda u: (len(windows[u].mean.index), windows[u].mean.index))
-    lines = [title, *header()]
-    lines += [row(judge(windows[uuid], t)) for uuid in order]
+    head = [*wrap(title), *header(cols)]
+    rows = [row(verdicts[uuid], cols) for uuid in order]
     if not order:
-        lines.append("no GPU selected yet: waiting for the app to announce its GPUs (--gpus)")
-    lines.append(LEGEND)
-    return "\n".join(lines)
+        rows = wrap("no GPU selected yet: waiting for the app to announce its GPUs (--gpus)")
+    tail = wrap(legend(cols))
+    if height is None or len(head) + len(rows) + len(tail) <= height:
+        return "\n".join(head + rows + tail)
+    urgent = sorted(order, key=lambda u: not (verdicts[u].window.lost or verdicts[u].findings))
+    shown = max(height - len(head) - len(wrap(MORE.format(n=len(order)))), 0)
+    more = wrap(MORE.format(n=len(order) - shown))
+    return "\n".join(head + [row(verdicts[u], cols) for u in urgent[:shown]] + more)
 
 
 def title_of(series: Sequence[Series], gpus: Mapping[str, Figures]) -> str:
@@ -167,7 +230,7 @@ class Table:
     def __init__(self, stream: TextIO, *, live: bool | None = None, history: int = HISTORY,
                  thresholds: Thresholds | None = None) -> None:
         self.stream = stream
-        self.live = _isatty(stream) if live is None else live
+        self.live = capable_terminal(stream) if live is None else live
         self.thresholds = thresholds
         self._cycles: deque[dict[str, Figures]] = deque(maxlen=history)
         self._last = ""
@@ -176,11 +239,16 @@ class Table:
     def frame(self, series: list[Series]) -> str:
         gpus = figures_of(series)
         self._cycles.append(gpus)
-        self._last = render(self._cycles, title_of(series, gpus), self.thresholds)
-        if not self.live:
-            return self._last + "\n\n"
+        title = title_of(series, gpus)
+        if not self.live:  # a file, a pipe or a dumb terminal: whole frames, one after another
+            width = _size(self.stream)[0] if _isatty(self.stream) else None
+            return render(self._cycles, title, self.thresholds, width=width) + "\n\n"
         columns, rows = _size(self.stream)
-        lines = [line[:columns] for line in self._last.splitlines()][:max(rows - 1, 1)]
+        # what stays on the main screen at exit: every GPU, at the terminal's width
+        self._last = render(self._cycles, title, self.thresholds, width=columns)
+        drawn = render(self._cycles, title, self.thresholds, width=columns,
+                       height=max(rows - 1, 1))
+        lines = [line[:columns] for line in drawn.splitlines()][:max(rows - 1, 1)]
         start = ""
         if not self._on_screen:
             self._on_screen = True
@@ -205,6 +273,12 @@ class Table:
             self.stream.flush()
         except (OSError, ValueError):
             pass
+
+
+def capable_terminal(stream: TextIO, environ: Mapping[str, str] | None = None) -> bool:
+    """A terminal that understands cursor addressing: a tty whose TERM is set and not dumb."""
+    term = (os.environ if environ is None else environ).get("TERM", "")
+    return term not in ("", "dumb") and _isatty(stream)
 
 
 def _isatty(stream: TextIO) -> bool:

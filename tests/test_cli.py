@@ -304,3 +304,11 @@ def test_simulated_mode_names_the_socket_actually_used():
     assert "--simulate: a private temporary path" in probe_out
     named = run_cli("probe", "--simulate", "healthy", "--socket", "/tmp/x/app.sock").stdout
     assert "(/tmp/x/app.sock)" in named
+
+
+def test_gpus_help_says_what_each_command_does_with_them():
+    probe_help = " ".join(run_cli("probe", "--help").stdout.split())
+    assert "Which GPUs to export" not in probe_help
+    assert "probe reports every visible GPU" in probe_help
+    diagnose_help = " ".join(run_cli("diagnose", "--help").stdout.split())
+    assert "diagnose judges them" in diagnose_help and "--no-nvml" in diagnose_help

@@ -4,17 +4,28 @@ thresholds shared with the shipped alert rules (one change moves both)."""
 from __future__ import annotations
 
 import argparse
+import contextlib
 import ctypes.util
 import dataclasses
+import os
 import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import tracemalloc
 
 import pytest
 
-from sidecar import alert_rules, config, thresholds
-from sidecar.diagnose import diagnose, judge, quantile, summarize
+from sidecar import alert_rules, config, protocol, thresholds
+from sidecar.diagnose import Figures, Summary, diagnose, judge, quantile, summarize
 from sidecar.simulate.scenarios import GPU_LOST_INDEX
 from sidecar.thresholds import THRESHOLDS
-from tests.conftest import run_cli
+from tests.conftest import ROOT, run_cli, send_datagram
+
+NO_NVML = ctypes.util.find_library("nvidia-ml") is None
 
 WINDOW = ("--duration", "2", "--interval", "0.5")
 VERDICT = {"pcie-saturated": "pcie", "fragmented": "fragmentation",
@@ -109,7 +120,7 @@ def windows():
         cfg = config.Config(simulate=scenario, interval=0.5)
         with cli.simulated_paths(cfg) as cfg, cli.sampling(cfg) as (source, _, state):
             agent = Agent(cfg, source=source, app=state, sinks=[])
-            out[scenario] = summarize(sample_window(agent, 1.0, 0.5, STOP)[0])
+            out[scenario] = sample_window(agent, 1.0, 0.5, STOP)[0].windows()
     return out
 
 
@@ -142,3 +153,103 @@ def test_the_command_reads_the_thresholds_at_run_time(monkeypatch, capsys):
     assert diagnose(cfg) == 0
     out = capsys.readouterr().out
     assert "PCIe above 80% of the link" in out and "PCIe above 95% of the link" in out
+
+
+# -- beside a running agent, without NVML, interrupted ---------------------------------------------
+
+def test_beside_an_agent_holding_the_socket_every_visible_gpu_is_judged_on_nvml(tmp_path):
+    path = str(tmp_path / "app.sock")
+    held = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)  # a running agent's socket
+    held.bind(path)
+    try:
+        proc = run_cli("diagnose", "--simulate", "pcie-saturated", "--socket", path, *WINDOW)
+        assert proc.returncode == 1, proc.stdout + proc.stderr  # not 2 after the whole window
+        assert set(verdicts(proc.stdout).values()) == {"pcie"} and len(verdicts(proc.stdout)) == 2
+        head = " ".join(proc.stdout.split("\n\n")[0].split())
+        assert f"the app socket {path} is held by a running agent" in head
+        assert "app layer (allocator, fragmentation, request latency) is NOT judged" in head
+        # with nothing NVML could give, there is truly no GPU to judge: 2
+        if NO_NVML:
+            proc = run_cli("diagnose", "--no-nvml", "--socket", path, "--duration", "1")
+            assert proc.returncode == 2 and "held by a running agent" in proc.stderr
+    finally:
+        held.close()
+
+
+@pytest.mark.skipif(not NO_NVML, reason="this machine has a real NVML library")
+def test_following_the_no_nvml_advice_judges_the_app_layer(tmp_path):
+    path = str(tmp_path / "app.sock")
+    advice = run_cli("diagnose", "--duration", "1", "--socket", path).stderr
+    assert "--no-nvml" in advice  # the advice printed when NVML is missing, followed below
+    gpu = "GPU-0c4b24ac-fb68-413f-6f0c-54be2b5a94c7"
+    message = protocol.encode(protocol.Allocator(
+        pid=4242, gpu=gpu, reserved_bytes=4 << 30, allocated_bytes=1 << 30,
+        active_bytes=1 << 30, inactive_split_bytes=3 << 30, alloc_retries=2, ooms=0))
+    done = threading.Event()
+
+    def app() -> None:  # a model server publishing its allocator figures
+        while not done.wait(0.2):
+            if os.path.exists(path):
+                with contextlib.suppress(OSError):  # between the command's runs
+                    send_datagram(path, message)
+
+    thread = threading.Thread(target=app, daemon=True)
+    thread.start()
+    try:
+        proc = run_cli("diagnose", "--no-nvml", "--socket", path, *WINDOW)
+    finally:
+        done.set()
+        thread.join()
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert "[--no-nvml: app layer only]" in proc.stdout
+    assert gpu in proc.stdout and "verdict: fragmentation" in proc.stdout
+    assert "IO not judged" in proc.stdout and "compute not judged" in proc.stdout
+
+
+@pytest.mark.parametrize(("sig", "code"), [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
+def test_an_interrupted_diagnose_prints_a_partial_report_and_exits_128_plus_the_signal(sig, code):
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "sidecar", "diagnose", "--simulate", "pcie-saturated",
+         "--duration", "60", "--interval", "0.5"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
+        env={**{k: v for k, v in os.environ.items() if not k.startswith("GPU_SIDECAR")},
+             "PYTHONUNBUFFERED": "1"})
+    try:
+        assert proc.stderr is not None
+        line = proc.stderr.readline()  # the simulated_gpus warning: sampling has begun
+        assert "simulated_gpus" in line, line
+        time.sleep(1.5)
+        start = time.monotonic()
+        proc.send_signal(sig)
+        out, err = proc.communicate(timeout=20)
+    finally:
+        proc.kill()
+    assert time.monotonic() - start < 10  # not the whole window
+    assert proc.returncode == code, out + err
+    assert "PARTIAL: interrupted after" in out.splitlines()[0]
+    assert set(verdicts(out).values()) == {"pcie"}
+    assert str(code) in run_cli("diagnose", "--help").stdout
+
+
+def test_the_window_is_kept_as_running_aggregates_not_as_cycles():
+    def cycle(n: int) -> dict[str, Figures]:
+        return {f"GPU-{g}": Figures(uuid=f"GPU-{g}", index=str(g), utilization=n % 7 / 7,
+                                    occupancy=0.5, retries=float(n), mem_used=float(n))
+                for g in range(16)}
+
+    def held_after(cycles: int) -> int:
+        tracemalloc.start()
+        try:
+            summary = Summary()
+            base = tracemalloc.get_traced_memory()[0]
+            for n in range(cycles):
+                summary.add(cycle(n))
+            return tracemalloc.get_traced_memory()[0] - base
+        finally:
+            tracemalloc.stop()
+
+    assert held_after(3000) - held_after(300) < 16_000  # a list of cycles: megabytes
+    windows = summarize([cycle(n) for n in range(10)])
+    w = windows["GPU-3"]
+    assert w.samples == 10 and w.retries == 9 and w.mean.mem_used == pytest.approx(4.5)
+    assert w.mean.utilization == pytest.approx(sum(n % 7 / 7 for n in range(10)) / 10)

@@ -112,8 +112,19 @@ def test_explicit_table_into_a_pipe_gives_plain_frames():
 
 # -- a terminal: the live table ----------------------------------------------------------------
 
-def pty_run(*args: str, frames: int = 0) -> tuple[str, int]:
-    return readme_table.run_in_pty(args, frames=frames)
+def pty_run(*args: str, frames: int = 0, **kwargs) -> tuple[str, int]:
+    return readme_table.run_in_pty(args, frames=frames, **kwargs)
+
+
+def frames_drawn(out: str) -> list[list[str]]:
+    """Each frame drawn on the alternate screen, as the lines a person sees."""
+    start = out.index(ALT_SCREEN + HIDE_CURSOR)
+    end = out.index(MAIN_SCREEN + SHOW_CURSOR, start)
+    return [[line for line in ESCAPE.sub("", frame.split(CLEAR_BELOW)[0]).replace("\r", "")
+             .split("\n") if line] for frame in out[start:end].split(HOME)[1:]]
+
+
+VALUE = re.compile(r"^(-|\d+%|\d+(\.\d)?|\d+/\d+|-/-|\d+ms|\d+\.\ds)$")
 
 
 def test_on_a_terminal_the_table_refreshes_in_place_fits_120_columns_and_ctrl_c_restores():
@@ -129,12 +140,14 @@ def test_on_a_terminal_the_table_refreshes_in_place_fits_120_columns_and_ctrl_c_
         assert frame.rstrip("\r\n").endswith(CLEAR_BELOW) or CLEAR_BELOW in frame
         lines = ESCAPE.sub("", frame).replace("\r", "").split("\n")
         assert sum(1 for line in lines if line.startswith("GPU | util")) == 1
+        titles = next(line for line in lines if line.startswith("GPU | util"))
+        assert all(t in titles for t in ("tensor", "NVLink", "p50", "RX GB/s", "verdict"))
         assert [int(line.split("|")[0]) for line in lines if ROW.match(line)] == list(range(8))
         assert max(len(line) for line in lines) <= 120
     assert out.count(ALT_SCREEN) == 1  # one screen redrawn, not pages appended
     last = ESCAPE.sub("", out[end:]).replace("\r", "").split("\n")
     assert sum(1 for line in last if ROW.match(line)) == 8  # the last frame stays after exit
-    frame = last[:last.index(next(line for line in last if line.startswith("used: "))) + 1]
+    frame = last[:last.index(next(line for line in last if line.startswith("legend: "))) + 1]
     assert max(len(line) for line in frame) <= 120  # as drawn, not cut to the terminal
     assert out.rindex(SHOW_CURSOR) > out.rindex(HIDE_CURSOR)
 
@@ -161,6 +174,66 @@ def test_a_plain_stream_gets_frames_one_after_the_other_without_escapes():
     first, second = table.frame(fixed_series()), table.frame(fixed_series())
     assert "\x1b" not in first + second and table.restore() == ""
     assert first.count("GPU | util") == 1 and first.endswith("\n\n")
+
+
+@pytest.mark.parametrize("cols", [80, 60])
+def test_a_narrow_terminal_drops_whole_columns_and_keeps_the_verdict_and_p99(cols):
+    out, code = pty_run("run", "--simulate", "pcie-saturated", "--interval", "0.3",
+                        "--log-level", "warning", frames=3, cols=cols)
+    assert code == 0, out[-2000:]
+    for lines in frames_drawn(out):
+        assert max(len(line) for line in lines) <= cols
+        titles = next(line for line in lines if line.startswith("GPU |"))
+        assert "p99" in titles and titles.rstrip().endswith("verdict")
+        assert "NVLink" not in titles  # the first to go
+        bars = [i for i, c in enumerate(titles) if c == "|"]
+        rows = [line for line in lines if ROW.match(line)]
+        assert len(rows) == 2
+        for line in rows:  # every value whole, under its column, and the verdict in full
+            assert [i for i, c in enumerate(line) if c == "|"] == bars
+            assert line.rsplit("|", 1)[1].strip() == "IO: PCIe"
+            cells = " ".join(line.split("|")[:-1]).split()
+            assert cells and all(VALUE.match(cell) for cell in cells), line
+        assert any(line.startswith("legend: ") for line in lines)
+    last = ESCAPE.sub("", out[out.rindex(MAIN_SCREEN):]).replace("\r", "").split("\n")
+    assert all(len(line) <= cols for line in last)
+    assert sum(1 for line in last if ROW.match(line) and line.endswith("IO: PCIe")) == 2
+
+
+def test_a_short_terminal_says_how_many_gpus_are_not_shown_and_shows_the_lost_one_first():
+    out, code = pty_run("run", "--simulate", "gpu-lost", "--simulate-gpus", "16", "--interval",
+                        "0.5", "--log-level", "error", frames=6, rows=20)
+    assert code == 0, out[-2000:]
+    drawn = frames_drawn(out)
+    assert len(drawn) >= 6
+    for lines in drawn:
+        assert len(lines) <= 19  # the last line of the terminal stays free
+        rows = [line for line in lines if ROW.match(line)]
+        more = [line for line in lines if line.startswith("… ")]
+        assert more == [f"… {16 - len(rows)} more GPUs not shown (enlarge the terminal or use "
+                        "--output prometheus)"]
+        assert 10 <= len(rows) < 16
+    lost = [lines for lines in drawn if any(line.endswith("LOST") for line in lines)]
+    assert lost, "the GPU was lost within the run"
+    for lines in lost:
+        rows = [line for line in lines if ROW.match(line)]
+        assert rows[0].endswith("LOST") and int(rows[0].split("|")[0]) == 2
+    last = ESCAPE.sub("", out[out.rindex(MAIN_SCREEN):]).replace("\r", "").split("\n")
+    assert sum(1 for line in last if ROW.match(line)) == 16  # all of them stay in the scrollback
+
+
+@pytest.mark.parametrize("term", ["dumb", None])
+def test_a_dumb_terminal_gets_the_exposition_and_table_gets_plain_frames(term):
+    out, code = pty_run("run", "--simulate", "healthy", "--once", "--log-level", "error",
+                        term=term)
+    assert code == 0, out[-2000:]
+    assert "# HELP gpu_sm_occupancy_ratio" in out and "\x1b" not in out
+    out, code = pty_run("run", "--simulate", "healthy", "--interval", "0.3", "--output", "table",
+                        "--log-level", "error", term=term, interrupt_after=2.5)
+    assert code == 0, out[-2000:]
+    assert "\x1b" not in out  # no alternate screen, no cursor moves
+    assert out.count("GPU | util") >= 2  # frames one after the other
+    assert "TERM=dumb" in run_cli("run", "--help").stdout
 
 
 # -- the README shows a captured table ------------------------------------------------------------

@@ -5,7 +5,9 @@ from __future__ import annotations
 import contextlib
 import json
 import math
+import os
 import sys
+from collections.abc import Mapping
 from typing import TextIO
 
 from sidecar.metrics import BY_NAME
@@ -60,11 +62,15 @@ def json_lines(series: list[Series]) -> str:
     )
 
 
-def resolve(fmt: str, stream: TextIO) -> str:
-    """``auto``: the table for a person at a terminal, Prometheus text for everything else
-    (pipes, files, containers, CI), so that what scripts read stays as it was."""
+def resolve(fmt: str, stream: TextIO, environ: Mapping[str, str] | None = None) -> str:
+    """``auto``: the table for a person at a terminal that can redraw in place, Prometheus text
+    for everything else (pipes, files, containers, CI, and a dumb terminal: TERM=dumb or unset,
+    as an editor's shell buffer), so that what scripts read stays as it was."""
     if fmt != "auto":
         return fmt
+    term = (os.environ if environ is None else environ).get("TERM", "")
+    if term in ("", "dumb"):
+        return "prometheus"
     try:
         return "table" if stream.isatty() else "prometheus"
     except (AttributeError, ValueError):  # a stream without a descriptor, or a closed one
