@@ -128,8 +128,8 @@ VALUE = re.compile(r"^(-|\d+%|\d+(\.\d)?|\d+/\d+|-/-|\d+ms|\d+\.\ds)$")
 
 
 def test_on_a_terminal_the_table_refreshes_in_place_fits_120_columns_and_ctrl_c_restores():
-    out, code = pty_run("run", "--simulate", "healthy", "--simulate-gpus", "8", "--interval",
-                        "0.3", "--log-level", "warning", frames=4)
+    out, code = pty_run("run", "--simulate", "healthy", "--simulate-gpus", "8", "--gpus", "visible",
+                        "--interval", "0.3", "--log-level", "warning", frames=4)
     assert code == 0, out[-2000:]
     assert "# HELP" not in out  # the table, not the exposition
     start = out.index(ALT_SCREEN + HIDE_CURSOR)  # its own screen, cursor hidden while drawing
@@ -201,8 +201,10 @@ def test_a_narrow_terminal_drops_whole_columns_and_keeps_the_verdict_and_p99(col
 
 
 def test_a_short_terminal_says_how_many_gpus_are_not_shown_and_shows_the_lost_one_first():
-    out, code = pty_run("run", "--simulate", "gpu-lost", "--simulate-gpus", "16", "--interval",
-                        "0.5", "--log-level", "error", frames=6, rows=20)
+    # every GPU from the first frame: announced ones arrive in parts, so a first frame may be
+    # drawn before all 16 are known
+    out, code = pty_run("run", "--simulate", "gpu-lost", "--simulate-gpus", "16", "--gpus",
+                        "visible", "--interval", "0.5", "--log-level", "error", frames=6, rows=20)
     assert code == 0, out[-2000:]
     drawn = frames_drawn(out)
     assert len(drawn) >= 6
