@@ -17,6 +17,7 @@ import subprocess
 import sys
 import time
 from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -100,9 +101,14 @@ def assert_io_is_the_integral_of_the_printed_rates(receiver: OtlpReceiver, agent
         assert points[0][2] == 0.0 and points[-1][2] > 0
 
 
-def run_for(agent: Agent, seconds: float) -> Agent:
+def run_for(agent: Agent, seconds: float, until: Callable[[], bool] | None = None) -> Agent:
+    """Run the agent ``seconds``, or, with ``until``, until that holds (``seconds`` at the least,
+    30 s at the most: a loaded machine pushes less often than the options say)."""
     agent.start()
     time.sleep(seconds)
+    deadline = time.monotonic() + 30
+    while until is not None and not until() and time.monotonic() < deadline:
+        time.sleep(0.2)
     assert agent.stop() == 0, "".join(agent.err)[-3000:]
     return agent
 
@@ -124,10 +130,11 @@ def spooled(directory: Path, where: str = "") -> list:
 def test_every_point_decoded_matches_what_the_agent_printed(tmp_path):
     receiver = OtlpReceiver()
     with running(receiver):
-        agent = run_for(Agent(otlp_args(
+        agent = Agent(otlp_args(
             receiver.url, tmp_path / "spool", "--pod-namespace", "ml", "--pod-name", "llm-0",
             "--pod-container", "server", "--node-name", "gpu-node-3", "--extra-label",
-            "cluster=prod", "--app-process-series")), 3.0)
+            "cluster=prod", "--app-process-series"))
+        run_for(agent, 3.0, until=lambda: len({ts for _, _, ts, _ in agent.sampled()}) >= 10)
     assert_delivered_exactly(receiver, agent)
     assert len({ts for _, _, ts, _ in agent.sampled()}) >= 10  # cycles
     assert_io_is_the_integral_of_the_printed_rates(receiver, agent)
@@ -245,7 +252,8 @@ def test_503_and_429_are_retried_honouring_retry_after_and_nothing_is_lost(tmp_p
 
     receiver = OtlpReceiver(plan)
     with running(receiver):
-        agent = run_for(Agent(otlp_args(receiver.url, tmp_path / "spool")), 4.5)
+        agent = run_for(Agent(otlp_args(receiver.url, tmp_path / "spool")), 4.5,
+                        until=lambda: len(receiver.log) >= 6)
     assert_delivered_exactly(receiver, agent)
     times = [t for t, _, _ in receiver.log]
     assert times[4] - times[3] >= 0.95 and times[5] - times[4] >= 0.95, "Retry-After ignored"
@@ -300,7 +308,7 @@ def test_partial_success_is_delivered_counted_and_each_condition_logged_once(tmp
     receiver = OtlpReceiver(plan)
     with running(receiver):
         agent = run_for(Agent(otlp_args(receiver.url, tmp_path / "spool", "--push-interval",
-                                        "0.2")), 4.0)
+                                        "0.2")), 2.0, until=lambda: len(receiver.log) >= 12)
     assert_delivered_exactly(receiver, agent)  # not sent again: the receiver has the rest
     answered = len(receiver.log)
     assert answered >= 12
