@@ -191,14 +191,8 @@ def _sinks(cfg: config.Config, spool_root: str) -> list[Sink]:
         from sidecar.spool import Spool
 
         _private_root(spool_root)
-        seen: Counter[str] = Counter()
         per_host = Counter(_old_spool_dir(u) for u in cfg.remote_write_url)
-        for url in cfg.remote_write_url:
-            # one spool and one sink label per URL, even for two URLs on one host:port
-            name = sink_name(url)
-            seen[name] += 1
-            if seen[name] > 1:
-                name = f"{name}#{seen[name]}"
+        for url, name in _named(cfg.remote_write_url, sink_name):
             directory = os.path.join(spool_root, _spool_dir(name, url))
             if per_host[_old_spool_dir(url)] == 1:
                 _adopt_old_spool(os.path.join(spool_root, _old_spool_dir(url)), directory)
@@ -211,10 +205,7 @@ def _sinks(cfg: config.Config, spool_root: str) -> list[Sink]:
         from sidecar.spool import Spool
 
         _private_root(spool_root)
-        names = [otlp_name(u) for u in cfg.otlp_url]
-        for n, url in enumerate(cfg.otlp_url):
-            earlier = names[:n].count(names[n])  # one spool and one label per URL, as above
-            name = f"{names[n]}#{earlier + 1}" if earlier else names[n]
+        for url, name in _named(cfg.otlp_url, otlp_name):
             spool = Spool(os.path.join(spool_root, _spool_dir(name, url)), cfg.spool_max_bytes)
             sinks.append(otlp_sink(url, spool, http, name=name,
                                    extra_labels=tuple(k for k, _ in cfg.extra_label),
@@ -256,6 +247,18 @@ def _old_spool_dir(url: str) -> str:
     from sidecar.sinks.remote_write import host_port
 
     return _safe_dir(f"remote_write:{host_port(url)}")
+
+
+def _named(urls: Sequence[str], sink_name: Callable[[str], str]) -> list[tuple[str, str]]:
+    """Each URL with its sink's name: one spool and one ``sink`` label per URL, even for two URLs
+    on one host:port (the second gets ``#2``)."""
+    seen: Counter[str] = Counter()
+    out = []
+    for url in urls:
+        name = sink_name(url)
+        seen[name] += 1
+        out.append((url, name if seen[name] == 1 else f"{name}#{seen[name]}"))
+    return out
 
 
 def _adopt_old_spool(old: str, new: str) -> None:

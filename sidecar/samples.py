@@ -131,7 +131,7 @@ def gpu_labels(identity: GpuIdentity, pod: Mapping[str, str]) -> Labels:
     return tuple(sorted(base.items()))
 
 
-def _with(labels: Labels, **extra: str) -> Labels:
+def with_labels(labels: Labels, **extra: str) -> Labels:
     return tuple(sorted((*labels, *extra.items())))
 
 
@@ -185,7 +185,7 @@ def _process_series(app: AppFigures, labels: Labels, ts: int) -> Iterator[Series
     """Opt-in: a few series per live process, labelled by pid. Bounded by the app state's
     per-GPU process limit; every restarted worker is a new series for the receiver."""
     for a in app.allocators:
-        own = _with(labels, pid=str(a.pid))
+        own = with_labels(labels, pid=str(a.pid))
         yield Series("gpu_app_process_reserved_bytes", own, float(a.reserved_bytes), ts)
         yield Series("gpu_app_process_allocated_bytes", own, float(a.allocated_bytes), ts)
         frag = ratio(a.reserved_bytes - a.allocated_bytes, a.reserved_bytes)
@@ -242,4 +242,4 @@ def histogram_series(
 def bucket_labels(labels: Labels, bounds: tuple[float, ...]) -> tuple[Labels, ...]:
     """The labels of each bucket, ``+Inf`` last: the same every cycle for a GPU and a layout,
     so they are sorted and formatted once rather than for every bucket of every cycle."""
-    return (*(_with(labels, le=format_bound(b)) for b in bounds), _with(labels, le="+Inf"))
+    return (*(with_labels(labels, le=format_bound(b)) for b in bounds), with_labels(labels, le="+Inf"))

@@ -16,7 +16,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from sidecar.samples import Labels, Series
+from sidecar.samples import Labels, Series, with_labels
 from sidecar.thresholds import THRESHOLDS, Thresholds
 
 # the ratios of the three layers whose peak and mean the summary keeps
@@ -129,7 +129,6 @@ class RunSummary:
 
     def __init__(self, job_name: str, pod_labels: Labels, thresholds: Thresholds = THRESHOLDS,
                  *, index: str = "") -> None:
-        self.job_name = job_name
         # the Job and, for an Indexed Job's pod, its completion index
         self.job: Labels = (("job_name", job_name), *((("job_index", index),) if index else ()))
         self.labels = tuple(sorted((*pod_labels, *self.job)))
@@ -177,22 +176,18 @@ class RunSummary:
         ]
         for gpu_labels, run in sorted(self._gpus.items()):
             labels = tuple(sorted((*gpu_labels, *self.job)))
-
-            def with_(extra: tuple[str, str], labels: Labels = labels) -> Labels:
-                return tuple(sorted((*labels, extra)))
-
             out.append(Series("gpu_run_samples", labels, float(run.cycles), ts))
             out.append(Series("gpu_run_unreadable_samples", labels, float(run.unreadable), ts))
             for name in RATIOS:
                 if name in run.seen:
-                    figure = with_(("figure", name))
+                    figure = with_labels(labels, figure=name)
                     out.append(Series("gpu_run_max_ratio", figure, run.peak[name], ts))
                     out.append(Series("gpu_run_mean_ratio", figure,
                                       run.total[name] / run.seen[name], ts))
             for condition in CONDITIONS:
                 if run.judged.get(condition):
                     out.append(Series("gpu_run_above_threshold_ratio",
-                                      with_(("condition", condition)),
+                                      with_labels(labels, condition=condition),
                                       run.beyond[condition] / run.judged[condition], ts))
             for counter, name in COUNTERS.items():
                 if counter in run.counters:

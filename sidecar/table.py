@@ -233,7 +233,8 @@ class Table:
         self.live = capable_terminal(stream) if live is None else live
         self.thresholds = thresholds
         self._cycles: deque[dict[str, Figures]] = deque(maxlen=history)
-        self._last = ""
+        self._title = ""  # of the last frame drawn live, and its terminal's width: what
+        self._width = 0  # restore() leaves on the main screen
         self._on_screen = False
 
     def frame(self, series: list[Series]) -> str:
@@ -244,8 +245,7 @@ class Table:
             width = _size(self.stream)[0] if _isatty(self.stream) else None
             return render(self._cycles, title, self.thresholds, width=width) + "\n\n"
         columns, rows = _size(self.stream)
-        # what stays on the main screen at exit: every GPU, at the terminal's width
-        self._last = render(self._cycles, title, self.thresholds, width=columns)
+        self._title, self._width = title, columns
         drawn = render(self._cycles, title, self.thresholds, width=columns,
                        height=max(rows - 1, 1))
         lines = [line[:columns] for line in drawn.splitlines()][:max(rows - 1, 1)]
@@ -263,7 +263,9 @@ class Table:
             return ""
         self._on_screen = False
         atexit.unregister(self._restore_at_exit)
-        return MAIN_SCREEN + SHOW_CURSOR + self._last + "\n"
+        # what stays on the main screen at exit: every GPU, at the terminal's width
+        last = render(self._cycles, self._title, self.thresholds, width=self._width)
+        return MAIN_SCREEN + SHOW_CURSOR + last + "\n"
 
     def _restore_at_exit(self) -> None:
         """An exit that skipped the sink's close (an exception) must not leave the terminal on
