@@ -194,6 +194,13 @@ class Receiver:
         self.process.stop()
 
 
+# VictoriaMetrics stores each float as an int64 decimal mantissa found by scaling until the
+# fraction is below 1e-12 of the integer part (lib/decimal, conversionPrecision = 1e12), and
+# truncates it: 0.7123729215517124 comes back as 0.712372921551, a relative error just above
+# 1e-12. Ten times that still catches any value that is not the one sampled.
+VM_REL = 1e-11
+
+
 class VictoriaMetrics(Receiver):
     def __init__(self, tmp: Path) -> None:
         self.tmp = tmp

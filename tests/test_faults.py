@@ -28,9 +28,7 @@ from sidecar.sinks.delivery import FAILURE_REASONS, HttpOptions
 from sidecar.sinks.remote_write import RemoteWriteSink
 from sidecar.spool import DROP_REASONS, STATES, Spool
 from tests.conftest import ROOT
-from tests.receivers import Agent, FaultProxy, VictoriaMetrics, running
-
-VM_REL = 1e-12
+from tests.receivers import VM_REL, Agent, FaultProxy, VictoriaMetrics, running
 
 
 def args(url: str, spool: Path, *extra: str) -> list[str]:

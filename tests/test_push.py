@@ -19,6 +19,7 @@ import pytest
 from sidecar.prompb import WriteRequest
 from sidecar.remote_write import decompress
 from tests.receivers import (
+    VM_REL,
     Agent,
     FaultProxy,
     Prometheus,
@@ -67,9 +68,6 @@ def run_for(agent: Agent, seconds: float) -> None:
     time.sleep(seconds)
     assert agent.stop() == 0, "".join(agent.err)[-3000:]
 
-
-# VictoriaMetrics keeps float64 values with up to 15-16 significant decimal digits
-VM_REL = 1e-12
 
 
 def test_victoriametrics_stores_exactly_what_was_sampled(tmp_path):
