@@ -196,7 +196,8 @@ def _sinks(cfg: config.Config, spool_root: str) -> list[Sink]:
             directory = os.path.join(spool_root, _spool_dir(name, url))
             if per_host[_old_spool_dir(url)] == 1:
                 _adopt_old_spool(os.path.join(spool_root, _old_spool_dir(url)), directory)
-            sinks.append(RemoteWriteSink(url, Spool(directory, cfg.spool_max_bytes), http,
+            spool = Spool(directory, cfg.spool_max_bytes, cfg.spool_memory_max_bytes)
+            sinks.append(RemoteWriteSink(url, spool, http,
                                          name=name, push_interval_s=cfg.push_interval,
                                          max_batch_samples=cfg.batch_max_samples))
     if cfg.otlp_url:
@@ -206,7 +207,8 @@ def _sinks(cfg: config.Config, spool_root: str) -> list[Sink]:
 
         _private_root(spool_root)
         for url, name in _named(cfg.otlp_url, otlp_name):
-            spool = Spool(os.path.join(spool_root, _spool_dir(name, url)), cfg.spool_max_bytes)
+            spool = Spool(os.path.join(spool_root, _spool_dir(name, url)), cfg.spool_max_bytes,
+                          cfg.spool_memory_max_bytes)
             sinks.append(otlp_sink(url, spool, http, name=name,
                                    extra_labels=tuple(k for k, _ in cfg.extra_label),
                                    push_interval_s=cfg.push_interval,

@@ -68,6 +68,7 @@ class Config:
     batch_max_samples: int = 20_000
     spool_dir: str = "/var/lib/gpu-sidecar/spool"
     spool_max_bytes: int = 256 * 1024 * 1024
+    spool_memory_max_bytes: int = 16 * 1024 * 1024
     shutdown_timeout: float = 5.0
     push_timeout: float = 10.0
     retry_max_backoff: float = 30.0
@@ -516,6 +517,12 @@ OPTIONS: tuple[Option, ...] = (
     Option("spool_max_bytes", "Bound of the spool in bytes per remote-write or OTLP receiver; beyond it "
            "the oldest batches are dropped and counted (default 268435456 = 256 MiB).",
            _positive_int(4096, 1 << 40), commands=("run",)),
+    Option("spool_memory_max_bytes", "Bytes per remote-write or OTLP receiver held in memory "
+           "while the spool volume refuses writes (full, read-only): those batches are still "
+           "sent, and written to the spool once it takes writes again; beyond this bound, or "
+           "still in memory when the agent stops, they are lost and counted (default 16777216 "
+           "= 16 MiB; 0 keeps nothing in memory).", _positive_int(0, 1 << 34),
+           commands=("run",)),
     Option("shutdown_timeout", "Seconds allowed at SIGTERM for the last sample and flush "
            "(default 5); what is not sent stays in the spool.", _seconds(0, 600),
            commands=("run",)),

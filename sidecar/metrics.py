@@ -127,11 +127,12 @@ METRICS: tuple[MetricSpec, ...] = (
        "GPU samples taken (one per GPU per cycle)."),
     _m("gpu_sidecar_samples_dropped_total", "counter", "samples", "self", "agent",
        "Samples lost, by reason (gpu_unavailable; sink_error, a cycle a sink failed to take, "
-       "which the log sink_emit_failed explains; per sink: spool_full, spool_write_failed, "
-       "rejected, corrupt, unreadable; per OTLP sink also partial_success, the data points the "
-       "receiver said it rejected, and unencodable, series OTLP cannot carry, such as a "
-       "histogram whose count is NaN, infinite, negative or above 64 bits). Every sink reason "
-       "exists at 0 from the first push."),
+       "which the log sink_emit_failed explains; per sink: spool_full, spool_write_failed (the "
+       "spool volume refused the batch and it overflowed --spool-memory-max-bytes or was still "
+       "in memory at exit), rejected, corrupt, unreadable; per OTLP sink also "
+       "partial_success, the data points the receiver said it rejected, and unencodable, "
+       "series OTLP cannot carry, such as a histogram whose count is NaN, infinite, negative "
+       "or above 64 bits). Every sink reason exists at 0 from the first push."),
     _m("gpu_sidecar_collection_errors_total", "counter", "errors", "self", "agent",
        "NVML reads that failed, by reason (gpu_lost, nvml_error)."),
     _m("gpu_sidecar_cycle_overruns_total", "counter", "cycles", "self", "agent",
@@ -152,11 +153,12 @@ METRICS: tuple[MetricSpec, ...] = (
     _m("gpu_sidecar_last_push_success_timestamp_seconds", "gauge", "seconds", "self", "agent",
        "Unix time of the last accepted push, per sink."),
     _m("gpu_sidecar_spool_bytes", "gauge", "bytes", "self", "agent",
-       "Bytes in the disk spool, per remote-write sink and state: pending (waiting to be "
-       "sent), rejected and corrupt (kept for inspection); all three count against "
-       "--spool-max-bytes."),
+       "Bytes of the spool, per remote-write or OTLP sink and state: pending (waiting on "
+       "disk), memory (waiting in memory because the spool volume refused them, within "
+       "--spool-memory-max-bytes), rejected and corrupt (kept on disk for inspection); all "
+       "four count against --spool-max-bytes."),
     _m("gpu_sidecar_spool_batches", "gauge", "batches", "self", "agent",
-       "Batches waiting in the disk spool, per remote-write sink."),
+       "Batches waiting to be sent (on disk or in memory), per remote-write or OTLP sink."),
     # run: a batch Job's summary (--batch-job), sent once with the last cycle, labelled job_name
     # (and job_index for an Indexed Job's pod)
     _m("gpu_run_start_timestamp_seconds", "gauge", "seconds", "run", "agent: first cycle",

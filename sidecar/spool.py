@@ -12,8 +12,11 @@ oldest first (their samples are already counted as lost), then the oldest waitin
 (counted as ``spool_full``).
 
 A disk that fails (full, read-only, a file of another owner, a directory where a batch should
-be) never stops the agent: what could not be written is counted by reason, what cannot be read
-is moved aside or skipped and counted, and each condition is logged when it starts.
+be) never stops the agent, nor delivery: a batch the disk refuses is held in memory under its
+number, within ``max_memory_bytes``, sent from there like any other, and written out as soon as
+the disk takes writes again; only what is still held in memory when the agent stops (or what
+overflows that bound) is lost, and counted (``spool_write_failed``). What cannot be read is moved
+aside or skipped and counted, and each condition is logged when it starts.
 
 The directory is locked (``flock`` on ``.lock``, which holds the owner's pid): two agents on one
 spool would send each other's batches twice and delete them under each other.
@@ -48,7 +51,7 @@ MAGIC = b"GSB1"
 HEADER = struct.Struct("<4sIII")
 NAME = re.compile(r"^(\d{20})\.batch$")
 ASIDE = ("rejected", "corrupt")
-STATES = ("pending", *ASIDE)
+STATES = ("pending", "memory", *ASIDE)
 DROP_REASONS = ("spool_full", "spool_write_failed", "rejected", "corrupt", "unreadable")
 
 
@@ -58,6 +61,17 @@ class SpoolError(RuntimeError):
 
 class SpoolLocked(SpoolError):
     pass
+
+
+@dataclass(frozen=True, slots=True)
+class _Entry:
+    """A waiting batch. ``held`` is the whole file's bytes when the disk refused them: the batch
+    waits in memory instead, and ``path`` is where it will go once the disk takes writes."""
+
+    path: Path
+    size: int
+    samples: int
+    held: bytes | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,14 +89,44 @@ def log_count(event: str, count: int, **fields: object) -> None:
         log.error(event, count=count, **fields)
 
 
+class Episodes:
+    """A condition that comes and goes, such as a nearly full disk that refuses one write and
+    takes the next once a file was deleted: its start is logged at the 1st, 10th, 100th, ...
+    episode, and its end only after a start that was logged, so that a flapping condition never
+    logs a line per cycle."""
+
+    def __init__(self) -> None:
+        self.count = 0
+        self.active = False
+        self._logged = False
+
+    def started(self) -> bool:
+        """A failure; True when this is the start of an episode to log."""
+        if self.active:
+            return False
+        self.active = True
+        self.count += 1
+        self._logged = 10 ** (len(str(self.count)) - 1) == self.count
+        return self._logged
+
+    def ended(self) -> bool:
+        """A success; True when it ends an episode whose start was logged."""
+        if not self.active:
+            return False
+        self.active = False
+        return self._logged
+
+
 class Spool:
-    def __init__(self, directory: str | Path, max_bytes: int) -> None:
+    def __init__(self, directory: str | Path, max_bytes: int,
+                 max_memory_bytes: int = 16 * 1024 * 1024) -> None:
         self.dir = Path(directory)
         self.max_bytes = max_bytes
+        self.max_memory_bytes = max_memory_bytes
         self.dropped_samples: Counter[str] = Counter({r: 0 for r in DROP_REASONS})
         self.dropped_batches: Counter[str] = Counter({r: 0 for r in DROP_REASONS})
         self._lock = threading.Lock()
-        self._write_failing = False
+        self._write_failures = Episodes()
         self._remove_failures = 0
         self._lock_fd: int | None = None
         try:
@@ -101,12 +145,12 @@ class Spool:
         for leftover in self.dir.glob("*.tmp"):
             with contextlib.suppress(OSError):
                 leftover.unlink()  # a write interrupted by a crash: never renamed
-        self._index: dict[int, tuple[Path, int, int]] = {}  # seq -> (path, size, samples)
+        self._index: dict[int, _Entry] = {}  # waiting batches by sequence number
         self._aside: dict[str, dict[Path, int]] = {where: {} for where in ASIDE}  # oldest first
         for entry in sorted(self.dir.iterdir()):
             m = NAME.match(entry.name)
             if m:
-                self._index[int(m.group(1))] = (entry, _size(entry), self._samples(entry))
+                self._index[int(m.group(1))] = _Entry(entry, _size(entry), self._samples(entry))
         for where in ASIDE:
             with contextlib.suppress(OSError):
                 for entry in sorted((self.dir / where).iterdir()):
@@ -160,8 +204,9 @@ class Spool:
 
     def bytes(self, state: str = "pending") -> int:
         with self._lock:
-            if state == "pending":
-                return sum(size for _, size, _ in self._index.values())
+            if state in ("pending", "memory"):
+                in_memory = state == "memory"
+                return sum(e.size for e in self._index.values() if (e.held is not None) == in_memory)
             return sum(self._aside[state].values())
 
     def __len__(self) -> int:
@@ -181,9 +226,10 @@ class Spool:
 
     def put(self, body: bytes, samples: int, *, seq: int | None = None,
             before_publish: Callable[[], None] | None = None) -> SpooledBatch | None:
-        """Write a batch durably; returns None when it could not be kept (counted).
+        """Write a batch durably, or hold it in memory when the disk refuses; returns None when
+        it could not be kept at all (counted).
 
-        ``before_publish`` runs once the file is durable and before the sender can see it: the
+        ``before_publish`` runs once the batch is kept and before the sender can see it: the
         journal is deleted there, so that a batch can never be both sent and replayed."""
         data = HEADER.pack(MAGIC, len(body), samples, zlib.crc32(body)) + body
         with self._lock:
@@ -196,41 +242,121 @@ class Spool:
                 seq = self._next
                 self._next += 1
         path = self.dir / f"{seq:020d}.batch"
-        tmp = path.with_suffix(".tmp")
         try:
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)  # private to the agent
-            with os.fdopen(fd, "wb") as f:
-                f.write(data)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, path)
+            os.replace(self._write_temporary(path, data), path)
         except OSError as exc:
             with contextlib.suppress(OSError):  # a read-only volume refuses the cleanup too
-                tmp.unlink()
-            with self._lock:
-                self._count_drop("spool_write_failed", samples)
-            if not self._write_failing:  # once per episode, not once per batch
-                self._write_failing = True
-                log.error("spool_write_failed", error=exc.strerror, directory=str(self.dir),
-                          samples=samples, hint="free space in the spool volume, or make it "
-                          "writable again; the agent resumes by itself",
-                          effect="batches are dropped and counted until a write succeeds")
-            return None
-        if self._write_failing:
-            self._write_failing = False
+                path.with_suffix(".tmp").unlink()
+            return self._hold(seq, _Entry(path, len(data), samples, data), exc, before_publish)
+        if self._write_failures.ended():
             log.info("spool_write_recovered", directory=str(self.dir),
                      dropped_samples=self.dropped_samples["spool_write_failed"])
         if before_publish is not None:
             before_publish()
         with self._lock:
-            self._index[seq] = (path, len(data), samples)
+            self._index[seq] = _Entry(path, len(data), samples)
             # trimmed once the new batch is safe: a write that fails must not cost older ones
             self._trim()
+        self.write_out_held()
         return SpooledBatch(seq, path, samples, body)
 
+    @staticmethod
+    def _write_temporary(path: Path, data: bytes) -> Path:
+        """Write beside ``path`` under a temporary name and fsync it: the rename that follows
+        publishes the whole file or nothing, whenever the process dies."""
+        tmp = path.with_suffix(".tmp")
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)  # private to the agent
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        return tmp
+
+    def _hold(self, seq: int, entry: _Entry, exc: OSError,
+              before_publish: Callable[[], None] | None) -> SpooledBatch | None:
+        """The disk refused a batch: keep it in memory, within ``max_memory_bytes``, so that a
+        full or read-only volume does not cost the samples a working receiver can still take."""
+        if self._write_failures.started():
+            log.error("spool_write_failed", error=exc.strerror, directory=str(self.dir),
+                      episodes=self._write_failures.count,
+                      samples=entry.samples, held_in_memory_up_to_bytes=self.max_memory_bytes,
+                      hint="free space in the spool volume, or make it writable again; the agent "
+                           "resumes by itself",
+                      effect="batches wait in memory and are sent from there; what is still in "
+                             "memory when the agent stops, or beyond that bound, is lost and "
+                             "counted")
+        if entry.size > self.max_memory_bytes:
+            with self._lock:
+                self._count_drop("spool_write_failed", entry.samples)
+            return None
+        if before_publish is not None:
+            before_publish()
+        with self._lock:
+            self._index[seq] = entry
+            self._trim()
+        assert entry.held is not None
+        return SpooledBatch(seq, entry.path, entry.samples, entry.held[HEADER.size:])
+
+    def write_out_held(self) -> None:
+        """Write the batches held in memory to disk, oldest first, once the disk takes writes
+        again: from then on they survive a restart like the others. A batch sent meanwhile is
+        not written (its file would be sent a second time by the next start)."""
+        with self._lock:
+            held = sorted(seq for seq, e in self._index.items() if e.held is not None)
+        for seq in held:
+            with self._lock:
+                entry = self._index.get(seq)
+            if entry is None or entry.held is None:
+                continue
+            tmp = entry.path.with_suffix(".tmp")
+            try:
+                self._write_temporary(entry.path, entry.held)
+                with self._lock:  # published only while the batch still waits (see remove())
+                    if self._index.get(seq) is entry:
+                        os.replace(tmp, entry.path)
+                        self._index[seq] = _Entry(entry.path, entry.size, entry.samples)
+                        continue
+            except OSError:
+                with contextlib.suppress(OSError):
+                    tmp.unlink()
+                return  # still refused: they stay in memory
+            with contextlib.suppress(OSError):
+                tmp.unlink()  # sent while it was being written
+
+    def release_held(self) -> int:
+        """The agent stops: write out what the disk takes now, and count what is still only in
+        memory as lost (``spool_write_failed``). Returns the samples lost."""
+        self.write_out_held()
+        lost = 0
+        with self._lock:
+            for seq in [seq for seq, e in self._index.items() if e.held is not None]:
+                entry = self._index.pop(seq)
+                self._count_drop("spool_write_failed", entry.samples)
+                lost += entry.samples
+        if lost:
+            log.error("spool_memory_lost_at_exit", directory=str(self.dir), samples=lost,
+                      dropped_samples_total=self.dropped_samples["spool_write_failed"],
+                      effect="batches the disk refused and the receiver had not taken yet are "
+                             "lost", hint="free space in the spool volume, or make it writable")
+        return lost
+
     def _trim(self) -> None:
-        """Bring the spool back under its bound (lock held): kept copies first."""
-        total = (sum(size for _, size, _ in self._index.values())
+        """Bring the spool back under its bounds (lock held): kept copies first; batches held in
+        memory within their own bound too."""
+        in_memory = sum(e.size for e in self._index.values() if e.held is not None)
+        while in_memory > self.max_memory_bytes:
+            held = [seq for seq, e in self._index.items()
+                    if e.held is not None and seq not in self._in_flight]
+            if len(held) <= 1:
+                break
+            entry = self._index.pop(min(held))
+            in_memory -= entry.size
+            self._count_drop("spool_write_failed", entry.samples)
+            log_count("spool_memory_full_dropped_oldest", self.dropped_batches["spool_write_failed"],
+                      samples=entry.samples, max_memory_bytes=self.max_memory_bytes,
+                      effect="the disk refuses batches and the receiver is not taking them: the "
+                             "oldest held in memory are lost")
+        total = (sum(e.size for e in self._index.values())
                  + sum(sum(kept.values()) for kept in self._aside.values()))
         for where in ASIDE:
             kept = self._aside[where]
@@ -248,13 +374,14 @@ class Spool:
             waiting = [seq for seq in self._index if seq not in self._in_flight]
             if len(waiting) <= 1:
                 break  # the newest batch stays whatever the bound: it was just written
-            path, size, old_samples = self._index.pop(min(waiting))
-            with contextlib.suppress(OSError):
-                path.unlink()
-            total -= size
-            self._count_drop("spool_full", old_samples)
+            entry = self._index.pop(min(waiting))
+            if entry.held is None:
+                with contextlib.suppress(OSError):
+                    entry.path.unlink()
+            total -= entry.size
+            self._count_drop("spool_full", entry.samples)
             log_count("spool_full_dropped_oldest", self.dropped_batches["spool_full"],
-                      batch=path.name, samples=old_samples, max_bytes=self.max_bytes,
+                      batch=entry.path.name, samples=entry.samples, max_bytes=self.max_bytes,
                       effect="oldest samples lost; the receiver has been down too long")
 
     def _count_drop(self, reason: str, samples: int) -> None:
@@ -269,9 +396,10 @@ class Spool:
                 if not self._index:
                     return None
                 seq = min(self._index)
-                path, _, samples = self._index[seq]
+                entry = self._index[seq]
+            path, samples = entry.path, entry.samples
             try:
-                data = path.read_bytes()
+                data = path.read_bytes() if entry.held is None else entry.held
             except FileNotFoundError:
                 with self._lock:
                     self._index.pop(seq, None)
@@ -302,11 +430,11 @@ class Spool:
                 entry = self._index.get(seq)
             if entry is None:
                 continue
-            path, _, samples = entry
+            path, samples = entry.path, entry.samples
             if total + samples > max_samples:
                 break
             try:
-                data = path.read_bytes()
+                data = path.read_bytes() if entry.held is None else entry.held
             except OSError:
                 break  # oldest() deals with it when it reaches that batch
             if _verify(data) is not None:
@@ -350,13 +478,16 @@ class Spool:
             self._count_drop(reason or where, samples)
         try:
             target.parent.mkdir(exist_ok=True, mode=0o700)
-            os.replace(entry[0], target)
+            if entry.held is None:
+                os.replace(entry.path, target)
+            else:  # the copy for a person to look at is written if the disk takes it now
+                os.replace(self._write_temporary(target, entry.held), target)
         except OSError:
             with contextlib.suppress(OSError):
-                entry[0].unlink()
+                (entry.path if entry.held is None else target.with_suffix(".tmp")).unlink()
             return target
         with self._lock:
-            self._aside[where][target] = entry[1]
+            self._aside[where][target] = entry.size
             self._trim()
         return target
 

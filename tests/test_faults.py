@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import base64
 import contextlib
+import errno
 import json
 import os
 import signal
 import stat
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -106,7 +108,46 @@ def remount(volume: Path, mode: str) -> None:
         time.sleep(0.01)
 
 
-def test_spool_volume_remounted_read_only_mid_run_is_survived_counted_and_recovered(
+def fill(volume: Path) -> Path:
+    """Take every free byte of the volume, as another writer on a shared emptyDir would."""
+    filler = volume / "filler"
+    fd = os.open(filler, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+    chunk = 1 << 20
+    try:
+        while chunk:
+            try:
+                os.write(fd, b"\0" * chunk)
+            except OSError as exc:
+                if exc.errno != errno.ENOSPC:
+                    raise
+                chunk //= 2
+    finally:
+        os.close(fd)
+    return filler
+
+
+@contextlib.contextmanager
+def kept_full(volume: Path):
+    """The volume stays full: whatever the agent frees (a journal it deletes) is taken again
+    within milliseconds, as by a busy neighbour on the same volume."""
+    stop = threading.Event()
+
+    def refill() -> None:
+        while not stop.wait(0.005):
+            fill(volume)
+
+    fill(volume)
+    neighbour = threading.Thread(target=refill, daemon=True)
+    neighbour.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        neighbour.join(timeout=5)
+        (volume / "filler").unlink()
+
+
+def test_spool_volume_remounted_read_only_mid_run_loses_nothing_the_receiver_can_take(
         tmp_path, tmpfs):
     vm = VictoriaMetrics(tmp_path).start()
     with running(vm):
@@ -119,15 +160,62 @@ def test_spool_volume_remounted_read_only_mid_run_is_survived_counted_and_recove
         time.sleep(2.0)
         assert agent.stop() == 0, "".join(agent.err)[-2000:]
         lost = stored_equals_sampled_but(vm, agent)
+    assert lost == set(), "the batches the volume refused waited in memory and were sent"
     assert len(events(agent, "spool_write_failed")) == 1
     assert len(events(agent, "spool_write_recovered")) == 1
     assert len(events(agent, "journal_write_failed")) == 1
-    dropped = last(agent, "gpu_sidecar_samples_dropped_total", reason="spool_write_failed")
-    assert dropped and dropped > 0
-    # what was lost is what could not be spooled, and it was counted
-    assert 0 < len(lost) <= dropped
-    newest = max(k[2] for k in keyed(agent.sampled()))
-    assert all(k[2] < newest - 1000 for k in lost), "sampling and delivery resumed by themselves"
+    assert last(agent, "gpu_sidecar_samples_dropped_total", reason="spool_write_failed") == 0
+    assert not events(agent, "spool_memory_lost_at_exit")
+
+
+def test_batches_a_full_volume_refused_are_written_out_once_it_has_room(tmp_path, tmpfs):
+    spool = tmpfs / "spool"
+    vm = VictoriaMetrics(tmp_path)  # down: what the volume refuses can only wait
+    first = Agent(args(vm.write_url, spool)).start()
+    time.sleep(1.0)
+    filler = fill(tmpfs)
+    assert _until(lambda: (last(first, "gpu_sidecar_spool_bytes", state="memory") or 0) > 0)
+    filler.unlink()
+    assert _until(lambda: last(first, "gpu_sidecar_spool_bytes", state="memory") == 0)
+    assert first.stop() == 0, "".join(first.err)[-2000:]
+    assert events(first, "spool_write_failed") and events(first, "spool_write_recovered")
+    assert not events(first, "spool_memory_lost_at_exit")
+    vm.start()
+    with running(vm):
+        second = Agent(args(vm.write_url, spool)).start()
+        time.sleep(1.0)
+        assert second.stop() == 0
+        stored = keyed(vm.settled(len(first.sampled())))
+    sampled = keyed(first.sampled())
+    assert set(sampled) <= set(stored), "a batch held in memory never reached the disk"
+    assert all(stored[k] == pytest.approx(v, rel=VM_REL) for k, v in sampled.items())
+
+
+def test_batches_still_in_memory_when_the_agent_stops_are_the_only_loss_and_counted(
+        tmp_path, tmpfs):
+    spool = tmpfs / "spool"
+    vm = VictoriaMetrics(tmp_path)  # down
+    first = Agent(args(vm.write_url, spool, "--spool-memory-max-bytes", "30000")).start()
+    time.sleep(1.0)
+    with kept_full(tmpfs):
+        # the bound of memory is reached: the oldest held batches go, counted
+        assert _until(lambda: (last(first, "gpu_sidecar_samples_dropped_total",
+                                    reason="spool_write_failed") or 0) > 0)
+        assert events(first, "spool_memory_full_dropped_oldest")
+        assert (last(first, "gpu_sidecar_spool_bytes", state="memory") or 0) <= 30000
+        assert first.stop() == 0, "".join(first.err)[-2000:]
+    [at_exit] = events(first, "spool_memory_lost_at_exit")
+    assert at_exit["samples"] > 0
+    vm.start()
+    with running(vm):
+        second = Agent(args(vm.write_url, spool)).start()
+        time.sleep(1.0)
+        assert second.stop() == 0
+        stored = keyed(vm.settled())
+    sampled = keyed(first.sampled())
+    lost = set(sampled) - set(stored)
+    assert len(lost) == at_exit["dropped_samples_total"], "every lost sample is counted"
+    assert all(stored[k] == pytest.approx(sampled[k], rel=VM_REL) for k in set(sampled) - lost)
 
 
 def test_an_unreadable_spool_entry_is_set_aside_and_the_sender_goes_on(tmp_path):

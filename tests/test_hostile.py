@@ -196,7 +196,8 @@ def test_unusable_spool_directory_stops_the_agent_with_advice(tmp_path):
     assert "--spool-dir" in proc.stderr and "not writable" in proc.stderr
 
 
-def test_a_full_spool_volume_drops_batches_counts_them_and_keeps_sampling(tmp_path):
+def test_a_spool_volume_refusing_every_write_holds_batches_in_memory_and_keeps_sampling(
+        tmp_path):
     def tiny_files() -> None:  # every write beyond 2 KB fails with EFBIG, like a full volume
         resource.setrlimit(resource.RLIMIT_FSIZE, (2048, 2048))
 
@@ -219,9 +220,11 @@ def test_a_full_spool_volume_drops_batches_counts_them_and_keeps_sampling(tmp_pa
     rows = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
     cycles = {r["timestamp_ms"] for r in rows}
     assert len(cycles) >= 10  # sampling went on
-    dropped = [r["value"] for r in rows if r["name"] == "gpu_sidecar_samples_dropped_total"
-               and r["labels"].get("reason") == "spool_write_failed"]
-    assert dropped and dropped[-1] > 0
+    in_memory = [r["value"] for r in rows if r["name"] == "gpu_sidecar_spool_bytes"
+                 and r["labels"].get("state") == "memory"]
+    assert in_memory and in_memory[-1] > 0  # the receiver is down: the batches wait there
+    [lost] = [json.loads(line) for line in err.splitlines() if "spool_memory_lost_at_exit" in line]
+    assert lost["samples"] > 0  # the disk never took them: lost at exit, and counted
 
 
 @pytest.mark.parametrize("occupant", ["live socket", "regular file"])

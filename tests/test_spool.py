@@ -142,7 +142,7 @@ def test_the_batches_of_the_request_in_flight_are_never_dropped_for_room(tmp_pat
 def test_a_failed_write_costs_no_older_batch(tmp_path):
     body = b"x" * 1000
     size = HEADER.size + len(body)
-    spool = Spool(tmp_path, max_bytes=2 * size)
+    spool = Spool(tmp_path, max_bytes=2 * size, max_memory_bytes=0)
     spool.put(body, samples=1)
     spool.put(body, samples=2)
     blocker = tmp_path / "00000000000000000003.tmp"
@@ -150,3 +150,42 @@ def test_a_failed_write_costs_no_older_batch(tmp_path):
     assert spool.put(body, samples=3) is None
     assert len(spool) == 2 and spool.dropped_samples["spool_full"] == 0
     assert spool.dropped_samples["spool_write_failed"] == 3
+
+
+def test_a_batch_the_disk_refuses_waits_in_memory_in_order_and_is_written_out_later(tmp_path):
+    spool = Spool(tmp_path, max_bytes=1 << 20)
+    spool.put(b"first", samples=1)
+    blocker = tmp_path / "00000000000000000002.tmp"
+    blocker.mkdir()  # the temporary file cannot be created: the write fails
+    held = spool.put(b"second", samples=2)
+    assert held is not None and held.body == b"second"
+    assert not held.path.exists() and spool.bytes("memory") == HEADER.size + len(b"second")
+    assert spool.dropped_samples["spool_write_failed"] == 0
+    first = spool.oldest()
+    assert first is not None and first.body == b"first"
+    assert [b.body for b in spool.following(first.seq, 100)] == [b"second"]
+    blocker.rmdir()  # the disk takes writes again: the next batch writes the held one out
+    spool.put(b"third", samples=3)
+    assert held.path.read_bytes()[HEADER.size:] == b"second"
+    assert spool.bytes("memory") == 0
+    spool.close()
+    reopened = Spool(tmp_path, max_bytes=1 << 20)  # what a restart finds on disk
+    found = []
+    while (batch := reopened.oldest()) is not None:
+        found.append(batch.body)
+        reopened.remove(batch)
+    assert found == [b"first", b"second", b"third"]
+
+
+def test_batches_held_in_memory_are_bounded_and_counted_lost_at_exit(tmp_path):
+    body = b"x" * 1000
+    size = HEADER.size + len(body)
+    spool = Spool(tmp_path, max_bytes=1 << 20, max_memory_bytes=2 * size)
+    for seq in (1, 2, 3):
+        (tmp_path / f"{seq:020d}.tmp").mkdir()  # every write fails
+    for samples in (1, 2, 3):
+        assert spool.put(body, samples=samples) is not None
+    assert spool.dropped_samples["spool_write_failed"] == 1  # the oldest held went
+    assert spool.bytes("memory") == 2 * size and len(spool) == 2
+    assert spool.release_held() == 5  # the agent stops with the disk still refusing
+    assert len(spool) == 0 and spool.dropped_samples["spool_write_failed"] == 6

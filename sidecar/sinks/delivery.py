@@ -42,7 +42,7 @@ import tenacity
 from sidecar import __version__, journal
 from sidecar.samples import Labels, Series
 from sidecar.sinks import redact_url as redact
-from sidecar.spool import STATES, Spool, SpooledBatch, log_count
+from sidecar.spool import STATES, Episodes, Spool, SpooledBatch, log_count
 
 if TYPE_CHECKING:
     import ssl
@@ -513,7 +513,7 @@ class SpooledSink:
         self._stop = threading.Event()
         self._draining = threading.Event()
         self._failing_since: float | None = None
-        self._journal_failing = False
+        self._journal_failures = Episodes()
         self._journal = journal.Journal(spool.dir, spool.reserve())
         self._thread = threading.Thread(target=self._run, name=f"sender-{self.name}", daemon=True)
 
@@ -564,15 +564,13 @@ class SpooledSink:
         try:
             self._journal.append(record, samples)
         except OSError as exc:
-            if not self._journal_failing:
-                self._journal_failing = True
+            if self._journal_failures.started():
                 self.log.error("journal_write_failed", sink=self.name, error=exc.strerror,
-                          directory=str(self.spool.dir),
+                          directory=str(self.spool.dir), episodes=self._journal_failures.count,
                           effect="the open batch is kept in memory only until the disk recovers: "
                                  "a crash meanwhile would lose it")
             return
-        if self._journal_failing:
-            self._journal_failing = False
+        if self._journal_failures.ended():
             self.log.info("journal_write_recovered", sink=self.name)
 
     def flush(self) -> None:
@@ -608,6 +606,7 @@ class SpooledSink:
         self._stop.set()
         self._wake.set()
         self._journal.discard()
+        self.spool.release_held()
         left = len(self.spool)
         if left:
             self.log.warning("shutdown_left_in_spool", sink=self.name, batches=left,
@@ -662,7 +661,7 @@ class SpooledSink:
             # retry for as long as the spool holds the batch (the size bound may drop it) and
             # the agent is not past its shutdown deadline
             deadline = self.http.deadline
-            return (self._stop.is_set() or not batch.path.exists()
+            return (self._stop.is_set() or not self.spool.holds(batch.seq)
                     or (deadline is not None and time.monotonic() >= deadline))
         return stop
 
