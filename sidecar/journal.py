@@ -43,6 +43,7 @@ class Journal:
         self.seq = seq
         self.path = journal_path(directory, seq)
         self.records = 0
+        self.samples = 0
 
     def append(self, body: bytes, samples: int) -> None:
         """Raises OSError when the disk refuses; the caller counts that and goes on.
@@ -60,6 +61,7 @@ class Journal:
         finally:
             os.close(fd)
         self.records += 1
+        self.samples += samples
 
     def discard(self) -> None:
         """The batch is sealed in the spool (or counted as lost): nothing left to recover."""

@@ -36,8 +36,7 @@ import re
 import struct
 import threading
 import zlib
-from collections import Counter
-from collections.abc import Callable
+from collections import Counter, deque
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -66,12 +65,16 @@ class SpoolLocked(SpoolError):
 @dataclass(frozen=True, slots=True)
 class _Entry:
     """A waiting batch. ``held`` is the whole file's bytes when the disk refused them: the batch
-    waits in memory instead, and ``path`` is where it will go once the disk takes writes."""
+    waits in memory instead, and ``path`` is where it will go once the disk takes writes; its
+    journal, which holds the cycles journaled before the disk refused (``journaled`` samples),
+    stays on disk meanwhile, so that a crash loses only the rest."""
 
     path: Path
     size: int
     samples: int
     held: bytes | None = None
+    journal: Path | None = None
+    journaled: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -127,6 +130,10 @@ class Spool:
         self.dropped_batches: Counter[str] = Counter({r: 0 for r in DROP_REASONS})
         self._lock = threading.Lock()
         self._write_failures = Episodes()
+        # journals of batches delivered or written out that the volume would not let us delete
+        # (read-only): tried again once it takes writes, else the next start replays them
+        self._stale_journals: deque[Path] = deque()
+        self._journal_remove_failures = 0
         self._remove_failures = 0
         self._lock_fd: int | None = None
         try:
@@ -154,6 +161,10 @@ class Spool:
         for where in ASIDE:
             with contextlib.suppress(OSError):
                 for entry in sorted((self.dir / where).iterdir()):
+                    if entry.suffix == ".tmp":  # a copy a crash interrupted
+                        with contextlib.suppress(OSError):
+                            entry.unlink()
+                        continue
                     self._aside[where][entry] = _size(entry)
         # a journal left by a crash keeps its number: new batches come after it, and after the
         # kept copies too, so that a new copy never replaces an older one of the same number
@@ -225,12 +236,14 @@ class Spool:
             return seq in self._index
 
     def put(self, body: bytes, samples: int, *, seq: int | None = None,
-            before_publish: Callable[[], None] | None = None) -> SpooledBatch | None:
+            journaled: tuple[Path, int] | None = None) -> SpooledBatch | None:
         """Write a batch durably, or hold it in memory when the disk refuses; returns None when
         it could not be kept at all (counted).
 
-        ``before_publish`` runs once the batch is kept and before the sender can see it: the
-        journal is deleted there, so that a batch can never be both sent and replayed."""
+        ``journaled`` is the batch's journal and the samples it holds. Once the batch is on disk,
+        and before the sender can see it, the journal is deleted, so that a batch is never both
+        sent and replayed; a batch held in memory keeps its journal until it is written out,
+        delivered or dropped."""
         data = HEADER.pack(MAGIC, len(body), samples, zlib.crc32(body)) + body
         with self._lock:
             if len(data) > self.max_bytes:
@@ -247,12 +260,14 @@ class Spool:
         except OSError as exc:
             with contextlib.suppress(OSError):  # a read-only volume refuses the cleanup too
                 path.with_suffix(".tmp").unlink()
-            return self._hold(seq, _Entry(path, len(data), samples, data), exc, before_publish)
+            journal_path, journal_samples = journaled or (None, 0)
+            return self._hold(seq, _Entry(path, len(data), samples, data, journal_path,
+                                          journal_samples), exc)
         if self._write_failures.ended():
             log.info("spool_write_recovered", directory=str(self.dir),
                      dropped_samples=self.dropped_samples["spool_write_failed"])
-        if before_publish is not None:
-            before_publish()
+        if journaled is not None:
+            self._forget_journal(journaled[0])
         with self._lock:
             self._index[seq] = _Entry(path, len(data), samples)
             # trimmed once the new batch is safe: a write that fails must not cost older ones
@@ -272,8 +287,7 @@ class Spool:
             os.fsync(f.fileno())
         return tmp
 
-    def _hold(self, seq: int, entry: _Entry, exc: OSError,
-              before_publish: Callable[[], None] | None) -> SpooledBatch | None:
+    def _hold(self, seq: int, entry: _Entry, exc: OSError) -> SpooledBatch | None:
         """The disk refused a batch: keep it in memory, within ``max_memory_bytes``, so that a
         full or read-only volume does not cost the samples a working receiver can still take."""
         if self._write_failures.started():
@@ -288,19 +302,48 @@ class Spool:
         if entry.size > self.max_memory_bytes:
             with self._lock:
                 self._count_drop("spool_write_failed", entry.samples)
+            self._forget_journal(entry.journal)
             return None
-        if before_publish is not None:
-            before_publish()
         with self._lock:
             self._index[seq] = entry
             self._trim()
         assert entry.held is not None
         return SpooledBatch(seq, entry.path, entry.samples, entry.held[HEADER.size:])
 
+    def _forget_journal(self, path: Path | None) -> None:
+        """A batch's journal is no longer needed. One the volume will not let go (read-only) is
+        tried again when the volume next takes a write: left behind, the next start would replay
+        it and send its cycles a second time. Safe under the lock: no lock taken."""
+        if path is None:
+            return
+        try:
+            path.unlink()
+        except FileNotFoundError:
+            pass
+        except OSError as exc:
+            self._stale_journals.append(path)
+            self._journal_remove_failures += 1
+            log_count("journal_remove_failed", self._journal_remove_failures, journal=path.name,
+                      error=exc.strerror, effect="tried again once the volume takes writes; a "
+                      "restart before that sends the batch's journaled cycles a second time")
+
+    def _retry_stale_journals(self) -> None:
+        for _ in range(len(self._stale_journals)):
+            path = self._stale_journals.popleft()
+            try:
+                path.unlink()
+            except FileNotFoundError:
+                pass
+            except OSError:
+                self._stale_journals.append(path)
+                return
+
     def write_out_held(self) -> None:
         """Write the batches held in memory to disk, oldest first, once the disk takes writes
-        again: from then on they survive a restart like the others. A batch sent meanwhile is
-        not written (its file would be sent a second time by the next start)."""
+        again: from then on they survive a restart like the others, and their journals go. A
+        batch sent meanwhile is not written (its file would be sent a second time by the next
+        start)."""
+        self._retry_stale_journals()
         with self._lock:
             held = sorted(seq for seq, e in self._index.items() if e.held is not None)
         for seq in held:
@@ -315,6 +358,7 @@ class Spool:
                     if self._index.get(seq) is entry:
                         os.replace(tmp, entry.path)
                         self._index[seq] = _Entry(entry.path, entry.size, entry.samples)
+                        self._forget_journal(entry.journal)
                         continue
             except OSError:
                 with contextlib.suppress(OSError):
@@ -324,20 +368,27 @@ class Spool:
                 tmp.unlink()  # sent while it was being written
 
     def release_held(self) -> int:
-        """The agent stops: write out what the disk takes now, and count what is still only in
-        memory as lost (``spool_write_failed``). Returns the samples lost."""
+        """The agent stops: write out what the disk takes now; of what is still only in memory,
+        the cycles its journal holds are replayed by the next start, the rest is counted lost
+        (``spool_write_failed``). A batch on the wire (the sender outlived its deadline) is left
+        to its answer. Returns the samples lost."""
         self.write_out_held()
-        lost = 0
+        lost = replayed = 0
         with self._lock:
-            for seq in [seq for seq, e in self._index.items() if e.held is not None]:
+            for seq in [seq for seq, e in self._index.items()
+                        if e.held is not None and seq not in self._in_flight]:
                 entry = self._index.pop(seq)
-                self._count_drop("spool_write_failed", entry.samples)
-                lost += entry.samples
-        if lost:
+                self._count_drop("spool_write_failed", entry.samples - entry.journaled)
+                lost += entry.samples - entry.journaled
+                replayed += entry.journaled
+        if lost or replayed:
             log.error("spool_memory_lost_at_exit", directory=str(self.dir), samples=lost,
+                      journaled_samples=replayed,
                       dropped_samples_total=self.dropped_samples["spool_write_failed"],
-                      effect="batches the disk refused and the receiver had not taken yet are "
-                             "lost", hint="free space in the spool volume, or make it writable")
+                      effect="batches the disk refused and the receiver had not taken are lost, "
+                             "but for the cycles journaled before the disk refused, which the "
+                             "next start sends", hint="free space in the spool volume, or make "
+                             "it writable")
         return lost
 
     def _trim(self) -> None:
@@ -352,6 +403,7 @@ class Spool:
             entry = self._index.pop(min(held))
             in_memory -= entry.size
             self._count_drop("spool_write_failed", entry.samples)
+            self._forget_journal(entry.journal)
             log_count("spool_memory_full_dropped_oldest", self.dropped_batches["spool_write_failed"],
                       samples=entry.samples, max_memory_bytes=self.max_memory_bytes,
                       effect="the disk refuses batches and the receiver is not taking them: the "
@@ -378,6 +430,7 @@ class Spool:
             if entry.held is None:
                 with contextlib.suppress(OSError):
                     entry.path.unlink()
+            self._forget_journal(entry.journal)
             total -= entry.size
             self._count_drop("spool_full", entry.samples)
             log_count("spool_full_dropped_oldest", self.dropped_batches["spool_full"],
@@ -451,7 +504,9 @@ class Spool:
     def remove(self, batch: SpooledBatch) -> bool:
         """The receiver accepted ``batch``: forget it."""
         with self._lock:
-            held = self._index.pop(batch.seq, None) is not None
+            entry = self._index.pop(batch.seq, None)
+        if entry is not None:
+            self._forget_journal(entry.journal)
         try:
             batch.path.unlink()
         except FileNotFoundError:
@@ -460,7 +515,7 @@ class Spool:
             log_count("spool_remove_failed", self._count_remove_failed(), batch=batch.path.name,
                       error=exc.strerror, effect="a restart may send this batch a second time, "
                       "with identical timestamps and values")
-        return held
+        return entry is not None
 
     def _count_remove_failed(self) -> int:
         self._remove_failures += 1
@@ -481,6 +536,7 @@ class Spool:
             if entry.held is None:
                 os.replace(entry.path, target)
             else:  # the copy for a person to look at is written if the disk takes it now
+                self._forget_journal(entry.journal)
                 os.replace(self._write_temporary(target, entry.held), target)
         except OSError:
             with contextlib.suppress(OSError):

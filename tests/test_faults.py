@@ -161,6 +161,9 @@ def test_spool_volume_remounted_read_only_mid_run_loses_nothing_the_receiver_can
         assert agent.stop() == 0, "".join(agent.err)[-2000:]
         lost = stored_equals_sampled_but(vm, agent)
     assert lost == set(), "the batches the volume refused waited in memory and were sent"
+    # their journals, which the read-only volume kept, went once it took writes: a next start
+    # replays nothing a second time
+    assert not list((tmpfs / "spool").rglob("*.journal"))
     assert len(events(agent, "spool_write_failed")) == 1
     assert len(events(agent, "spool_write_recovered")) == 1
     assert len(events(agent, "journal_write_failed")) == 1

@@ -189,3 +189,44 @@ def test_batches_held_in_memory_are_bounded_and_counted_lost_at_exit(tmp_path):
     assert spool.bytes("memory") == 2 * size and len(spool) == 2
     assert spool.release_held() == 5  # the agent stops with the disk still refusing
     assert len(spool) == 0 and spool.dropped_samples["spool_write_failed"] == 6
+
+
+def test_a_held_batch_keeps_its_journal_until_it_is_written_out_or_delivered(tmp_path):
+    spool = Spool(tmp_path, max_bytes=1 << 20)
+    journals = [tmp_path / f"{seq:020d}.journal" for seq in (1, 2)]
+    for path in journals:
+        path.write_bytes(b"cycles journaled before the disk refused")
+        (tmp_path / path.name.replace(".journal", ".tmp")).mkdir()  # every write fails
+    first = spool.put(b"first", samples=5, seq=1, journaled=(journals[0], 3))
+    second = spool.put(b"second", samples=5, seq=2, journaled=(journals[1], 3))
+    assert first is not None and second is not None
+    assert all(p.exists() for p in journals), "a crash now would still replay them"
+    spool.remove(first)  # delivered from memory: its journal must not be replayed
+    assert not journals[0].exists() and journals[1].exists()
+    (tmp_path / "00000000000000000002.tmp").rmdir()
+    spool.write_out_held()  # the disk takes writes: on disk now, the journal goes
+    assert second.path.exists() and not journals[1].exists()
+
+
+def test_at_exit_the_journaled_part_of_a_held_batch_is_left_for_the_next_start(tmp_path):
+    spool = Spool(tmp_path, max_bytes=1 << 20)
+    journal = tmp_path / f"{1:020d}.journal"
+    journal.write_bytes(b"three samples' worth")
+    for seq in (1, 2):
+        (tmp_path / f"{seq:020d}.tmp").mkdir()
+    held = spool.put(b"x", samples=5, seq=1, journaled=(journal, 3))
+    on_the_wire = spool.put(b"y", samples=7, seq=2)
+    assert held is not None and on_the_wire is not None
+    spool.in_flight([on_the_wire])  # the sender outlived the shutdown deadline
+    assert spool.release_held() == 2  # 5 samples, 3 of them journaled
+    assert journal.exists() and spool.dropped_samples["spool_write_failed"] == 2
+    assert spool.holds(on_the_wire.seq), "left to its answer, neither lost nor counted"
+
+
+def test_a_kept_copy_interrupted_by_a_crash_is_cleaned_up_at_start(tmp_path):
+    Spool(tmp_path, max_bytes=1 << 20).close()
+    (tmp_path / "rejected").mkdir()
+    (tmp_path / "rejected" / f"{4:020d}.tmp").write_bytes(b"half a cop")
+    spool = Spool(tmp_path, max_bytes=1 << 20)
+    assert spool.bytes("rejected") == 0
+    assert not list((tmp_path / "rejected").iterdir())

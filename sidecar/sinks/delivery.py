@@ -542,8 +542,7 @@ class SpooledSink:
             samples = sum(n for _, n in records)
             if samples:
                 body = self.codec.compress(b"".join(body for body, _ in records))
-                if self.spool.put(body, samples, seq=seq,
-                                  before_publish=lambda p=path: journal.remove(p)) is not None:
+                if self.spool.put(body, samples, seq=seq, journaled=(path, samples)) is not None:
                     self.log.info("journal_replayed", sink=self.name, journal=path.name,
                              samples=samples, note="the open batch of a run that did not stop")
                     continue
@@ -585,7 +584,8 @@ class SpooledSink:
             sealed.discard()
             return
         body = self.codec.compress(b"".join(cycles))
-        if self.spool.put(body, samples, seq=sealed.seq, before_publish=sealed.discard) is None:
+        journaled = (sealed.path, sealed.samples) if sealed.records else None
+        if self.spool.put(body, samples, seq=sealed.seq, journaled=journaled) is None:
             sealed.discard()  # counted as lost: it must not come back at the next start
         self._wake.set()
 
