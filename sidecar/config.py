@@ -592,6 +592,7 @@ def build(command: str, args: argparse.Namespace, env: Mapping[str, str] = os.en
         if raw is None:
             continue
         try:
+            _utf8(raw)
             values[opt.name] = opt.parse(raw)
         except ValueError as exc:
             raise ConfigError(_refused(opt, origin, raw, exc, command)) from None
@@ -634,10 +635,20 @@ def build(command: str, args: argparse.Namespace, env: Mapping[str, str] = os.en
     return config
 
 
+def _utf8(raw: str) -> None:
+    """Bytes the locale could not decode reach Python as lone surrogates; as a label or a path
+    they would fail later, on every cycle, far from their cause."""
+    try:
+        raw.encode()
+    except UnicodeEncodeError:
+        raise ValueError("is not valid UTF-8 text (bytes that do not decode, e.g. Latin-1 from "
+                         "a file or a shell with another locale)") from None
+
+
 def _refused(opt: Option, origin: str, raw: str, exc: ValueError, command: str) -> str:
     """The error for a value ``opt`` refused: quoted as ``opt.show`` allows, which for values that
     may hold a secret is masked or not at all (the message goes to terminals and pod logs)."""
-    shown = opt.show(raw)
+    shown = opt.show(raw.encode(errors="surrogateescape").decode(errors="replace"))
     where = origin if shown is None else f"{origin}={shown}"
     return (f"{where}: {exc}. Fix the value of {opt.flag} / {opt.env} "
             f"(see gpu-sidecar {command} --help).")

@@ -178,6 +178,10 @@ def test_help_documents_every_option_with_its_environment_variable():
     (["--socket", "relative.sock"], {}, "must be an absolute path"),
     (["--simulate", "meltdown"], {}, "must be one of healthy"),
     (["--no-nvml", "--simulate", "healthy"], {}, "exclude each other"),
+    # a byte that is not UTF-8 (here Latin-1 'é') reaches Python as a lone surrogate
+    ([], {"GPU_SIDECAR_EXTRA_LABEL": "team=caf\udce9"},
+     "GPU_SIDECAR_EXTRA_LABEL=[team=***]: is not valid UTF-8"),
+    (["--pod-name", "llm-\udce9"], {}, "--pod-name='llm-\ufffd': is not valid UTF-8"),
 ])
 def test_bad_configuration_is_refused_at_start_naming_the_option_and_the_fix(args, env, needle):
     proc = run_cli("run", "--once", *args, env=env)
