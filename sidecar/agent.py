@@ -21,7 +21,7 @@ from sidecar.config import Config
 from sidecar.nvml_source import NvmlSource
 from sidecar.samples import GpuIdentity, GpuSample, Labels, Series, gpu_labels, sample_series
 from sidecar.sinks import Sink
-from sidecar.summary import RunSummary
+from sidecar.summary import Checkpoint, RunSummary
 
 log = structlog.get_logger("sidecar.agent")
 
@@ -42,6 +42,7 @@ class Agent:
         clock: Callable[[], float] = time.monotonic,
         wall: Callable[[], float] = time.time,
         mode: str = "nvml",
+        checkpoint: Checkpoint | None = None,
     ) -> None:
         self.config = config
         self.source = source
@@ -66,6 +67,9 @@ class Agent:
         # a batch Job's run summary, fed every cycle and sent with the last one
         self.summary = RunSummary(config.batch_job, self._pod_labels,
                                   index=config.batch_job_index) if config.batch_job else None
+        self.checkpoint = checkpoint if self.summary is not None else None
+        if self.checkpoint is not None and self.summary is not None:
+            self.checkpoint.resume(self.summary)
         if source is not None:
             self._identities = {i.uuid: i for i in source.devices()}
 
@@ -149,6 +153,12 @@ class Agent:
                 sink.emit(series)
             except Exception as exc:  # one sink's fault costs it this cycle, never the others'
                 self._emit_failed(sink, exc, len(series))
+        if self.checkpoint is not None and self.summary is not None:
+            # after the sinks: once the last cycle is in their journals, the run is over
+            if last:
+                self.checkpoint.discard()
+            else:
+                self.checkpoint.save(self.summary)
         return series
 
     def _emit_failed(self, sink: Sink, exc: Exception, count: int) -> None:

@@ -14,6 +14,7 @@ import tempfile
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
 from typing import TYPE_CHECKING, NoReturn
 
 import structlog
@@ -26,6 +27,7 @@ from sidecar.nvml_source import NvmlReading, NvmlSource, NvmlUnavailable
 from sidecar.samples import GpuIdentity, ratio
 from sidecar.sinks import Sink
 from sidecar.spool import SpoolError
+from sidecar.summary import Checkpoint
 
 if TYPE_CHECKING:
     from sidecar.simulate.scenarios import Scenario
@@ -371,7 +373,9 @@ def _run(cfg: config.Config) -> int:
     with sampling(cfg) as (source, scenario, state):
         sinks = _sinks(cfg, cfg.spool_dir)
         mode = "simulated" if scenario is not None else ("nvml" if source else "app-only")
-        agent = Agent(cfg, source=source, app=state, sinks=sinks, mode=mode)
+        # a Job's run summary so far, beside the spool: an agent restarted mid-run goes on with it
+        checkpoint = Checkpoint(Path(cfg.spool_dir) / "run-summary.json") if cfg.batch_job else None
+        agent = Agent(cfg, source=source, app=state, sinks=sinks, mode=mode, checkpoint=checkpoint)
         for sink in sinks:
             sink.start()
         if stop.is_set():

@@ -9,12 +9,24 @@ the allocator's retries and OOMs, and the p99 request latency over the run.
 It reads the series each cycle emits, so the summary is by construction a function of what the
 sinks received (and what the test reads back from stdout). Memory is constant in the length of
 the run: per GPU a few running figures and one counter per latency bucket, no sample history.
+
+The figures so far are also kept on the spool volume (``Checkpoint``), rewritten every cycle, so
+that an agent killed mid-run (an OOM kill, SIGKILL) and restarted in the same pod goes on with
+the run's summary instead of starting a new one from its restart.
 """
 
 from __future__ import annotations
 
+import contextlib
+import json
 import math
-from dataclasses import dataclass, field
+import os
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import structlog
 
 from sidecar.samples import Labels, Series, with_labels
 from sidecar.thresholds import THRESHOLDS, Thresholds
@@ -35,6 +47,9 @@ _RESERVED = "gpu_allocator_reserved_bytes"
 _AVAILABLE = "gpu_sidecar_gpu_available"  # 0 in a cycle the GPU was selected but not read
 _BUCKET = "inference_request_duration_seconds_bucket"
 _WATCHED = frozenset((*RATIOS, *COUNTERS, _RESERVED, _AVAILABLE))
+STATE_VERSION = 1
+
+log = structlog.get_logger("sidecar.summary")
 
 
 @dataclass
@@ -97,6 +112,31 @@ class _GpuRun:
 
     def p99(self) -> float | None:
         return quantile(0.99, {b: c.total for b, c in self.buckets.items()})
+
+    def state(self) -> dict[str, Any]:
+        out = asdict(self)
+        out["counters"] = {k: [c.last, c.total] for k, c in self.counters.items()}
+        out["buckets"] = [[b, c.last, c.total] for b, c in self.buckets.items()]
+        return out
+
+    @classmethod
+    def from_state(cls, state: dict[str, Any]) -> _GpuRun:
+        counters = {str(k): _Increase(float(last), float(total))
+                    for k, (last, total) in state["counters"].items()}
+        buckets = {float(b): _Increase(float(last), float(total))
+                   for b, last, total in state["buckets"]}
+        return cls(cycles=int(state["cycles"]), unreadable=int(state["unreadable"]),
+                   peak=_floats(state["peak"]), total=_floats(state["total"]),
+                   seen=_ints(state["seen"]), beyond=_ints(state["beyond"]),
+                   judged=_ints(state["judged"]), counters=counters, buckets=buckets)
+
+
+def _floats(d: dict[str, Any]) -> dict[str, float]:
+    return {str(k): float(v) for k, v in d.items()}
+
+
+def _ints(d: dict[str, Any]) -> dict[str, int]:
+    return {str(k): int(v) for k, v in d.items()}
 
 
 def quantile(q: float, cumulative: dict[float, float]) -> float | None:
@@ -165,6 +205,26 @@ class RunSummary:
             run = self._gpus[labels] = _GpuRun()
         return run
 
+    def state(self) -> dict[str, Any]:
+        """The running figures, for ``Checkpoint``: JSON-ready, and no larger than they are."""
+        return {"version": STATE_VERSION, "labels": [list(p) for p in self.labels],
+                "start_ms": self.start_ms, "end_ms": self.end_ms,
+                "gpus": [[[list(p) for p in labels], run.state()]
+                         for labels, run in self._gpus.items()]}
+
+    def resume(self, state: dict[str, Any]) -> None:
+        """Go on from ``state``, a run of this same Job and pod; ValueError (or KeyError,
+        TypeError) when it is not one."""
+        if state.get("version") != STATE_VERSION:
+            raise ValueError(f"state version {state.get('version')!r}, not {STATE_VERSION}")
+        labels = tuple(tuple(p) for p in state["labels"])
+        if labels != self.labels:
+            raise ValueError("another Job, index or pod")
+        gpus = {tuple(tuple(p) for p in gpu): _GpuRun.from_state(run)
+                for gpu, run in state["gpus"]}
+        self.start_ms, self.end_ms = int(state["start_ms"]), int(state["end_ms"])
+        self._gpus = gpus
+
     def series(self) -> list[Series]:
         if self.start_ms is None or self.end_ms is None:
             return []
@@ -196,3 +256,68 @@ class RunSummary:
             if p99 is not None:
                 out.append(Series("gpu_run_request_duration_p99_seconds", labels, p99, ts))
         return out
+
+
+class Checkpoint:
+    """The run's summary so far, in a small file on the spool volume, rewritten every cycle (a
+    write and a rename: a process killed at any point leaves the old file or the new one; no
+    fsync, since what it guards against is the process dying, not the node).
+
+    A restarted agent resumes from it only when it is the same Job, index and pod, and the file
+    is recent (``RESUME_WITHIN_S``: a container restart, even after back-off, is minutes; a file
+    older than that belongs to an earlier run on a reused directory). A clean end of the run,
+    with the summary handed to the sinks, deletes it."""
+
+    RESUME_WITHIN_S = 900.0
+
+    def __init__(self, path: Path, wall: Any = time.time) -> None:
+        self.path = path
+        self.wall = wall
+        self._failing = False
+
+    def resume(self, summary: RunSummary) -> None:
+        try:
+            state = json.loads(self.path.read_bytes())
+        except FileNotFoundError:
+            return
+        except (OSError, ValueError) as exc:
+            log.error("run_summary_checkpoint_unreadable", path=str(self.path), error=str(exc),
+                      effect="the run summary starts afresh from this start")
+            return
+        try:
+            age_s = self.wall() - int(state["end_ms"]) / 1000
+            if age_s > self.RESUME_WITHIN_S:
+                raise ValueError(f"last written {round(age_s)} s ago, more than "
+                                 f"{round(self.RESUME_WITHIN_S)} s: an earlier run")
+            summary.resume(state)
+        except (KeyError, TypeError, ValueError) as exc:
+            log.info("run_summary_not_resumed", path=str(self.path), reason=str(exc),
+                     effect="the run summary starts afresh from this start")
+            return
+        log.info("run_summary_resumed", path=str(self.path), start_ms=summary.start_ms,
+                 note="the agent restarted mid-run; the summary covers the run from its start")
+
+    def save(self, summary: RunSummary) -> None:
+        tmp = self.path.with_suffix(".tmp")
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            with os.fdopen(fd, "w") as f:
+                json.dump(summary.state(), f, separators=(",", ":"))
+            os.replace(tmp, self.path)
+        except OSError as exc:
+            with contextlib.suppress(OSError):
+                tmp.unlink()
+            if not self._failing:
+                self._failing = True
+                log.error("run_summary_checkpoint_failed", path=str(self.path),
+                          error=exc.strerror, effect="an agent killed now and restarted would "
+                          "summarise the run from its restart only")
+            return
+        if self._failing:
+            self._failing = False
+            log.info("run_summary_checkpoint_recovered", path=str(self.path))
+
+    def discard(self) -> None:
+        with contextlib.suppress(OSError):
+            self.path.unlink()

@@ -18,7 +18,8 @@ from pathlib import Path
 
 import pytest
 
-from sidecar.summary import RunSummary, quantile
+from sidecar.samples import Series
+from sidecar.summary import Checkpoint, RunSummary, quantile
 from sidecar.thresholds import THRESHOLDS
 from tests.conftest import ROOT
 from tests.receivers import Agent, Prometheus, Pushgateway, VictoriaMetrics, running
@@ -298,28 +299,66 @@ def test_counters_that_restart_are_added_up_not_subtracted():
     assert got["gpu_run_duration_seconds"] == 0.004
 
 
-def test_a_killed_job_agent_loses_its_summary_only(tmp_path):
-    """SIGKILL: the cycles the agent printed are all stored (the journal), but no summary; the
-    agent restarted on the same spool summarises the run from its restart."""
+def test_a_killed_job_agent_restarted_in_its_pod_goes_on_with_the_run_summary(tmp_path):
+    """SIGKILL mid-run: every printed cycle is stored (the journal) and the restarted agent's
+    summary covers the whole run, as if it had never died (the checkpoint beside the spool);
+    the clean end of the run removes the checkpoint."""
+    sock, spool = tmp_path / "app.sock", tmp_path / "spool"
     vm = VictoriaMetrics(tmp_path).start()
     with running(vm):
-        args = ["--simulate", "healthy", "--interval", "0.2", "--push-interval", "15",
-                "--batch-job", "train-9", "--pod-namespace", "ml", "--pod-name", "train-9-p",
-                "--remote-write-url", vm.write_url, "--spool-dir", str(tmp_path / "spool")]
+        args = ["--simulate", "healthy", "--no-simulated-app", "--socket", str(sock),
+                "--interval", "0.2", "--push-interval", "15", "--batch-job", "train-9",
+                "--pod-namespace", "ml", "--pod-name", "train-9-p",
+                "--remote-write-url", vm.write_url, "--spool-dir", str(spool)]
         killed = Agent(args).start()
-        time.sleep(2.5)
-        killed.signal(signal.SIGKILL)
-        killed.wait()
-        assert not printed_summary(killed)
-        restarted = Agent(args).start()
-        time.sleep(1.5)
-        assert restarted.stop() == 0
+        deadline = time.monotonic() + 10
+        while not sock.exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        app = subprocess.Popen([sys.executable, "-c", APP, str(sock), "healthy", "4"], cwd=ROOT)
+        try:
+            time.sleep(2.0)
+            killed.signal(signal.SIGKILL)
+            killed.wait()
+            assert not printed_summary(killed)
+            assert (spool / "run-summary.json").exists()
+            restarted = Agent(args).start()
+            assert app.wait(timeout=30) == 0  # the Job's main container ends
+        finally:
+            app.kill()
+        assert restarted.stop() == 0, "".join(restarted.err)[-2000:]
+        assert [e for e in restarted.events() if e.get("event") == "run_summary_resumed"]
+        assert not (spool / "run-summary.json").exists(), "the run ended: nothing to resume"
         stored = {(n, labels, ts): v for n, labels, ts, v in vm.settled()}
         printed = {(n, labels, ts) for n, labels, ts, _ in killed.sampled()}
         assert printed and printed <= set(stored)  # the journal kept every printed cycle
-        summaries = {(n, labels): v for (n, labels, _), v in stored.items()
-                     if n == "gpu_run_start_timestamp_seconds"}
-        assert len(summaries) == 1  # the restarted agent's only
-        first_after_restart = min(ts for _, _, ts, _ in restarted.sampled())
-        assert next(iter(summaries.values())) == first_after_restart / 1000
-        assert first_after_restart > max(ts for _, _, ts in printed)
+    rows = killed.sampled() + restarted.sampled()
+    got = printed_summary(restarted)
+    want = expected_summary(rows, "train-9", "train-9-p")
+    samples = [k for k in want if k[0] == "gpu_run_samples"]
+    if any(got[k] == want[k] - 1 for k in samples):
+        # killed between printing its last cycle and checkpointing it: that cycle is the loss
+        last_ts = max(ts for _, _, ts, _ in killed.sampled())
+        want = expected_summary([r for r in rows if r[2] != last_ts], "train-9", "train-9-p")
+    assert_summary(got, want)
+    starts = [v for (n, _, _), v in stored.items() if n == "gpu_run_start_timestamp_seconds"]
+    assert starts == [min(ts for _, _, ts, _ in killed.sampled()) / 1000]
+
+
+def test_a_checkpoint_of_another_pod_or_an_earlier_run_is_not_resumed(tmp_path):
+    now = [1_800_000_000.0]
+    path = tmp_path / "run-summary.json"
+    before = RunSummary("train-9", (("namespace", "ml"), ("pod", "train-9-a")))
+    before.add([Series("gpu_sm_occupancy_ratio", (("gpu_uuid", "GPU-1"),), 0.5, 1_799_999_990_000)])
+    Checkpoint(path, wall=lambda: now[0]).save(before)
+
+    def resumed(pod: str) -> bool:
+        summary = RunSummary("train-9", (("namespace", "ml"), ("pod", pod)))
+        Checkpoint(path, wall=lambda: now[0]).resume(summary)
+        return summary.start_ms is not None
+
+    assert resumed("train-9-a")
+    assert not resumed("train-9-b")  # a rerun of the Job: another pod
+    now[0] += Checkpoint.RESUME_WITHIN_S + 11  # the same name, long after: an earlier run
+    assert not resumed("train-9-a")
+    path.write_text("{not json")
+    assert not resumed("train-9-a")
