@@ -374,7 +374,8 @@ def _run(cfg: config.Config) -> int:
         sinks = _sinks(cfg, cfg.spool_dir)
         mode = "simulated" if scenario is not None else ("nvml" if source else "app-only")
         # a Job's run summary so far, beside the spool: an agent restarted mid-run goes on with it
-        checkpoint = Checkpoint(Path(cfg.spool_dir) / "run-summary.json") if cfg.batch_job else None
+        checkpoint = (Checkpoint(Path(cfg.spool_dir) / "run-summary.json", cfg.push_interval)
+                      if cfg.batch_job else None)
         agent = Agent(cfg, source=source, app=state, sinks=sinks, mode=mode, checkpoint=checkpoint)
         for sink in sinks:
             sink.start()
