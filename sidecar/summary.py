@@ -108,7 +108,10 @@ class _GpuRun:
 
     def add_buckets(self, counts: dict[float, float]) -> None:
         for bound, count in counts.items():
-            self.buckets.setdefault(bound, _Increase()).see(count)
+            increase = self.buckets.get(bound)
+            if increase is None:
+                increase = self.buckets[bound] = _Increase()
+            increase.see(count)
 
     def p99(self) -> float | None:
         return quantile(0.99, {b: c.total for b, c in self.buckets.items()})
@@ -178,6 +181,19 @@ class RunSummary:
         self.start_ms: int | None = None
         self.end_ms: int | None = None
         self._gpus: dict[Labels, _GpuRun] = {}
+        # a bucket series' labels -> (its GPU's labels, its upper bound): the same few hundred
+        # label sets every cycle, parsed once
+        self._buckets: dict[Labels, tuple[Labels, float]] = {}
+
+    def _bucket_of(self, labels: Labels) -> tuple[Labels, float]:
+        known = self._buckets.get(labels)
+        if known is None:
+            if len(self._buckets) >= 65_536:  # an app that keeps changing its bounds
+                self._buckets.clear()
+            le = dict(labels)["le"]
+            known = self._buckets[labels] = (tuple(p for p in labels if p[0] != "le"),
+                                             math.inf if le == "+Inf" else float(le))
+        return known
 
     def add(self, series: list[Series]) -> None:
         figures: dict[Labels, dict[str, float]] = {}
@@ -188,9 +204,8 @@ class RunSummary:
             if s.name in _WATCHED:
                 figures.setdefault(s.labels, {})[s.name] = s.value
             elif s.name == _BUCKET:
-                gpu = tuple(pair for pair in s.labels if pair[0] != "le")
-                le = dict(s.labels)["le"]
-                buckets.setdefault(gpu, {})[math.inf if le == "+Inf" else float(le)] = s.value
+                gpu, bound = self._bucket_of(s.labels)
+                buckets.setdefault(gpu, {})[bound] = s.value
         if ts is None:
             return
         if self.start_ms is None:
