@@ -194,7 +194,8 @@ class Spool:
                     "give each agent its own --spool-dir / GPU_SIDECAR_SPOOL_DIR") from None
             raise
         self._lock_fd = fd
-        path.write_text(f"{os.getpid()}\n")
+        with contextlib.suppress(OSError):  # for the error of a second agent; a full volume
+            path.write_text(f"{os.getpid()}\n")  # must not stop this one from starting
 
     def close(self) -> None:
         """Release the directory lock (the process exiting does it too)."""
@@ -370,23 +371,26 @@ class Spool:
     def release_held(self) -> int:
         """The agent stops: write out what the disk takes now; of what is still only in memory,
         the cycles its journal holds are replayed by the next start, the rest is counted lost
-        (``spool_write_failed``). A batch on the wire (the sender outlived its deadline) is left
-        to its answer. Returns the samples lost."""
+        (``spool_write_failed``). A batch on the wire counts as lost too: the sender outlived
+        the shutdown deadline and the process ends without its answer (should the receiver
+        take it in the last instant, the count is high by that request, never low). Logs the
+        total, which the last pushed counter could not carry. Returns the samples lost."""
         self.write_out_held()
-        lost = replayed = 0
+        lost = replayed = on_the_wire = 0
         with self._lock:
-            for seq in [seq for seq, e in self._index.items()
-                        if e.held is not None and seq not in self._in_flight]:
+            for seq in [seq for seq, e in self._index.items() if e.held is not None]:
                 entry = self._index.pop(seq)
                 self._count_drop("spool_write_failed", entry.samples - entry.journaled)
                 lost += entry.samples - entry.journaled
                 replayed += entry.journaled
-        if lost or replayed:
-            log.error("spool_memory_lost_at_exit", directory=str(self.dir), samples=lost,
-                      journaled_samples=replayed,
-                      dropped_samples_total=self.dropped_samples["spool_write_failed"],
-                      effect="batches the disk refused and the receiver had not taken are lost, "
-                             "but for the cycles journaled before the disk refused, which the "
+                on_the_wire += entry.samples if seq in self._in_flight else 0
+            total = self.dropped_samples["spool_write_failed"]
+        if total:
+            log.error("spool_write_failed_at_exit", directory=str(self.dir), samples=lost,
+                      journaled_samples=replayed, on_the_wire_samples=on_the_wire,
+                      dropped_samples_total=total,
+                      effect="batches the volume refused and the receiver had not taken are "
+                             "lost, but for the cycles journaled before it refused, which the "
                              "next start sends", hint="free space in the spool volume, or make "
                              "it writable")
         return lost

@@ -168,7 +168,7 @@ def test_spool_volume_remounted_read_only_mid_run_loses_nothing_the_receiver_can
     assert len(events(agent, "spool_write_recovered")) == 1
     assert len(events(agent, "journal_write_failed")) == 1
     assert last(agent, "gpu_sidecar_samples_dropped_total", reason="spool_write_failed") == 0
-    assert not events(agent, "spool_memory_lost_at_exit")
+    assert not events(agent, "spool_write_failed_at_exit")
 
 
 def test_batches_a_full_volume_refused_are_written_out_once_it_has_room(tmp_path, tmpfs):
@@ -182,7 +182,7 @@ def test_batches_a_full_volume_refused_are_written_out_once_it_has_room(tmp_path
     assert _until(lambda: last(first, "gpu_sidecar_spool_bytes", state="memory") == 0)
     assert first.stop() == 0, "".join(first.err)[-2000:]
     assert events(first, "spool_write_failed") and events(first, "spool_write_recovered")
-    assert not events(first, "spool_memory_lost_at_exit")
+    assert not events(first, "spool_write_failed_at_exit")
     vm.start()
     with running(vm):
         second = Agent(args(vm.write_url, spool)).start()
@@ -207,7 +207,7 @@ def test_batches_still_in_memory_when_the_agent_stops_are_the_only_loss_and_coun
         assert events(first, "spool_memory_full_dropped_oldest")
         assert (last(first, "gpu_sidecar_spool_bytes", state="memory") or 0) <= 30000
         assert first.stop() == 0, "".join(first.err)[-2000:]
-    [at_exit] = events(first, "spool_memory_lost_at_exit")
+    [at_exit] = events(first, "spool_write_failed_at_exit")
     assert at_exit["samples"] > 0
     vm.start()
     with running(vm):
@@ -219,6 +219,35 @@ def test_batches_still_in_memory_when_the_agent_stops_are_the_only_loss_and_coun
     lost = set(sampled) - set(stored)
     assert len(lost) == at_exit["dropped_samples_total"], "every lost sample is counted"
     assert all(stored[k] == pytest.approx(sampled[k], rel=VM_REL) for k in set(sampled) - lost)
+
+
+def test_held_batches_on_the_wire_when_the_agent_stops_are_counted_lost(tmp_path, tmpfs):
+    """A request that outlives the shutdown deadline ends with the process: the held batches it
+    carries are lost, and counted, not reported as left in the spool."""
+    spool = tmpfs / "spool"
+    vm = VictoriaMetrics(tmp_path)
+    busy = {"on": True}
+    proxy = FaultProxy(vm.write_url, lambda n, body: (503, {}, b"busy") if busy["on"] else None,
+                       delay=3.0)
+    # full from the start (the agent still starts): every batch is held in memory
+    with running(proxy), kept_full(tmpfs):
+        first = Agent(args(proxy.url, spool, "--shutdown-timeout", "1",
+                           "--push-timeout", "10")).start()
+        time.sleep(2.0)  # the first request is on the wire, waiting for its slow 503
+        first.signal(signal.SIGTERM)
+        assert first.wait() == 0, "".join(first.err)[-2000:]
+    [at_exit] = events(first, "spool_write_failed_at_exit")
+    assert at_exit["on_the_wire_samples"] > 0
+    assert not events(first, "shutdown_left_in_spool"), "nothing in memory is left for a restart"
+    busy["on"], proxy.delay = False, 0.0
+    vm.start()
+    with running(vm, proxy):
+        second = Agent(args(proxy.url, spool)).start()
+        time.sleep(1.0)
+        assert second.stop() == 0
+        stored = keyed(vm.settled())
+    lost = set(keyed(first.sampled())) - set(stored)
+    assert len(lost) == at_exit["dropped_samples_total"], "every lost sample is counted"
 
 
 def test_an_unreadable_spool_entry_is_set_aside_and_the_sender_goes_on(tmp_path):

@@ -223,7 +223,7 @@ def test_a_spool_volume_refusing_every_write_holds_batches_in_memory_and_keeps_s
     in_memory = [r["value"] for r in rows if r["name"] == "gpu_sidecar_spool_bytes"
                  and r["labels"].get("state") == "memory"]
     assert in_memory and in_memory[-1] > 0  # the receiver is down: the batches wait there
-    [lost] = [json.loads(line) for line in err.splitlines() if "spool_memory_lost_at_exit" in line]
+    [lost] = [json.loads(line) for line in err.splitlines() if "spool_write_failed_at_exit" in line]
     assert lost["samples"] > 0  # the disk never took them: lost at exit, and counted
 
 
