@@ -198,6 +198,17 @@ METRICS: tuple[MetricSpec, ...] = (
 
 BY_NAME: dict[str, MetricSpec] = {m.name: m for m in METRICS}
 
+
+def histogram_of(name: str) -> tuple[str, str] | None:
+    """(histogram, part) when ``name`` is the ``_bucket``, ``_sum`` or ``_count`` series of a
+    histogram of the table: each exposition format regroups the three under their histogram."""
+    for part in ("_bucket", "_sum", "_count"):
+        stem = name.removesuffix(part)
+        spec = BY_NAME.get(stem)
+        if stem != name and spec is not None and spec.kind == "histogram":
+            return stem, part
+    return None
+
 # -- OpenTelemetry (the OTLP sink) ---------------------------------------------------------------
 
 Instrument = Literal["gauge", "counter", "updowncounter", "histogram"]

@@ -52,7 +52,6 @@ CUMULATIVE = 2  # AggregationTemporality
 _FIXED64 = struct.Struct("<Q")
 _DOUBLE = struct.Struct("<d")
 _SMALL = [bytes((n,)) for n in range(0x80)]
-_HISTOGRAM_PARTS = ("_bucket", "_sum", "_count")
 _INT64 = range(-(1 << 63), 1 << 63)
 _UINT64_MAX = (1 << 64) - 1
 UNENCODABLE = "unencodable"  # the gpu_sidecar_samples_dropped_total reason
@@ -209,12 +208,7 @@ class Encoder:
         self.dropped[UNENCODABLE] += samples
 
     def _place(self, name: str, labels: Labels) -> _Point:
-        part, source = "", name
-        for suffix in _HISTOGRAM_PARTS:
-            stem = name.removesuffix(suffix)
-            spec = metrics.BY_NAME.get(stem)
-            if stem != name and spec is not None and spec.kind == "histogram":
-                part, source = suffix, stem
+        source, part = metrics.histogram_of(name) or (name, "")
         otel = metrics.OTEL.get(source)
         resource: list[tuple[str, str]] = []
         attributes: dict[str, str | int] = dict(otel.attributes) if otel else {}

@@ -25,6 +25,7 @@ from typing import TextIO
 
 from sidecar.diagnose import Figures, Verdict, figures_of, judge, summarize
 from sidecar.samples import Series
+from sidecar.terminal import capable_terminal, isatty
 from sidecar.thresholds import Thresholds
 
 HIDE_CURSOR, SHOW_CURSOR = "\x1b[?25l", "\x1b[?25h"
@@ -242,7 +243,7 @@ class Table:
         self._cycles.append(gpus)
         title = title_of(series, gpus)
         if not self.live:  # a file, a pipe or a dumb terminal: whole frames, one after another
-            width = _size(self.stream)[0] if _isatty(self.stream) else None
+            width = _size(self.stream)[0] if isatty(self.stream) else None
             return render(self._cycles, title, self.thresholds, width=width) + "\n\n"
         columns, rows = _size(self.stream)
         self._title, self._width = title, columns
@@ -275,19 +276,6 @@ class Table:
             self.stream.flush()
         except (OSError, ValueError):
             pass
-
-
-def capable_terminal(stream: TextIO, environ: Mapping[str, str] | None = None) -> bool:
-    """A terminal that understands cursor addressing: a tty whose TERM is set and not dumb."""
-    term = (os.environ if environ is None else environ).get("TERM", "")
-    return term not in ("", "dumb") and _isatty(stream)
-
-
-def _isatty(stream: TextIO) -> bool:
-    try:
-        return stream.isatty()
-    except (AttributeError, ValueError):
-        return False
 
 
 def _size(stream: TextIO) -> tuple[int, int]:

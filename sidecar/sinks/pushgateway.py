@@ -20,7 +20,7 @@ import structlog
 from prometheus_client import CollectorRegistry, delete_from_gateway, push_to_gateway
 from prometheus_client.metrics_core import Metric
 
-from sidecar.metrics import BY_NAME
+from sidecar.metrics import BY_NAME, histogram_of
 from sidecar.samples import Labels, Series
 from sidecar.sinks.delivery import (
     FAILURE_REASONS,
@@ -37,15 +37,11 @@ IDLE_WAIT_S = 60.0
 
 log = structlog.get_logger("sidecar.pushgateway")
 
-_SUFFIXES = ("_bucket", "_sum", "_count")
-
-
 def family_of(name: str) -> tuple[str, str]:
     """(family name, type) for a series name, as prometheus_client wants them."""
-    for suffix in _SUFFIXES:
-        base = name.removesuffix(suffix)
-        if base != name and base in BY_NAME and BY_NAME[base].kind == "histogram":
-            return base, "histogram"
+    histogram = histogram_of(name)
+    if histogram is not None:
+        return histogram[0], "histogram"
     spec = BY_NAME.get(name)
     if spec is None:
         return name, "untyped"

@@ -5,23 +5,18 @@ from __future__ import annotations
 import contextlib
 import json
 import math
-import os
 import sys
 from collections.abc import Mapping
 from typing import TextIO
 
-from sidecar.metrics import BY_NAME
+from sidecar.metrics import BY_NAME, histogram_of
 from sidecar.samples import Labels, Series
-
-_HIST_SUFFIXES = ("_bucket", "_sum", "_count")
+from sidecar.terminal import capable_terminal
 
 
 def _family(name: str) -> str:
-    for suffix in _HIST_SUFFIXES:
-        base = name.removesuffix(suffix)
-        if base != name and base in BY_NAME:
-            return base
-    return name
+    histogram = histogram_of(name)
+    return name if histogram is None else histogram[0]
 
 
 def _escape(value: str) -> str:
@@ -68,13 +63,7 @@ def resolve(fmt: str, stream: TextIO, environ: Mapping[str, str] | None = None) 
     as an editor's shell buffer), so that what scripts read stays as it was."""
     if fmt != "auto":
         return fmt
-    term = (os.environ if environ is None else environ).get("TERM", "")
-    if term in ("", "dumb"):
-        return "prometheus"
-    try:
-        return "table" if stream.isatty() else "prometheus"
-    except (AttributeError, ValueError):  # a stream without a descriptor, or a closed one
-        return "prometheus"
+    return "table" if capable_terminal(stream, environ) else "prometheus"
 
 
 class StdoutSink:
