@@ -178,6 +178,18 @@ groups:
           summary: "gpu-sidecar spool of {{ $labels.pod }} holds {{ $value | humanize1024 }}B"
           description: "The receiver {{ $labels.sink }} is not keeping up; data waits on disk."
 
+      - alert: GPUSidecarSpoolVolumeRefusing
+        # the spool volume refuses writes (full, read-only): batches wait in memory, delivered
+        # while the receiver takes them, lost if the agent dies or the receiver is out too; a
+        # nearly full volume takes one write and refuses the next, hence the window
+        expr: max_over_time(gpu_sidecar_spool_write_failing[10m]) > 0
+        for: 5m
+        labels:
+          severity: warning
+        annotations:
+          summary: "gpu-sidecar on {{ $labels.pod }} cannot write its spool volume"
+          description: "Batches for {{ $labels.sink }} wait in memory: free the spool volume."
+
       - alert: GPUSidecarSamplesDropped
         expr: |
           increase(gpu_sidecar_samples_dropped_total{reason=~

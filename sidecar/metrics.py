@@ -157,6 +157,10 @@ METRICS: tuple[MetricSpec, ...] = (
        "disk), memory (waiting in memory because the spool volume refused them, within "
        "--spool-memory-max-bytes), rejected and corrupt (kept on disk for inspection); all "
        "four count against --spool-max-bytes."),
+    _m("gpu_sidecar_spool_write_failing", "gauge", "boolean", "self", "agent",
+       "Per remote-write or OTLP sink: 1 while the spool volume refuses writes (full, read-only), "
+       "so batches wait in memory and a crash or a receiver outage now loses them; 0 once a "
+       "write succeeds again."),
     _m("gpu_sidecar_spool_batches", "gauge", "batches", "self", "agent",
        "Batches waiting to be sent (on disk or in memory), per remote-write or OTLP sink."),
     # run: a batch Job's summary (--batch-job), sent once with the last cycle, labelled job_name
@@ -285,6 +289,7 @@ _OTEL_NAMES: dict[str, tuple[str, tuple[tuple[str, str], ...], Instrument | None
                                                         None),
     "gpu_sidecar_spool_bytes": ("gpu.sidecar.spool.usage", (), None),
     "gpu_sidecar_spool_batches": ("gpu.sidecar.spool.batches", (), None),
+    "gpu_sidecar_spool_write_failing": ("gpu.sidecar.spool.write_failing", (), None),
     "gpu_run_start_timestamp_seconds": ("gpu.run.start", (), None),
     "gpu_run_end_timestamp_seconds": ("gpu.run.end", (), None),
     "gpu_run_duration_seconds": ("gpu.run.duration", (), None),

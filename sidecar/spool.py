@@ -225,6 +225,11 @@ class Spool:
         with self._lock:
             return len(self._index)
 
+    @property
+    def write_failing(self) -> bool:
+        """The last write to the volume failed: batches are being held in memory."""
+        return self._write_failures.active
+
     def reserve(self) -> int:
         """A sequence number for a batch still being filled (its journal is named after it)."""
         with self._lock:

@@ -169,6 +169,8 @@ def test_spool_volume_remounted_read_only_mid_run_loses_nothing_the_receiver_can
     assert len(events(agent, "journal_write_failed")) == 1
     assert last(agent, "gpu_sidecar_samples_dropped_total", reason="spool_write_failed") == 0
     assert not events(agent, "spool_write_failed_at_exit")
+    failing = [v for n, _, _, v in agent.sampled() if n == "gpu_sidecar_spool_write_failing"]
+    assert 1.0 in failing and failing[-1] == 0.0, "the gauge the alert reads rose and fell"
 
 
 def test_batches_a_full_volume_refused_are_written_out_once_it_has_room(tmp_path, tmpfs):

@@ -819,6 +819,7 @@ class SpooledSink:
             *(s("gpu_sidecar_spool_bytes", self.spool.bytes(state), ("state", state))
               for state in STATES),
             s("gpu_sidecar_spool_batches", len(self.spool)),
+            s("gpu_sidecar_spool_write_failing", float(self.spool.write_failing)),
             s("gpu_sidecar_push_duration_seconds", self.last_push_seconds),
         ]
         if self.last_success_time:
