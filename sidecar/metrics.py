@@ -197,7 +197,8 @@ METRICS: tuple[MetricSpec, ...] = (
        "CUDA out-of-memory errors, counted as gpu_run_alloc_retries."),
     _m("gpu_run_request_duration_p99_seconds", "gauge", "seconds", "run", "app",
        "p99 request latency from the app's latency histogram, counted as gpu_run_alloc_retries "
-       "(from the app's start), interpolated as histogram_quantile does."),
+       "(from the app's start, or from the last change of its buckets), interpolated as "
+       "histogram_quantile does."),
 )
 
 BY_NAME: dict[str, MetricSpec] = {m.name: m for m in METRICS}

@@ -107,6 +107,11 @@ class _GpuRun:
                 self.beyond[condition] = self.beyond.get(condition, 0) + held
 
     def add_buckets(self, counts: dict[float, float]) -> None:
+        if self.buckets.keys() != counts.keys():
+            # the app brought other buckets (a redeploy; the agent restarts the GPU's histogram
+            # from zero): two layouts do not add up to one histogram, so the run's p99 counts
+            # from the change, and the table holds one layout however often the app changes
+            self.buckets = {}
         for bound, count in counts.items():
             increase = self.buckets.get(bound)
             if increase is None:

@@ -300,6 +300,25 @@ def test_counters_that_restart_are_added_up_not_subtracted():
     assert got["gpu_run_duration_seconds"] == 0.004
 
 
+def test_new_buckets_restart_the_runs_p99_and_the_table_holds_one_layout():
+    gpu = (("gpu_uuid", "GPU-a"),)
+
+    def histogram(bounds: list[str], counts: list[float], ts: int) -> list[Series]:
+        return [Series("inference_request_duration_seconds_bucket", (*gpu, ("le", le)), c, ts)
+                for le, c in zip(bounds, counts, strict=True)]
+
+    summary = RunSummary("j", ())
+    summary.add(histogram(["0.1", "+Inf"], [90.0, 100.0], 1))  # slow layout: p99 above 0.1
+    for ts in range(2, 50):  # an app that changes its buckets every cycle
+        bounds = [str(ts / 1000), str(ts / 100), "+Inf"]
+        summary.add(histogram(bounds, [0.0, 10.0 * ts, 10.0 * ts], ts))
+    got = {s.name: s.value for s in summary.series()}
+    # the last layout alone: every request in (0.049, 0.49]
+    assert got["gpu_run_request_duration_p99_seconds"] == pytest.approx(
+        0.049 + (0.49 - 0.049) * 0.99)
+    assert len(next(iter(summary._gpus.values())).buckets) == 3
+
+
 def test_a_killed_job_agent_restarted_in_its_pod_goes_on_with_the_run_summary(tmp_path):
     """SIGKILL mid-run: every printed cycle is stored (the journal), and the restarted agent's
     summary covers the whole run but for the cycles after the last checkpoint (rewritten every
