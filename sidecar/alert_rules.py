@@ -181,8 +181,9 @@ groups:
       - alert: GPUSidecarSpoolVolumeRefusing
         # the spool volume refuses writes (full, read-only): batches wait in memory, delivered
         # while the receiver takes them, lost if the agent dies or the receiver is out too; a
-        # nearly full volume takes one write and refuses the next, hence the window
-        expr: max_over_time(gpu_sidecar_spool_write_failing[10m]) > 0
+        # nearly full volume takes one write and refuses the next, hence half of a window, which
+        # a single refused write does not reach
+        expr: avg_over_time(gpu_sidecar_spool_write_failing[10m]) >= 0.5
         for: 5m
         labels:
           severity: warning

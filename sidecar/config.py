@@ -18,6 +18,7 @@ from urllib.parse import SplitResult, urlsplit
 
 from sidecar import __version__, protocol
 from sidecar.sinks import redact_url
+from sidecar.spool import DEFAULT_MEMORY_MAX_BYTES
 
 ENV_PREFIX = "GPU_SIDECAR_"
 RESERVED_LABELS = frozenset({"gpu_uuid", "gpu_name", "gpu_index", "namespace", "pod", "container",
@@ -68,7 +69,7 @@ class Config:
     batch_max_samples: int = 20_000
     spool_dir: str = "/var/lib/gpu-sidecar/spool"
     spool_max_bytes: int = 256 * 1024 * 1024
-    spool_memory_max_bytes: int = 16 * 1024 * 1024
+    spool_memory_max_bytes: int = DEFAULT_MEMORY_MAX_BYTES
     shutdown_timeout: float = 5.0
     push_timeout: float = 10.0
     retry_max_backoff: float = 30.0

@@ -216,6 +216,7 @@ def histogram_of(name: str) -> tuple[str, str] | None:
 
 # -- OpenTelemetry (the OTLP sink) ---------------------------------------------------------------
 
+
 Instrument = Literal["gauge", "counter", "updowncounter", "histogram"]
 
 

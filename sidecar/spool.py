@@ -1,4 +1,4 @@
-"""The disk spool: every encoded batch is on disk before its first send.
+"""The disk spool: every encoded batch is on disk before its first send, while the disk lets it.
 
 One file per batch, named by a sequence number so that the directory order is the send order.
 A file is written to a temporary name, flushed to disk and renamed, so a crash leaves either the
@@ -52,6 +52,7 @@ NAME = re.compile(r"^(\d{20})\.batch$")
 ASIDE = ("rejected", "corrupt")
 STATES = ("pending", "memory", *ASIDE)
 DROP_REASONS = ("spool_full", "spool_write_failed", "rejected", "corrupt", "unreadable")
+DEFAULT_MEMORY_MAX_BYTES = 16 * 1024 * 1024  # what a refusing volume's batches may hold in memory
 
 
 class SpoolError(RuntimeError):
@@ -122,7 +123,7 @@ class Episodes:
 
 class Spool:
     def __init__(self, directory: str | Path, max_bytes: int,
-                 max_memory_bytes: int = 16 * 1024 * 1024) -> None:
+                 max_memory_bytes: int = DEFAULT_MEMORY_MAX_BYTES) -> None:
         self.dir = Path(directory)
         self.max_bytes = max_bytes
         self.max_memory_bytes = max_memory_bytes
@@ -328,6 +329,7 @@ class Spool:
             pass
         except OSError as exc:
             self._stale_journals.append(path)
+            # unlocked (callers may hold the lock): a lost increment only shifts when it logs
             self._journal_remove_failures += 1
             log_count("journal_remove_failed", self._journal_remove_failures, journal=path.name,
                       error=exc.strerror, effect="tried again once the volume takes writes; a "
@@ -388,7 +390,8 @@ class Spool:
                 self._count_drop("spool_write_failed", entry.samples - entry.journaled)
                 lost += entry.samples - entry.journaled
                 replayed += entry.journaled
-                on_the_wire += entry.samples if seq in self._in_flight else 0
+                if seq in self._in_flight:
+                    on_the_wire += entry.samples - entry.journaled
             total = self.dropped_samples["spool_write_failed"]
         if total:
             log.error("spool_write_failed_at_exit", directory=str(self.dir), samples=lost,

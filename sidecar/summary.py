@@ -22,6 +22,7 @@ import json
 import math
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -29,6 +30,7 @@ from typing import Any
 import structlog
 
 from sidecar.samples import Labels, Series, with_labels
+from sidecar.spool import Episodes
 from sidecar.thresholds import THRESHOLDS, Thresholds
 
 # the ratios of the three layers whose peak and mean the summary keeps
@@ -299,18 +301,22 @@ class Checkpoint:
 
     RESUME_WITHIN_S = 900.0
 
-    def __init__(self, path: Path, every_s: float = 0.0, wall: Any = time.time,
-                 clock: Any = time.monotonic) -> None:
+    def __init__(self, path: Path, every_s: float = 0.0,
+                 wall: Callable[[], float] = time.time,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.path = path
         self.every_s = every_s
         self.wall = wall
         self.clock = clock
         self._saved_at: float | None = None
-        self._failing = False
+        self._failures = Episodes()  # a nearly full volume refuses one save and takes the next
 
     def resume(self, summary: RunSummary) -> None:
         """Never fails: a checkpoint that cannot be used is logged and the summary starts
         afresh (whatever a damaged file holds must not stop an agent from starting)."""
+        for leftover in self.path.parent.glob(f"{self.path.name}.*.tmp"):  # a save cut short
+            with contextlib.suppress(OSError):
+                leftover.unlink()
         try:
             state = json.loads(self.path.read_bytes())
         except FileNotFoundError:
@@ -352,14 +358,12 @@ class Checkpoint:
         except OSError as exc:
             with contextlib.suppress(OSError):
                 tmp.unlink()
-            if not self._failing:
-                self._failing = True
+            if self._failures.started():
                 log.warning("run_summary_checkpoint_failed", path=str(self.path),
                           error=exc.strerror, effect="an agent killed now and restarted would "
                           "summarise the run from its restart only")
             return
-        if self._failing:
-            self._failing = False
+        if self._failures.ended():
             log.info("run_summary_checkpoint_recovered", path=str(self.path))
 
     def discard(self) -> None:

@@ -379,6 +379,9 @@ def test_a_checkpoint_of_another_pod_or_an_earlier_run_is_not_resumed(tmp_path):
     assert not resumed("train-9-a")
     path.write_text("{not json")
     assert not resumed("train-9-a")
+    cut_short = tmp_path / "run-summary.json.4242.tmp"  # a save a kill interrupted
+    cut_short.write_text('{"vers')
+    assert not resumed("train-9-a") and not cut_short.exists()
 
 
 @pytest.mark.parametrize("damage", [

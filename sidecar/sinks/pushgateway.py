@@ -37,6 +37,7 @@ IDLE_WAIT_S = 60.0
 
 log = structlog.get_logger("sidecar.pushgateway")
 
+
 def family_of(name: str) -> tuple[str, str]:
     """(family name, type) for a series name, as prometheus_client wants them."""
     histogram = histogram_of(name)
