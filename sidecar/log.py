@@ -1,5 +1,6 @@
 """structlog set-up: JSON lines in containers, readable lines on a terminal, always on stderr
-(stdout carries samples)."""
+(stdout carries samples); and the rule for conditions that repeat: one line when they start,
+then ever rarer, never one per cycle."""
 
 from __future__ import annotations
 
@@ -31,3 +32,46 @@ def configure(fmt: str = "auto", level: str = "info") -> None:
         logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
         cache_logger_on_first_use=False,
     )
+
+
+_log = structlog.get_logger("sidecar")
+
+
+def _decade(count: int) -> bool:
+    """1, 10, 100, ...: the occurrences of a repeating condition that are logged."""
+    return count >= 1 and 10 ** (len(str(count)) - 1) == count
+
+
+def log_count(event: str, count: int, **fields: object) -> None:
+    """Log a repeating condition at its 1st, 10th, 100th, ... occurrence, with the running
+    count: one line when it starts, then ever rarer, never one per batch."""
+    if _decade(count):
+        _log.error(event, count=count, **fields)
+
+
+class Episodes:
+    """A condition that comes and goes, such as a nearly full disk that refuses one write and
+    takes the next once a file was deleted: its start is logged at the 1st, 10th, 100th, ...
+    episode, and its end only after a start that was logged, so that a flapping condition never
+    logs a line per cycle."""
+
+    def __init__(self) -> None:
+        self.count = 0
+        self.active = False
+        self._logged = False
+
+    def started(self) -> bool:
+        """A failure; True when this is the start of an episode to log."""
+        if self.active:
+            return False
+        self.active = True
+        self.count += 1
+        self._logged = _decade(self.count)
+        return self._logged
+
+    def ended(self) -> bool:
+        """A success; True when it ends an episode whose start was logged."""
+        if not self.active:
+            return False
+        self.active = False
+        return self._logged

@@ -43,6 +43,7 @@ from pathlib import Path
 import structlog
 
 from sidecar import journal
+from sidecar.log import Episodes, log_count
 
 log = structlog.get_logger("sidecar.spool")
 
@@ -84,41 +85,6 @@ class SpooledBatch:
     path: Path
     samples: int
     body: bytes
-
-
-def log_count(event: str, count: int, **fields: object) -> None:
-    """Log a repeating condition at its 1st, 10th, 100th, ... occurrence, with the running
-    count: one line when it starts, then ever rarer, never one per batch."""
-    if count >= 1 and 10 ** (len(str(count)) - 1) == count:
-        log.error(event, count=count, **fields)
-
-
-class Episodes:
-    """A condition that comes and goes, such as a nearly full disk that refuses one write and
-    takes the next once a file was deleted: its start is logged at the 1st, 10th, 100th, ...
-    episode, and its end only after a start that was logged, so that a flapping condition never
-    logs a line per cycle."""
-
-    def __init__(self) -> None:
-        self.count = 0
-        self.active = False
-        self._logged = False
-
-    def started(self) -> bool:
-        """A failure; True when this is the start of an episode to log."""
-        if self.active:
-            return False
-        self.active = True
-        self.count += 1
-        self._logged = 10 ** (len(str(self.count)) - 1) == self.count
-        return self._logged
-
-    def ended(self) -> bool:
-        """A success; True when it ends an episode whose start was logged."""
-        if not self.active:
-            return False
-        self.active = False
-        return self._logged
 
 
 class Spool:

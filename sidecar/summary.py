@@ -11,8 +11,8 @@ sinks received (and what the test reads back from stdout). Memory is constant in
 the run: per GPU a few running figures and one counter per latency bucket, no sample history.
 
 The figures so far are also kept on the spool volume (``Checkpoint``), rewritten every push
-interval, so that an agent killed mid-run (an OOM kill, SIGKILL) and restarted in the same pod goes on with
-the run's summary instead of starting a new one from its restart.
+interval, so that an agent killed mid-run (an OOM kill, SIGKILL) and restarted in the same pod
+goes on with the run's summary instead of starting a new one from its restart.
 """
 
 from __future__ import annotations
@@ -29,8 +29,8 @@ from typing import Any
 
 import structlog
 
+from sidecar.log import Episodes
 from sidecar.samples import Labels, Series, with_labels
-from sidecar.spool import Episodes
 from sidecar.thresholds import THRESHOLDS, Thresholds
 
 # the ratios of the three layers whose peak and mean the summary keeps

@@ -40,9 +40,10 @@ import structlog
 import tenacity
 
 from sidecar import __version__, journal
+from sidecar.log import Episodes, log_count
 from sidecar.samples import Labels, Series
 from sidecar.sinks import redact_url as redact
-from sidecar.spool import STATES, Episodes, Spool, SpooledBatch, log_count
+from sidecar.spool import STATES, Spool, SpooledBatch
 
 if TYPE_CHECKING:
     import ssl
