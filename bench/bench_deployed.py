@@ -345,13 +345,13 @@ def in_process(agent_cycles: int = 300, naive_cycles: int = 20) -> dict:
 
     from sidecar import protocol
     from sidecar.agent import Agent
-    from sidecar.app_socket import AppState
     from sidecar.config import Config
     from sidecar.log import configure
-    from sidecar.nvml_source import NvmlSource
     from sidecar.simulate import fake_nvml
     from sidecar.simulate.app import profile_messages
     from sidecar.simulate.scenarios import build
+    from sidecar.sources.app_socket import AppState
+    from sidecar.sources.nvml import NvmlSource
 
     configure("json", "warning")
 

@@ -8,7 +8,7 @@ fresh processes each time:
 
 - ``head``: the committed agent (``git archive HEAD``), remote-write: the agent before this change;
 - ``rw``: this tree, remote-write only (the OTLP sink off);
-- ``otlp-hand``: this tree, ``--otlp-url``, the hand encoder of ``sidecar/otlp.py``;
+- ``otlp-hand``: this tree, ``--otlp-url``, the hand encoder of ``sidecar/wire/otlp.py``;
 - ``otlp-official``: this tree, ``--otlp-url``, each cycle built with the generated classes of
   ``opentelemetry-proto`` instead (same points and attributes, histogram parts as number points)
   and serialized: what depending on protobuf would cost.

@@ -20,19 +20,19 @@ from pathlib import Path
 
 from sidecar import protocol
 from sidecar.agent import Agent
-from sidecar.app_socket import AppState
 from sidecar.config import Config
+from sidecar.durability.spool import Spool
 from sidecar.log import configure
-from sidecar.nvml_source import NvmlSource
-from sidecar.prompb import WriteRequest
-from sidecar.remote_write import Batch, Encoder, compress
 from sidecar.samples import Series
 from sidecar.simulate import fake_nvml
 from sidecar.simulate.app import profile_messages
 from sidecar.simulate.scenarios import build
 from sidecar.sinks.delivery import HttpOptions
 from sidecar.sinks.remote_write import RemoteWriteSink
-from sidecar.spool import Spool
+from sidecar.sources.app_socket import AppState
+from sidecar.sources.nvml import NvmlSource
+from sidecar.wire.remote_write import Batch, Encoder, compress
+from tests.prompb import WriteRequest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
@@ -88,7 +88,7 @@ def encoding_benchmark() -> dict:
     warm = Encoder()
     ours_body(items, warm)
     assert WriteRequest.FromString  # decode check below
-    from sidecar.remote_write import decompress
+    from sidecar.wire.remote_write import decompress
 
     a, b = WriteRequest(), WriteRequest()
     a.ParseFromString(decompress(ours_body(items, Encoder())))

@@ -34,11 +34,11 @@ from _naive import NullSink, naive_loop
 from _report import finish, heading
 
 from sidecar.agent import Agent
-from sidecar.app_socket import AppState
 from sidecar.config import Config
-from sidecar.nvml_source import NvmlSource
 from sidecar.simulate import fake_nvml
 from sidecar.simulate.scenarios import build
+from sidecar.sources.app_socket import AppState
+from sidecar.sources.nvml import NvmlSource
 
 GPUS = 8
 WINDOW_S = fake_nvml.THROUGHPUT_WINDOW_S
@@ -182,9 +182,9 @@ def rss():
 import pynvml, structlog  # the dependencies the agent imports
 base = rss()
 from sidecar.agent import Agent
-from sidecar.app_socket import AppState
+from sidecar.sources.app_socket import AppState
 from sidecar.config import Config
-from sidecar.nvml_source import NvmlSource
+from sidecar.sources.nvml import NvmlSource
 from sidecar.simulate import fake_nvml
 from sidecar.simulate.fake_nvml import ManualClock
 from sidecar.simulate.scenarios import build

@@ -138,8 +138,8 @@ def step_compute(torch, source, uuid: str) -> dict:
 
 
 def step_allocator(torch, uuid: str, out_dir: Path) -> dict:
-    from sidecar.app_socket import AppSocket, AppState
     from sidecar.client import Publisher
+    from sidecar.sources.app_socket import AppSocket, AppState
 
     tmp = Path(tempfile.mkdtemp())
     state = AppState()
@@ -583,7 +583,7 @@ def main() -> int:
     import torch
 
     from sidecar.log import configure
-    from sidecar.nvml_source import NvmlSource
+    from sidecar.sources.nvml import NvmlSource
 
     configure("json", "warning")
     report: dict = {"torch": torch.__version__}

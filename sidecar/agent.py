@@ -16,11 +16,11 @@ from collections.abc import Callable
 import structlog
 
 from sidecar import __version__
-from sidecar.app_socket import NO_FIGURES, AppState
 from sidecar.config import Config
-from sidecar.nvml_source import NvmlSource
 from sidecar.samples import GpuIdentity, GpuSample, Labels, Series, gpu_labels, sample_series
 from sidecar.sinks import Sink
+from sidecar.sources.app_socket import NO_FIGURES, AppState
+from sidecar.sources.nvml import NvmlSource
 from sidecar.summary import Checkpoint, RunSummary
 
 log = structlog.get_logger("sidecar.agent")

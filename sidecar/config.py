@@ -17,8 +17,7 @@ from typing import Any
 from urllib.parse import SplitResult, urlsplit
 
 from sidecar import __version__, protocol
-from sidecar.sinks import redact_url
-from sidecar.spool import DEFAULT_MEMORY_MAX_BYTES
+from sidecar.urls import redact_url
 
 ENV_PREFIX = "GPU_SIDECAR_"
 RESERVED_LABELS = frozenset({"gpu_uuid", "gpu_name", "gpu_index", "namespace", "pod", "container",
@@ -67,9 +66,9 @@ class Config:
     batch_job_index: str = ""
     push_interval: float = 15.0
     batch_max_samples: int = 20_000
-    spool_dir: str = "/var/lib/gpu-sidecar/spool"
+    spool_dir: str = "/var/lib/gpu-sidecar/durability/spool"
     spool_max_bytes: int = 256 * 1024 * 1024
-    spool_memory_max_bytes: int = DEFAULT_MEMORY_MAX_BYTES
+    spool_memory_max_bytes: int = 16 * 1024 * 1024  # what a refusing volume's batches may hold in memory
     shutdown_timeout: float = 5.0
     push_timeout: float = 10.0
     retry_max_backoff: float = 30.0
@@ -513,7 +512,7 @@ OPTIONS: tuple[Option, ...] = (
     Option("batch_max_samples", "A batch is flushed early when it holds this many samples "
            "(default 20000).", _positive_int(100, 10_000_000), commands=("run",)),
     Option("spool_dir", "Directory of the disk spool (an emptyDir in Kubernetes; default "
-           "/var/lib/gpu-sidecar/spool; with --simulate and no path, a temporary one).",
+           "/var/lib/gpu-sidecar/durability/spool; with --simulate and no path, a temporary one).",
            _socket_path_like, commands=("run",)),
     Option("spool_max_bytes", "Bound of the spool in bytes per remote-write or OTLP receiver; beyond it "
            "the oldest batches are dropped and counted (default 268435456 = 256 MiB).",

@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 from sidecar.agent import Agent
-from sidecar.app_socket import AppState
 from sidecar.config import Config
-from sidecar.nvml_source import NvmlSource
 from sidecar.simulate.fake_nvml import ManualClock
 from sidecar.simulate.scenarios import build
+from sidecar.sources.app_socket import AppState
+from sidecar.sources.nvml import NvmlSource
 from tests.test_app_socket import alloc, raw
 
 

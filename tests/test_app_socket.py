@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 
 from sidecar import protocol
-from sidecar.app_socket import MAX_PROCESSES_PER_GPU, AppSocket, AppState, SocketInUse, bind_datagram
 from sidecar.simulate.fake_nvml import ManualClock
+from sidecar.sources.app_socket import MAX_PROCESSES_PER_GPU, AppSocket, AppState, SocketInUse, bind_datagram
 from tests.conftest import send_datagram
 
 GPU = "GPU-0c4b24ac-fb68-413f-6f0c-54be2b5a94c7"

@@ -20,9 +20,10 @@ import tracemalloc
 import pytest
 
 from sidecar import alert_rules, config, protocol, thresholds
-from sidecar.diagnose import Figures, Summary, diagnose, judge, quantile, summarize
 from sidecar.simulate.scenarios import GPU_LOST_INDEX
 from sidecar.thresholds import THRESHOLDS
+from sidecar.views.diagnose import diagnose
+from sidecar.views.verdict import Figures, Summary, judge, quantile, summarize
 from tests.conftest import ROOT, run_cli, send_datagram
 
 NO_NVML = ctypes.util.find_library("nvidia-ml") is None
@@ -110,15 +111,15 @@ def test_quantile_matches_prometheus_histogram_quantile():
 @pytest.fixture(scope="module")
 def windows():
     """A short window of every judged scenario, sampled in-process by the command's own code."""
-    from sidecar import cli
+    from sidecar import wiring
     from sidecar.agent import Agent
-    from sidecar.diagnose import sample_window
     from sidecar.signals import STOP
+    from sidecar.views.diagnose import sample_window
 
     out = {}
     for scenario in ("pcie-saturated", "fragmented", "low-occupancy"):
         cfg = config.Config(simulate=scenario, interval=0.5)
-        with cli.simulated_paths(cfg) as cfg, cli.sampling(cfg) as (source, _, state):
+        with wiring.simulated_paths(cfg) as cfg, wiring.sampling(cfg) as (source, _, state):
             agent = Agent(cfg, source=source, app=state, sinks=[])
             out[scenario] = sample_window(agent, 1.0, 0.5, STOP)[0].windows()
     return out

@@ -23,12 +23,12 @@ from pathlib import Path
 import pytest
 import structlog
 
-from sidecar.cli import _private_root
-from sidecar.remote_write import Batch, Encoder, compress
+from sidecar.wiring import _private_root
+from sidecar.durability.spool import DROP_REASONS, STATES, Spool
 from sidecar.samples import Series
 from sidecar.sinks.delivery import FAILURE_REASONS, HttpOptions
 from sidecar.sinks.remote_write import RemoteWriteSink
-from sidecar.spool import DROP_REASONS, STATES, Spool
+from sidecar.wire.remote_write import Batch, Encoder, compress
 from tests.conftest import ROOT
 from tests.receivers import VM_REL, Agent, FaultProxy, VictoriaMetrics, running
 

@@ -18,8 +18,8 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from sidecar import protocol
-from sidecar.app_socket import AppSocket, AppState
 from sidecar.samples import AppFigures, GpuIdentity, GpuSample, sample_series
+from sidecar.sources.app_socket import AppSocket, AppState
 
 GPUS = ["GPU-0c4b24ac-fb68-413f-6f0c-54be2b5a94c7", "GPU-18f9fd34-4f90-8419-eed6-00c6bc203962"]
 STRANGER = "GPU-99999999-9999-9999-9999-999999999999"

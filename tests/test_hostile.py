@@ -22,9 +22,9 @@ import pytest
 
 from sidecar import protocol
 from sidecar.agent import Agent as SidecarAgent
-from sidecar.app_socket import AppState
 from sidecar.config import Config
 from sidecar.simulate.fake_nvml import ManualClock
+from sidecar.sources.app_socket import AppState
 from tests.conftest import ROOT, run_cli
 from tests.receivers import Agent, VictoriaMetrics, running
 

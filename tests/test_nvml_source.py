@@ -11,10 +11,10 @@ import pynvml
 import pytest
 import structlog
 
-from sidecar.nvml_source import NvmlSource, NvmlUnavailable
 from sidecar.simulate import fake_nvml
 from sidecar.simulate.fake_nvml import OLD_DRIVER_MISSING, FakeGpu, FakeMig, FakeNvml, Signal
 from sidecar.simulate.scenarios import build
+from sidecar.sources.nvml import NvmlSource, NvmlUnavailable
 
 GiB = 1024**3
 GEN5_X16 = 32e9 * 128 / 130 / 8 * 16
@@ -428,7 +428,7 @@ def test_fake_answers_unknown_functions_like_an_old_library():
     ("GpmMetric", pynvml.c_nvmlGpmMetric_t), ("GpmMetricsGet", pynvml.c_nvmlGpmMetricsGet_t),
 ])
 def test_prepared_call_structures_have_pynvml_layout(mine, theirs):
-    from sidecar import nvml_calls
+    from sidecar.sources import nvml_calls
 
     ours = getattr(nvml_calls, mine)
     assert ctypes.sizeof(ours) == ctypes.sizeof(theirs)

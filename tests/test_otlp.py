@@ -27,9 +27,10 @@ from opentelemetry.proto.collector.metrics.v1.metrics_service_pb2 import (
     ExportMetricsServiceResponse,
 )
 
-from sidecar import metrics, otlp
+from sidecar import metrics
+from sidecar.durability.spool import HEADER
 from sidecar.samples import Series
-from sidecar.spool import HEADER
+from sidecar.wire import otlp
 from tests.conftest import ROOT, run_cli
 from tests.receivers import Agent, OtlpReceiver, otlp_io, otlp_rows, running
 from tests.test_faults import events, last
@@ -227,16 +228,16 @@ def test_nothing_otlp_is_imported_unless_asked_and_no_protobuf_ever(tmp_path, ot
     protobuf nor (for OTLP alone) snappy."""
     flag = ["--otlp-url", "http://127.0.0.1:9/v1/metrics"] if otlp_on else \
         ["--remote-write-url", "http://127.0.0.1:9/api/v1/write"]
-    code = ("import sys; from sidecar import cli, config; "
+    code = ("import sys; from sidecar import cli, config, wiring; "
             f"args = cli._parser().parse_args(['run', *{flag!r}]); "
             "cfg = config.build('run', args, {}); "
-            f"cli._sinks(cfg, {str(tmp_path / 'spool')!r}); "
+            f"wiring.build_sinks(cfg, {str(tmp_path / 'spool')!r}); "
             "print(' '.join(sorted({m.split('.')[0] if not m.startswith('sidecar') else m "
-            "for m in sys.modules if m.startswith(('sidecar.otlp', 'sidecar.sinks.otlp', "
+            "for m in sys.modules if m.startswith(('sidecar.wire.otlp', 'sidecar.sinks.otlp', "
             "'google', 'opentelemetry', 'cramjam'))})))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT,
                          timeout=30, check=True).stdout.split()
-    assert out == (["sidecar.otlp", "sidecar.sinks.otlp"] if otlp_on else ["cramjam"])
+    assert out == (["sidecar.sinks.otlp", "sidecar.wire.otlp"] if otlp_on else ["cramjam"])
 
 
 # -- faults ------------------------------------------------------------------------------------
@@ -369,9 +370,9 @@ def _status(code: int) -> bytes:
 
 
 def _backlog(url: str, spool_dir: Path, batches: int = 30):
+    from sidecar.durability.spool import Spool
     from sidecar.sinks.delivery import HttpOptions
     from sidecar.sinks.otlp import otlp_sink
-    from sidecar.spool import Spool
 
     spool = Spool(spool_dir, max_bytes=64 << 20)
     sink = otlp_sink(url, spool, HttpOptions(timeout_s=5, initial_backoff_s=0.05,

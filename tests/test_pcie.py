@@ -2,7 +2,7 @@
 
 import pytest
 
-from sidecar.pcie import counter_delta, counter_rate, link_max_bytes_per_second
+from sidecar.sources.pcie import counter_delta, counter_rate, link_max_bytes_per_second
 
 
 @pytest.mark.parametrize(

@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from sidecar.prompb import WriteRequest
-from sidecar.remote_write import decompress
+from sidecar.wire.remote_write import decompress
+from tests.prompb import WriteRequest
 from tests.receivers import (
     VM_REL,
     Agent,

@@ -8,9 +8,9 @@ import cramjam
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from sidecar.prompb import Sample, WriteRequest
-from sidecar.remote_write import Batch, Encoder, compress, decompress, varint
 from sidecar.samples import Series
+from sidecar.wire.remote_write import Batch, Encoder, compress, decompress, varint
+from tests.prompb import Sample, WriteRequest
 
 
 def decode(body: bytes) -> dict[tuple[str, tuple], list[tuple[int, float]]]:

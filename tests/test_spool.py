@@ -6,7 +6,7 @@ import os
 
 import pytest
 
-from sidecar.spool import HEADER, Spool, SpoolError, SpoolLocked
+from sidecar.durability.spool import HEADER, Spool, SpoolError, SpoolLocked
 
 
 def test_batches_come_back_oldest_first_and_survive_a_restart(tmp_path):

@@ -17,7 +17,7 @@ from sidecar import samples as sm
 from sidecar.metrics import BY_NAME
 from sidecar.samples import Series
 from sidecar.sinks.stdout import StdoutSink, json_lines, prometheus_text
-from sidecar.table import ALT_SCREEN, CLEAR_BELOW, HIDE_CURSOR, HOME, MAIN_SCREEN, SHOW_CURSOR, Table
+from sidecar.views.table import ALT_SCREEN, CLEAR_BELOW, HIDE_CURSOR, HOME, MAIN_SCREEN, SHOW_CURSOR, Table
 from tests.conftest import ROOT, run_cli
 
 _spec = importlib.util.spec_from_file_location("readme_table", ROOT / "scripts" / "readme_table.py")
@@ -94,7 +94,7 @@ def test_the_table_module_is_not_loaded_on_the_push_or_pipe_path():
             "from sidecar.cli import main\n"
             "with contextlib.redirect_stdout(io.StringIO()):\n"
             "    rc = main(['run', '--simulate', 'healthy', '--once'])\n"
-            "print(rc, 'sidecar.table' in sys.modules, 'sidecar.diagnose' in sys.modules)\n")
+            "print(rc, 'sidecar.views.table' in sys.modules, 'sidecar.views.diagnose' in sys.modules)\n")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT,
                           timeout=60, env={k: v for k, v in os.environ.items()
                                            if not k.startswith("GPU_SIDECAR_")})

@@ -12,8 +12,8 @@ from dataclasses import dataclass, replace
 
 import pynvml
 
-from sidecar.pcie import link_max_bytes_per_second
 from sidecar.simulate.fake_nvml import OLD_DRIVER_MISSING, FakeGpu, FakeNvml, Signal
+from sidecar.sources.pcie import link_max_bytes_per_second
 
 GiB = 1024**3
 H200_LINK = link_max_bytes_per_second(5, 16) or 0.0

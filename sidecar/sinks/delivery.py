@@ -39,11 +39,12 @@ from urllib.parse import unquote, urljoin, urlsplit
 import structlog
 import tenacity
 
-from sidecar import __version__, journal
+from sidecar import __version__
+from sidecar.durability import journal
+from sidecar.durability.spool import STATES, Spool, SpooledBatch
 from sidecar.log import Episodes, log_count
 from sidecar.samples import Labels, Series
-from sidecar.sinks import redact_url as redact
-from sidecar.spool import STATES, Spool, SpooledBatch
+from sidecar.urls import redact_url as redact
 
 if TYPE_CHECKING:
     import ssl

@@ -1,6 +1,6 @@
 """OTLP/HTTP metrics sink: the spooled pipeline of ``sidecar.sinks.delivery.SpooledSink`` (batch,
 journal, spool, one request in flight, in order) with OTLP bodies: gzip-compressed protobuf
-``ExportMetricsServiceRequest`` (``sidecar.otlp``).
+``ExportMetricsServiceRequest`` (``sidecar.wire.otlp``).
 
 Answers: 429, 500, 502, 503 and 504 are retried with backoff, ``Retry-After`` honoured, like
 network errors. Retrying a 500 departs from the OTLP/HTTP specification ("MUST NOT retry"), on
@@ -21,11 +21,12 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
-from sidecar import __version__, metrics, otlp
+from sidecar import __version__, metrics
+from sidecar.durability.spool import Spool
 from sidecar.samples import Series
-from sidecar.sinks import sink_label
 from sidecar.sinks.delivery import HINTS, Answers, HttpOptions, Response, SpooledSink
-from sidecar.spool import Spool
+from sidecar.urls import sink_label
+from sidecar.wire import otlp
 
 # the OTLP/HTTP specification's retryable statuses, and 500 (see the module's docstring)
 RETRIED = frozenset({429, 500, 502, 503, 504})

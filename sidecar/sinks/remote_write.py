@@ -10,13 +10,13 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
-from sidecar.remote_write import CONTENT_HEADERS, Encoder, compress, decompress
+from sidecar.durability.spool import Spool
 from sidecar.samples import Series
-from sidecar.sinks import host_port, sink_label  # host_port: cli's spools of older releases
 from sidecar.sinks.delivery import REMOTE_WRITE, HttpOptions, Response, SpooledSink
-from sidecar.spool import Spool
+from sidecar.urls import sink_label
+from sidecar.wire.remote_write import CONTENT_HEADERS, Encoder, compress, decompress
 
-__all__ = ["RemoteWriteCodec", "RemoteWriteSink", "host_port", "sink_name"]
+__all__ = ["RemoteWriteCodec", "RemoteWriteSink", "sink_name"]
 
 
 def sink_name(url: str) -> str:
@@ -25,7 +25,7 @@ def sink_name(url: str) -> str:
 
 
 class RemoteWriteCodec:
-    """Remote-write 1.0: each cycle a WriteRequest (``sidecar.remote_write.Encoder.cycle``),
+    """Remote-write 1.0: each cycle a WriteRequest (``sidecar.wire.remote_write.Encoder.cycle``),
     snappy block compression; a 2xx says nothing more."""
 
     kind = "remote_write"

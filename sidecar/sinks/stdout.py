@@ -11,7 +11,7 @@ from typing import TextIO
 
 from sidecar.metrics import BY_NAME, histogram_of
 from sidecar.samples import Labels, Series
-from sidecar.terminal import capable_terminal
+from sidecar.views.terminal import capable_terminal
 
 
 def _family(name: str) -> str:
@@ -74,7 +74,7 @@ class StdoutSink:
         self.format = resolve(fmt, self.stream)
         self._table = None
         if self.format == "table":
-            from sidecar.table import Table  # only here: the push path never loads it
+            from sidecar.views.table import Table  # only here: the push path never loads it
 
             self._table = Table(self.stream)
             self.render = self._table.frame

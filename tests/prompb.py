@@ -1,6 +1,6 @@
 """Remote-write 1.0 protobuf classes, built at run time from a descriptor (no protoc step).
 
-Not used on the agent's hot path (``sidecar.remote_write`` writes the wire format directly):
+Not used on the agent's hot path (``sidecar.wire.remote_write`` writes the wire format directly):
 the tests decode the agent's output with these, and the benchmark builds its baseline with them.
 Requires the ``protobuf`` package.
 """

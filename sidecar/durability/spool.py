@@ -3,7 +3,7 @@
 One file per batch, named by a sequence number so that the directory order is the send order.
 A file is written to a temporary name, flushed to disk and renamed, so a crash leaves either the
 whole batch or nothing; it is deleted only after the receiver accepted it. The batch still being
-filled has a journal (``sidecar.journal``) under the number it will get, replayed at start.
+filled has a journal (``sidecar.durability.journal``) under the number it will get, replayed at start.
 
 The size bound covers everything the spool keeps: batches waiting to be sent (``pending``), and
 the copies kept for a person to look at, batches the receiver refused for good (``rejected/``)
@@ -42,10 +42,11 @@ from pathlib import Path
 
 import structlog
 
-from sidecar import journal
+from sidecar.config import Config
+from sidecar.durability import journal
 from sidecar.log import Episodes, log_count
 
-log = structlog.get_logger("sidecar.spool")
+log = structlog.get_logger("sidecar.durability.spool")
 
 MAGIC = b"GSB1"
 HEADER = struct.Struct("<4sIII")
@@ -53,7 +54,6 @@ NAME = re.compile(r"^(\d{20})\.batch$")
 ASIDE = ("rejected", "corrupt")
 STATES = ("pending", "memory", *ASIDE)
 DROP_REASONS = ("spool_full", "spool_write_failed", "rejected", "corrupt", "unreadable")
-DEFAULT_MEMORY_MAX_BYTES = 16 * 1024 * 1024  # what a refusing volume's batches may hold in memory
 
 
 class SpoolError(RuntimeError):
@@ -89,7 +89,7 @@ class SpooledBatch:
 
 class Spool:
     def __init__(self, directory: str | Path, max_bytes: int,
-                 max_memory_bytes: int = DEFAULT_MEMORY_MAX_BYTES) -> None:
+                 max_memory_bytes: int = Config.spool_memory_max_bytes) -> None:
         self.dir = Path(directory)
         self.max_bytes = max_bytes
         self.max_memory_bytes = max_memory_bytes

@@ -1,6 +1,6 @@
 """OTLP/HTTP metrics bodies: a protobuf ``ExportMetricsServiceRequest``, gzip-compressed.
 
-Written directly in protobuf wire format, as ``sidecar.remote_write`` does for remote-write: the
+Written directly in protobuf wire format, as ``sidecar.wire.remote_write`` does for remote-write: the
 agent does not depend on protobuf at run time, and the generated OTLP classes cost several MiB of
 resident memory where these few functions cost almost nothing (bench/bench_otlp.py,
 bench/RESULTS.md). The tests decode every request with the official ``opentelemetry-proto``.
@@ -61,7 +61,7 @@ _ENCODING_ERRORS = (ValueError, OverflowError, struct.error, TypeError)
 
 def varint(n: int) -> bytes:
     """Base-128 varint of a uint64, or of an int64 (a negative one as its 64-bit two's
-    complement, ten bytes, as protobuf encodes int64). ``sidecar.remote_write`` has one too, but
+    complement, ten bytes, as protobuf encodes int64). ``sidecar.wire.remote_write`` has one too, but
     importing it loads snappy (1.6 MiB resident) into an agent that may send no remote-write at
     all. Raises ValueError for what fits neither."""
     if 0 <= n < 0x80:

@@ -1,10 +1,8 @@
-"""``gpu-sidecar diagnose``: the seed's question ("utilization 98 %, why is p99 up?") as a command.
-
-It samples with the agent itself (NVML or the simulated node, and the app socket) for a window,
-reads each cycle back from the series a sink would get, and judges every GPU with
-``sidecar.thresholds``: the numbers of the shipped alert rules, so that ``diagnose`` and an alert
-never disagree about where a layer stops being healthy. The live table (``sidecar.table``) uses
-the same reading and judging on its last few cycles for its verdict column.
+"""The verdict model: what one cycle's series say per GPU (``Figures``), a window of cycles folded
+into means and increases (``Window``), and the judgement of a window against
+``sidecar.thresholds`` (``Verdict``, ``Finding``). Pure functions and frozen records, shared by
+``diagnose`` and the live table, so that the two (and the shipped alert rules, which take the
+same thresholds) never disagree about where a layer stops being healthy.
 
 What a verdict needs and what it yields:
 
@@ -21,28 +19,14 @@ What a verdict needs and what it yields:
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import sys
-import textwrap
-import threading
-import time
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, fields
-from typing import TYPE_CHECKING
-
-import structlog
 
 from sidecar import thresholds
 from sidecar.samples import Series
 from sidecar.summary import quantile as histogram_quantile
 from sidecar.thresholds import Thresholds
-
-if TYPE_CHECKING:
-    from sidecar.agent import Agent
-    from sidecar.config import Config
-
-log = structlog.get_logger("sidecar.diagnose")
 
 GiB = 1024**3
 
@@ -337,10 +321,10 @@ def judge(w: Window, t: Thresholds | None = None) -> Verdict:
          f"({gbps(m.pcie_tx)}) of the link's {gbps(m.link_max)}, above "
          f"{t.pcie_util_ratio:.0%} (alert GPUPCIeSaturated)"),
         ("fragmentation", t.fragmented(m.fragmentation, m.alloc_reserved),
-         f"{pct(m.fragmentation)} of the allocator's {_gib(m.alloc_reserved)} cache holds no "
+         f"{pct(m.fragmentation)} of the allocator's {gib(m.alloc_reserved)} cache holds no "
          f"tensor, above {t.fragmentation_ratio:.0%} on a cache over "
-         f"{_gib(t.fragmentation_min_reserved_bytes)}; {pct(m.nonreleasable)} cannot be "
-         f"released; largest free block {_gib(m.largest_free)} (alert GPUMemoryFragmentationHigh)"),
+         f"{gib(t.fragmentation_min_reserved_bytes)}; {pct(m.nonreleasable)} cannot be "
+         f"released; largest free block {gib(m.largest_free)} (alert GPUMemoryFragmentationHigh)"),
         ("allocator-retries", t.allocator_retrying(w.retries, w.ooms),
          f"{w.retries or 0:.0f} allocation retries and {w.ooms or 0:.0f} OOMs during the window "
          "(alerts GPUAllocatorRetrying, GPUOutOfMemory)"),
@@ -380,141 +364,5 @@ def _unjudged(w: Window, t: Thresholds, found: list[Finding]) -> Iterable[str]:
                "network)")
 
 
-def _gib(value: float | None) -> str:
+def gib(value: float | None) -> str:
     return "absent" if value is None else f"{value / GiB:.1f} GiB"
-
-
-def report(verdicts: Mapping[str, Verdict], *, seconds: float, samples: int, label: str,
-           t: Thresholds | None = None, held: str = "") -> str:
-    """What diagnose prints: a block per GPU, then one line of result."""
-    t = t or thresholds.THRESHOLDS
-    out = [f"gpu-sidecar diagnose: {len(verdicts)} GPU(s), {samples} samples over "
-           f"{seconds:.1f} s{label}",
-           *textwrap.wrap(f"NOTE: {held}" if held else "", 100, subsequent_indent="  "),
-           *textwrap.wrap(
-               f"thresholds (sidecar/thresholds.py, as in the shipped alert rules): PCIe above "
-               f"{t.pcie_util_ratio:.0%} of the link; fragmentation above "
-               f"{t.fragmentation_ratio:.0%} of a cache over "
-               f"{_gib(t.fragmentation_min_reserved_bytes)}; any allocator retry or OOM; SM "
-               f"occupancy below {t.occupancy_ratio:.0%} with p99 above {ms(t.p99_latency_s)}",
-               100, subsequent_indent="  ")]
-    for uuid, v in verdicts.items():
-        out += ["", *_block(uuid, v)]
-    bad = [f"GPU {v.window.mean.index} {v.key}" for v in verdicts.values() if v.findings]
-    out += ["", f"result: a bottleneck on {len(bad)} of {len(verdicts)} GPU(s): {', '.join(bad)}"
-            if bad else f"result: nothing found on {len(verdicts)} GPU(s)"]
-    return "\n".join(out) + "\n"
-
-
-def _block(uuid: str, v: Verdict) -> list[str]:
-    w, m = v.window, v.window.mean
-    head = f"GPU {m.index}  {m.name}  {uuid}"
-    if v.findings:
-        verdict = f"  verdict: {v.key} ({v.findings[0].layer}: {v.findings[0].title})"
-    else:
-        verdict = "  verdict: none" + ("" if v.compute_judged else " (compute not judged)")
-    lines = [head, verdict]
-    if w.samples:
-        since = " since the app started" if w.latency_since_start else " in the window"
-        lines += [
-            f"  compute: utilization {pct(m.utilization)}, SM occupancy {pct(m.occupancy)}, "
-            f"tensor {pct(m.tensor)}, SM active {pct(m.sm_active)}",
-            f"  memory:  device {_gib(m.mem_used)} of {_gib(m.mem_total)}, DRAM bandwidth "
-            f"{pct(m.dram_bw)}, fragmentation {pct(m.fragmentation)}"
-            + ("" if m.alloc_reserved is None else f" of {_gib(m.alloc_reserved)}")
-            + f", retries {_count(w.retries)}, OOMs {_count(w.ooms)}",
-            f"  IO:      PCIe RX {pct(m.pcie_rx_ratio)} ({gbps(m.pcie_rx)}), TX "
-            f"{pct(m.pcie_tx_ratio)} ({gbps(m.pcie_tx)}) of {gbps(m.link_max)}; NVLink TX "
-            f"{gbps(m.nvlink_tx)}, RX {gbps(m.nvlink_rx)}",
-            f"  app:     p50 {ms(w.p50)}, p99 {ms(w.p99)} over {w.requests:.0f} requests{since}"
-            if w.p99 is not None else "  app:     no request latency",
-        ]
-    for n, f in enumerate(v.findings, 1):
-        tag = f"{n}. " if len(v.findings) > 1 else ""
-        lines += [*_wrapped("why:", f"{tag}{f.layer}: {f.evidence}"), *_wrapped("do:", f.remedy)]
-    for note in v.notes:
-        lines += _wrapped("note:", note)
-    return lines
-
-
-def _wrapped(tag: str, text: str) -> list[str]:
-    """Prose lines wrapped for a terminal, continued under the text."""
-    return textwrap.wrap(text, 100, initial_indent=f"  {tag:<9}", subsequent_indent=" " * 11,
-                         break_on_hyphens=False)
-
-
-def _count(value: float | None) -> str:
-    return "absent" if value is None else f"+{value:.0f}"
-
-
-def sample_window(agent: Agent, duration_s: float, interval_s: float,
-                  stop: threading.Event) -> tuple[Summary, float]:
-    """Cycles of ``agent`` every ``interval_s`` for ``duration_s`` (or until ``stop``), folded
-    into running aggregates as they come (no cycle is kept), and the seconds the window lasted."""
-    from sidecar.agent import PRIME_WINDOW_S
-
-    agent.prime()
-    stop.wait(PRIME_WINDOW_S)
-    start = time.monotonic()
-    end = start + duration_s
-    summary = Summary()
-    while True:
-        summary.add(figures_of(agent.cycle()))
-        left = end - time.monotonic()
-        if left <= 0 or stop.wait(min(interval_s, left)):
-            break
-    return summary, time.monotonic() - start
-
-
-HELD = ("the app socket {socket} is held by a running agent: the app layer (allocator, "
-        "fragmentation, request latency) is NOT judged here, only what NVML gives")
-
-
-def diagnose(cfg: Config, *, t: Thresholds | None = None) -> int:
-    """The command: 0 nothing found, 1 a bottleneck (or a lost GPU), 2 no GPU to judge, 128 +
-    the signal (130 SIGINT, 143 SIGTERM) when interrupted before the window ended, after the
-    partial report; NVML missing raises NvmlUnavailable (exit 3 in the command line)."""
-    from sidecar import cli, signals
-    from sidecar.agent import Agent
-    from sidecar.app_socket import SocketInUse
-
-    with cli.simulated_paths(cfg) as cfg, contextlib.ExitStack() as stack:
-        held = ""
-        try:
-            source, scenario, state = stack.enter_context(cli.sampling(cfg))
-        except SocketInUse as exc:
-            # beside a running agent, which holds the socket: no app can announce its GPUs to
-            # this process, so judge every visible GPU's NVML layers (as --gpus visible would)
-            held = HELD.format(socket=cfg.socket)
-            if cfg.gpus == "announced" and not cfg.no_nvml:
-                cfg = dataclasses.replace(cfg, gpus="visible")
-                held += "; judging every visible GPU (--gpus visible)"
-            log.warning("app_socket_in_use", error=str(exc),
-                        effect="app figures (fragmentation, retries, latency) are not judged")
-            source, scenario, state = stack.enter_context(cli.sampling(cfg, listen=False))
-        mode = "simulated" if scenario is not None else ("nvml" if source else "app-only")
-        agent = Agent(cfg, source=source, app=state, sinks=[], mode=mode)
-        summary, seconds = sample_window(agent, cfg.duration, cfg.interval, signals.STOP)
-    interrupted = signals.STOP.is_set()
-    code_interrupted = 128 + (signals.received[0] if signals.received else 2)
-    windows = summary.windows()
-    if not windows:
-        why = f" ({held})" if held else ""
-        print(f"gpu-sidecar diagnose: no GPU to judge: with --gpus {cfg.gpus} the app announced "
-              f"none over {cfg.socket}{why} in {seconds:.0f} s; start sidecar.client in the "
-              "model server, or name GPUs with --gpus (UUIDs from `gpu-sidecar probe`, or "
-              "'visible')", file=sys.stderr)
-        return code_interrupted if interrupted else 2
-    order = sorted(windows, key=lambda u: (len(windows[u].mean.index), windows[u].mean.index))
-    verdicts = {uuid: judge(windows[uuid], t) for uuid in order}
-    label = f"  [SIMULATED: scenario {cfg.simulate}]" if cfg.simulate else ""
-    if cfg.no_nvml:
-        label += "  [--no-nvml: app layer only]"
-    if interrupted:
-        label += (f"  PARTIAL: interrupted after {seconds:.1f} of {cfg.duration:.0f} s, judged "
-                  "on what was sampled")
-    sys.stdout.write(report(verdicts, seconds=seconds, samples=summary.cycles, label=label, t=t,
-                            held=held))
-    if interrupted:
-        return code_interrupted
-    return 1 if any(v.findings for v in verdicts.values()) else 0

@@ -24,9 +24,9 @@ from typing import Any, NamedTuple
 import pynvml
 import structlog
 
-from sidecar.nvml_calls import PreparedCalls
-from sidecar.pcie import counter_rate, link_max_bytes_per_second
 from sidecar.samples import ComputeLayer, GpuIdentity, IoLayer, MemoryLayer
+from sidecar.sources.nvml_calls import PreparedCalls
+from sidecar.sources.pcie import counter_rate, link_max_bytes_per_second
 
 log = structlog.get_logger("sidecar.nvml")
 

@@ -7,7 +7,7 @@ drawn on the terminal's alternate screen from the top-left corner each cycle (no
 appended), and on exit the main screen comes back with the cursor shown and the last frame
 printed on it, so it stays in the scrollback.
 
-The verdict column is ``sidecar.diagnose.judge`` on the last few cycles: the thresholds of the
+The verdict column is ``sidecar.views.verdict.judge`` on the last few cycles: the thresholds of the
 shipped alert rules, without their ``for:`` durations; ``gpu-sidecar diagnose`` explains a
 verdict with its figures and remedies.
 """
@@ -23,10 +23,10 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TextIO
 
-from sidecar.diagnose import Figures, Verdict, figures_of, judge, summarize
 from sidecar.samples import Series
-from sidecar.terminal import capable_terminal, isatty
 from sidecar.thresholds import Thresholds
+from sidecar.views.terminal import capable_terminal, isatty
+from sidecar.views.verdict import Figures, Verdict, figures_of, judge, summarize
 
 HIDE_CURSOR, SHOW_CURSOR = "\x1b[?25l", "\x1b[?25h"
 ALT_SCREEN, MAIN_SCREEN = "\x1b[?1049h", "\x1b[?1049l"

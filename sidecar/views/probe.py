@@ -1,0 +1,95 @@
+"""``gpu-sidecar probe``: a one-shot report of the visible GPUs, what each supports (and why the
+rest is absent) and one reading of every layer."""
+
+from __future__ import annotations
+
+import time
+
+from sidecar import __version__, config, protocol, wiring
+from sidecar.agent import PRIME_WINDOW_S
+from sidecar.samples import GpuIdentity, ratio
+from sidecar.sources.nvml import NvmlReading, NvmlSource
+
+
+def probe(cfg: config.Config) -> int:
+    with wiring.nvml(cfg) as (source, scenario):
+        if source is None:
+            print("NVML disabled (--no-nvml): only app figures would be exported.")
+            return 0
+        devices = source.devices()
+        uuids = [d.uuid for d in devices]
+        source.read(uuids)
+        time.sleep(PRIME_WINDOW_S)
+        readings = source.read(uuids)
+        sim = f"  [SIMULATED: scenario {cfg.simulate}]" if scenario is not None else ""
+        print(f"gpu-sidecar {__version__} probe: NVML driver {source.driver_version}, "
+              f"{len(devices)} GPU(s){sim}")
+        # one line to check what a DRA claim or NVIDIA_VISIBLE_DEVICES gave this container
+        print("this container sees: " + (", ".join(
+            f"{d.uuid} ({d.name})" for d in devices) or "no GPU"))
+        for identity in devices:
+            print()
+            print(_probe_block(source, identity, readings.get(identity.uuid)))
+        print()
+        print("app layer (fragmentation, allocator, latency): published by the model server over "
+              f"the app socket at run time ({_socket_at_run_time(cfg)}); probe reads none.")
+    return 0
+
+
+def _socket_at_run_time(cfg: config.Config) -> str:
+    """The socket ``run`` and ``diagnose`` would bind: in simulated mode with the default path,
+    a private temporary one (simulated_paths), not the default that probe was given."""
+    if cfg.simulate and cfg.socket == protocol.DEFAULT_SOCKET_PATH:
+        return ("--simulate: a private temporary path, named in the run's 'starting' and "
+                "'app_socket_listening' log lines; --socket PATH chooses it")
+    return cfg.socket
+
+
+def _pct(value: float | None) -> str:
+    return "absent" if value is None else f"{value * 100:.1f} %"
+
+
+def _gb(value: float | None, unit: str = "GB/s") -> str:
+    return "absent" if value is None else f"{value / 1e9:.2f} {unit}"
+
+
+def _probe_block(source: NvmlSource, ident: GpuIdentity, reading: NvmlReading | None) -> str:
+    caps = source.capabilities(ident.uuid)
+    absent = source.absent(ident.uuid)
+    lines = [f"GPU {ident.index}  {ident.name}  {ident.uuid}"
+             f"  bus {ident.pci_bus_id or '?'}  {ident.architecture}"]
+    if ident.parent_uuid:
+        lines.append(f"  MIG instance of {ident.parent_uuid}")
+    link = (f"PCIe gen {caps['link_generation']} x{caps['link_width']}, "
+            f"{_gb(caps['link_max_bytes_per_second'])} per direction"
+            if caps["link_max_bytes_per_second"] else "PCIe link unknown")
+    lines.append(f"  sources: memory {caps['memory'] or 'none'}, GPM {'yes' if caps['gpm'] else 'no'}"
+                 f", PCIe rate from {caps['pcie'] or 'none'}, NVLink from {caps['nvlink'] or 'none'}"
+                 f" ({caps['nvlink_links']} links), replays from {caps['replay'] or 'none'}")
+    lines.append(f"  link: {link}")
+    if caps.get("pcie_note"):
+        lines.append(f"  PCIe: {caps['pcie_note']}")
+    if absent:
+        lines.append("  absent metrics:")
+        lines += [f"    {name}: {why}" for name, why in sorted(absent.items())]
+    else:
+        lines.append("  absent metrics: none")
+    if reading is None:
+        lines.append("  reading: failed (GPU lost?)")
+        return "\n".join(lines)
+    c, m, io = reading.compute, reading.memory, reading.io
+    lines.append(f"  compute: SM occupancy {_pct(c.sm_occupancy_ratio)}, tensor "
+                 f"{_pct(c.tensor_core_util_ratio)}, SM active {_pct(c.sm_active_ratio)}, "
+                 f"utilization {_pct(c.utilization_ratio)}")
+    used = "absent" if m.used_bytes is None else f"{m.used_bytes / 2**30:.1f} GiB"
+    total = "absent" if m.total_bytes is None else f"{m.total_bytes / 2**30:.1f} GiB"
+    lines.append(f"  memory:  DRAM bandwidth {_pct(m.bandwidth_util_ratio)}, controller busy "
+                 f"{_pct(m.controller_busy_ratio)}, used {used} of {total}")
+    lines.append(
+        f"  io:      PCIe TX {_gb(io.pcie_tx_bytes_per_second)} "
+        f"({_pct(ratio(io.pcie_tx_bytes_per_second, io.pcie_link_max_bytes_per_second))}), RX "
+        f"{_gb(io.pcie_rx_bytes_per_second)} "
+        f"({_pct(ratio(io.pcie_rx_bytes_per_second, io.pcie_link_max_bytes_per_second))}), NVLink "
+        f"TX {_gb(io.nvlink_tx_bytes_per_second)} RX {_gb(io.nvlink_rx_bytes_per_second)}, "
+        f"replays {io.pcie_replay_errors if io.pcie_replay_errors is not None else 'absent'}")
+    return "\n".join(lines)

@@ -1,0 +1,298 @@
+"""Wiring: from a validated Config to running parts. The sources (NVML, real or simulated, and
+the app socket), the sinks with their spools, and the agent between them; ``run`` is the agent's
+life from start to flush. The command line only parses and dispatches here, so ``diagnose`` and
+``probe`` build the same parts the agent uses without importing the command line."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import hashlib
+import os
+import signal
+import tempfile
+import time
+from collections import Counter
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import structlog
+
+from sidecar import __version__, config, protocol, signals
+from sidecar.agent import PRIME_WINDOW_S, Agent
+from sidecar.durability.spool import SpoolError
+from sidecar.sinks import Sink
+from sidecar.sources.app_socket import AppSocket, AppState
+from sidecar.sources.nvml import NvmlSource
+from sidecar.summary import Checkpoint
+from sidecar.urls import host_port, redact_url
+
+if TYPE_CHECKING:
+    from sidecar.simulate.scenarios import Scenario
+
+log = structlog.get_logger("sidecar.wiring")
+
+
+@contextlib.contextmanager
+def nvml(cfg: config.Config) -> Iterator[tuple[NvmlSource | None, Scenario | None]]:
+    """The NVML source (real or simulated) and the scenario, if any; closed on exit."""
+    scenario = None
+    if cfg.simulate:
+        from sidecar.simulate import fake_nvml, scenarios
+
+        scenario = scenarios.build(cfg.simulate, cfg.simulate_gpus)
+        fake_nvml.install(scenario.nvml())
+        log.warning("simulated_gpus", scenario=scenario.name, description=scenario.description,
+                    gpus=len(scenario.gpus), note="no real GPU is read; gpu_name says Simulated")
+    if cfg.no_nvml:
+        yield None, None
+        return
+    source = NvmlSource(pcie_peak_bytes_per_second=cfg.pcie_peak_bytes_per_second,
+                        lost_retry_s=cfg.gpu_retry_interval, interval_s=cfg.interval)
+    source.open()
+    try:
+        _check_named_gpus(cfg, source)
+        yield source, scenario
+    finally:
+        source.close()
+        if scenario is not None:
+            from sidecar.simulate import fake_nvml
+
+            fake_nvml.uninstall()
+
+
+def build_sinks(cfg: config.Config, spool_root: str) -> list[Sink]:
+    """The configured receivers, or stdout when there are none."""
+    from sidecar.sinks.stdout import StdoutSink
+
+    if not cfg.has_receivers:
+        return [StdoutSink(cfg.output)]
+    from sidecar.sinks.delivery import HttpOptions
+
+    http = HttpOptions(
+        timeout_s=cfg.push_timeout, bearer_token_file=cfg.bearer_token_file,
+        basic_auth_user=cfg.basic_auth_user, basic_auth_password_file=cfg.basic_auth_password_file,
+        ca_file=cfg.ca_file, cert_file=cfg.cert_file, key_file=cfg.key_file,
+        insecure_skip_verify=cfg.insecure_skip_verify, headers=cfg.header,
+        max_backoff_s=cfg.retry_max_backoff)
+    sinks: list[Sink] = []
+    if cfg.remote_write_url:
+        from sidecar.durability.spool import Spool
+        from sidecar.sinks.remote_write import RemoteWriteSink, sink_name
+
+        _private_root(spool_root)
+        per_host = Counter(_old_spool_dir(u) for u in cfg.remote_write_url)
+        for url, name in _named(cfg.remote_write_url, sink_name):
+            directory = os.path.join(spool_root, _spool_dir(name, url))
+            if per_host[_old_spool_dir(url)] == 1:
+                _adopt_old_spool(os.path.join(spool_root, _old_spool_dir(url)), directory)
+            spool = Spool(directory, cfg.spool_max_bytes, cfg.spool_memory_max_bytes)
+            sinks.append(RemoteWriteSink(url, spool, http,
+                                         name=name, push_interval_s=cfg.push_interval,
+                                         max_batch_samples=cfg.batch_max_samples))
+    if cfg.otlp_url:
+        from sidecar.durability.spool import Spool
+        from sidecar.sinks.otlp import otlp_sink
+        from sidecar.sinks.otlp import sink_name as otlp_name
+
+        _private_root(spool_root)
+        for url, name in _named(cfg.otlp_url, otlp_name):
+            spool = Spool(os.path.join(spool_root, _spool_dir(name, url)), cfg.spool_max_bytes,
+                          cfg.spool_memory_max_bytes)
+            sinks.append(otlp_sink(url, spool, http, name=name,
+                                   extra_labels=tuple(k for k, _ in cfg.extra_label),
+                                   push_interval_s=cfg.push_interval,
+                                   max_batch_samples=cfg.batch_max_samples))
+    if cfg.pushgateway_url:
+        from sidecar.sinks.pushgateway import PushgatewaySink
+
+        # a Job's group is the Job's (an Indexed Job's pod: the Job's and its index), so that a
+        # rerun replaces it; a Deployment's is the pod's
+        pairs = (("namespace", cfg.pod_namespace),
+                 ("job_name", cfg.batch_job) if cfg.batch_job else ("pod", cfg.pod_name),
+                 ("job_index", cfg.batch_job_index))
+        grouping = {k: v for k, v in pairs if v}
+        sinks.append(PushgatewaySink(cfg.pushgateway_url, http, job=cfg.pushgateway_job,
+                                     grouping=grouping, push_interval_s=cfg.push_interval,
+                                     delete_on_exit=cfg.pushgateway_delete_on_exit,
+                                     summary_at_exit=bool(cfg.batch_job)))
+    if cfg.stdout:
+        sinks.append(StdoutSink(cfg.output))
+    return sinks
+
+
+def _safe_dir(name: str) -> str:
+    return "".join(c if c.isalnum() or c in "-." else "_" for c in name)
+
+
+def _spool_dir(name: str, url: str) -> str:
+    """The sink's name made safe for a path, plus a short digest of its URL (credentials left
+    out): two URLs whose names read alike on disk still get two directories."""
+    digest = hashlib.sha256(redact_url(url).encode()).hexdigest()[:8]
+    return f"{_safe_dir(name)}-{digest}"
+
+
+def _old_spool_dir(url: str) -> str:
+    """Where earlier releases kept a URL's spool: one directory per host and port."""
+    return _safe_dir(f"remote_write:{host_port(url)}")
+
+
+def _named(urls: Sequence[str], sink_name: Callable[[str], str]) -> list[tuple[str, str]]:
+    """Each URL with its sink's name: one spool and one ``sink`` label per URL, even for two URLs
+    on one host:port (the second gets ``#2``)."""
+    seen: Counter[str] = Counter()
+    out = []
+    for url in urls:
+        name = sink_name(url)
+        seen[name] += 1
+        out.append((url, name if seen[name] == 1 else f"{name}#{seen[name]}"))
+    return out
+
+
+def _adopt_old_spool(old: str, new: str) -> None:
+    """An upgrade must not orphan a backlog: the old directory becomes the URL's new one."""
+    if os.path.isdir(old) and not os.path.exists(new):
+        try:
+            os.rename(old, new)
+        except OSError as exc:
+            log.error("spool_not_adopted", old=old, new=new, error=exc.strerror,
+                      effect="batches of the earlier release stay unsent in the old directory")
+            return
+        log.info("spool_adopted", old=old, new=new, note="spool of an earlier release")
+
+
+def _private_root(root: str) -> None:
+    """The spool root, created 0700: batches carry pod names and figures. A root the agent does
+    not own (a Kubernetes emptyDir belongs to root) keeps its mode: the per-URL directories
+    inside it are 0700 anyway, and only the owner may chmod."""
+    try:
+        os.makedirs(root, mode=0o700, exist_ok=True)
+        if os.stat(root).st_uid == os.getuid():
+            os.chmod(root, 0o700)
+    except OSError as exc:
+        raise SpoolError(
+            f"spool directory {root} is not writable ({exc.strerror}); mount a writable "
+            "emptyDir there or set --spool-dir / GPU_SIDECAR_SPOOL_DIR") from exc
+
+
+def _check_named_gpus(cfg: config.Config, source: NvmlSource) -> None:
+    """GPUs named with --gpus must be among those NVML shows: a typo or a GPU the container
+    cannot see would otherwise leave the agent exporting nothing while looking healthy."""
+    visible = [i.uuid for i in source.devices()]
+    missing = [u for u in cfg.gpu_list() if u not in visible]
+    if missing and source.unreadable_at_start:
+        # maybe one of the GPUs that failed to open: not surely a configuration error, and
+        # exiting would crash-loop the pod on what may be a transient fault
+        log.error("named_gpus_not_open", gpus=missing,
+                  unreadable_indexes=source.unreadable_at_start, visible=visible,
+                  effect="their series are absent; the others are exported",
+                  hint="check `nvidia-smi`; restart the agent once it shows them")
+    elif missing:
+        raise config.ConfigError(
+            f"--gpus names {', '.join(missing)}, which NVML does not show this container; "
+            f"visible: {', '.join(visible) or 'none'}. Name visible GPUs, or use --gpus visible "
+            "(every GPU shown) or --gpus announced (the app's)")
+
+
+@contextlib.contextmanager
+def simulated_paths(cfg: config.Config) -> Iterator[config.Config]:
+    """``cfg`` with, in simulated mode and where the defaults stand, a private temporary socket
+    and spool (a demo needs no /run or /var/lib, and two demos do not collide), removed on exit.
+    Chosen before anything is logged, so the start-up line names the paths actually used."""
+    with contextlib.ExitStack() as stack:
+        paths: dict[str, str] = {}
+        if cfg.simulate and cfg.socket == protocol.DEFAULT_SOCKET_PATH:
+            paths["socket"] = os.path.join(
+                stack.enter_context(tempfile.TemporaryDirectory(prefix="gpu-sidecar-")), "app.sock")
+        if cfg.simulate and cfg.spool_dir == config.Config.spool_dir:
+            paths["spool_dir"] = stack.enter_context(
+                tempfile.TemporaryDirectory(prefix="gpu-sidecar-spool-"))
+        yield dataclasses.replace(cfg, **paths)
+
+
+@contextlib.contextmanager
+def sampling(cfg: config.Config, *, listen: bool = True
+             ) -> Iterator[tuple[NvmlSource | None, Scenario | None, AppState]]:
+    """What ``run`` and ``diagnose`` sample: NVML (real or simulated) and the app's figures from
+    the socket, where in simulated mode the simulated model server publishes. ``listen=False``
+    leaves the socket to an agent that already holds it: the app's figures are then absent."""
+    with contextlib.ExitStack() as stack, nvml(cfg) as (source, scenario):
+        known = None
+        if source is not None:
+            visible = {i.uuid for i in source.devices()}
+            known = visible.__contains__
+        state = AppState(stale_after_s=cfg.app_stale_after, known_gpu=known,
+                         max_processes=cfg.app_max_processes, max_gpus=cfg.app_max_gpus,
+                         max_buckets=cfg.app_max_buckets,
+                         max_message_bytes=cfg.app_max_message_bytes)
+        if listen:
+            app_socket = AppSocket(cfg.socket, state)
+            app_socket.start()
+            stack.callback(app_socket.stop)
+        if listen and scenario is not None and source is not None and not cfg.no_simulated_app:
+            from sidecar.simulate.app import SimulatedApp
+
+            sim = SimulatedApp(cfg.socket, [g.uuid for g in scenario.gpus], scenario.app,
+                               interval_s=min(cfg.interval, 5.0))
+            sim.start()
+            stack.callback(sim.stop)
+            _wait_for(lambda: bool(state.announced()), 2.0)
+        yield source, scenario, state
+
+
+def run(cfg: config.Config) -> int:
+    with simulated_paths(cfg) as cfg:
+        return _run(cfg)
+
+
+def _run(cfg: config.Config) -> int:
+    log.info("starting", version=__version__, config=config.describe(cfg))
+    if cfg.insecure_skip_verify:
+        log.warning("tls_verification_disabled",
+                    effect="receivers' certificates are not checked: anyone on the path can read "
+                           "and change what is pushed",
+                    hint="give the receiver's CA with --ca-file instead of --insecure-skip-verify")
+    stop = signals.STOP
+    signals.install()  # already done by the entry point; again for callers of main()
+    with sampling(cfg) as (source, scenario, state):
+        sinks = build_sinks(cfg, cfg.spool_dir)
+        mode = "simulated" if scenario is not None else ("nvml" if source else "app-only")
+        # a Job's run summary so far, beside the spool: an agent restarted mid-run goes on with it
+        checkpoint = (Checkpoint(Path(cfg.spool_dir) / "run-summary.json", cfg.push_interval)
+                      if cfg.batch_job else None)
+        agent = Agent(cfg, source=source, app=state, sinks=sinks, mode=mode, checkpoint=checkpoint)
+        for sink in sinks:
+            sink.start()
+        if stop.is_set():
+            log.info("stop_signal_during_start", signal=_signal_names())
+        if cfg.once:
+            agent.prime()
+            time.sleep(PRIME_WINDOW_S)
+            agent.cycle(last=True)
+        else:
+            agent.run(stop)
+        # a stop signal: a last sample, then flush what the shutdown timeout allows
+        deadline = time.monotonic() + cfg.shutdown_timeout
+        if not cfg.once:
+            log.info("stopping", signals=_signal_names(), shutdown_timeout_s=cfg.shutdown_timeout)
+        if not cfg.once:
+            agent.cycle(last=True)
+        for sink in sinks:
+            sink.begin_close(deadline)
+        delivered = all([sink.close(deadline) for sink in sinks])
+        log.info("stopped", signals=_signal_names(), samples_collected=agent.collected,
+                 overruns=agent.overruns,
+                 all_delivered=delivered, shutdown_s=round(time.monotonic() - deadline
+                                                           + cfg.shutdown_timeout, 3))
+    return 0
+
+
+def _signal_names() -> list[str]:
+    return [signal.Signals(n).name for n in signals.received]
+
+
+def _wait_for(condition: Callable[[], bool], timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and not condition():
+        time.sleep(0.01)
