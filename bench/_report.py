@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import sys
 import time
+from pathlib import Path
 
 
 def heading(title: str, detail: str = "") -> str:
@@ -13,9 +14,39 @@ def heading(title: str, detail: str = "") -> str:
             f"{sys.version.split()[0]}{extra})")
 
 
+def section(lines: list[str], ok: bool, what: str = "All targets met") -> str:
+    """The report's Markdown: ``lines`` and the verdict line."""
+    return "\n".join([*lines, "", f"{what}: {'yes' if ok else 'NO'}", ""])
+
+
 def finish(lines: list[str], ok: bool, what: str = "All targets met") -> int:
-    print("\n".join([*lines, "", f"{what}: {'yes' if ok else 'NO'}", ""]))
+    """Print the report; the exit code."""
+    print(section(lines, ok, what))
     return 0 if ok else 1
+
+
+def replace_section(path: Path, text: str, title: str, last: str,
+                    what: str = "All targets met") -> None:
+    """Put ``text`` (a ``section``) in place of the generated part of ``path``'s section whose
+    heading starts with ``## {title}``: from the heading to its first line starting with ``last``,
+    and the verdict line (``{what}: ``) if that comes next. What follows (the prose on the
+    figures) stays. Raises if there is no such section, or no such line before the next one."""
+    old = path.read_text().split("\n")
+    start = next((i for i, line in enumerate(old) if line.startswith(f"## {title}")), None)
+    if start is None:
+        raise ValueError(f"{path}: no section '## {title}'")
+    end = next((i for i in range(start + 1, len(old)) if old[i].startswith((last, "## "))),
+               len(old))
+    if end == len(old) or not old[end].startswith(last):
+        raise ValueError(f"{path}: section '{title}' has no line starting with '{last}'")
+    end += 1  # past the ``last`` line
+    rest = end
+    while rest < len(old) and not old[rest].strip():
+        rest += 1
+    if rest < len(old) and old[rest].startswith(f"{what}: "):
+        end = rest + 1
+    new = text.rstrip("\n").split("\n")
+    path.write_text("\n".join([*old[:start], *new, *old[end:]]))
 
 
 TICK = os.sysconf("SC_CLK_TCK")

@@ -27,7 +27,7 @@ from sidecar.samples import Series
 from sidecar.simulate import fake_nvml
 from sidecar.simulate.app import profile_messages
 from sidecar.simulate.scenarios import build
-from sidecar.sinks.delivery import HttpOptions
+from sidecar.sinks.http import HttpOptions
 from sidecar.sinks.remote_write import RemoteWriteSink
 from sidecar.sources.app_socket import AppState
 from sidecar.sources.nvml import NvmlSource

@@ -28,7 +28,6 @@ log = structlog.get_logger("sidecar.agent")
 # rates and GPM averages need two readings (GPM's at least 0.1 s apart): --once and probe wait
 # this long between them, and a run takes its first sample this long after the priming reading
 PRIME_WINDOW_S = 0.25
-_new = tuple.__new__  # a NamedTuple from one tuple in field order, without keyword handling
 
 
 class Agent:
@@ -121,7 +120,7 @@ class Agent:
         for uuid in uuids:
             app = figures.get(uuid, NO_FIGURES)
             if self.source is None:
-                samples.append(GpuSample(self.identity(uuid), ts, app=app))
+                samples.append(GpuSample(identity=self.identity(uuid), timestamp_ms=ts, app=app))
                 available[uuid] = True
                 continue
             reading = readings.get(uuid)
@@ -129,7 +128,9 @@ class Agent:
             if reading is None:
                 self.dropped["gpu_unavailable"] += 1
                 continue
-            samples.append(_new(GpuSample, (self.identity(uuid), ts, *reading, app)))
+            samples.append(GpuSample(identity=self.identity(uuid), timestamp_ms=ts,
+                                     compute=reading.compute, memory=reading.memory,
+                                     io=reading.io, app=app))
         self.collected += len(samples)
         return samples, available
 
@@ -185,7 +186,7 @@ class Agent:
             labels = cache.get(extra)
             if labels is None:
                 labels = cache[extra] = tuple(sorted((*pl, *extra)))
-            return Series(name, labels, float(value), ts)
+            return Series(name=name, labels=labels, value=float(value), timestamp_ms=ts)
 
         out = [
             s("gpu_sidecar_up", 1),
@@ -205,7 +206,8 @@ class Agent:
                 out.append(s("gpu_sidecar_collection_errors_total", n, ("reason", reason)))
         for uuid, ok in available.items():
             labels = self._labels(self.identity(uuid))
-            out.append(Series("gpu_sidecar_gpu_available", labels, 1.0 if ok else 0.0, ts))
+            out.append(Series(name="gpu_sidecar_gpu_available", labels=labels,
+                              value=1.0 if ok else 0.0, timestamp_ms=ts))
         for sink in self.sinks:
             out.extend(sink.telemetry(ts, pl))
         return out

@@ -14,7 +14,8 @@ For apps without torch (JAX, TensorRT, custom allocators)::
     pub = client.start(gpus=["GPU-5e0a..."], use_torch=False)
     pub.send_allocator("GPU-5e0a...", reserved_bytes=r, allocated_bytes=a)
 
-The socket path is ``GPU_SIDECAR_SOCKET`` or ``/run/gpu-sidecar/app.sock``, as on the sidecar.
+The socket path is the variable ``protocol.SOCKET_ENV`` (``GPU_SIDECAR_SOCKET``) or else
+``protocol.DEFAULT_SOCKET_PATH``, as on the sidecar.
 """
 
 from __future__ import annotations

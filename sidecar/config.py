@@ -17,13 +17,16 @@ from typing import Any
 from urllib.parse import SplitResult, urlsplit
 
 from sidecar import __version__, protocol
-from sidecar.urls import redact_url
+from sidecar.urls import effective_port, redact_url
 
-ENV_PREFIX = "GPU_SIDECAR_"
+ENV_PREFIX = protocol.ENV_PREFIX
 RESERVED_LABELS = frozenset({"gpu_uuid", "gpu_name", "gpu_index", "namespace", "pod", "container",
                              "node", "pid", "le", "sink", "reason", "job", "instance", "version",
                              "mode", "job_name", "job_index", "figure", "condition"})
 SCENARIOS = ("healthy", "pcie-saturated", "fragmented", "low-occupancy", "gpu-lost", "old-driver")
+
+
+RETRY_AFTER_CAP_S = 300.0  # Retry-After is honoured up to this (sidecar.sinks.answers.Policy)
 
 
 class ConfigError(ValueError):
@@ -66,7 +69,7 @@ class Config:
     batch_job_index: str = ""
     push_interval: float = 15.0
     batch_max_samples: int = 20_000
-    spool_dir: str = "/var/lib/gpu-sidecar/durability/spool"
+    spool_dir: str = "/var/lib/gpu-sidecar/spool"
     spool_max_bytes: int = 256 * 1024 * 1024
     spool_memory_max_bytes: int = 16 * 1024 * 1024  # what a refusing volume's batches may hold in memory
     shutdown_timeout: float = 5.0
@@ -104,7 +107,7 @@ class Config:
 @dataclass(frozen=True)
 class Option:
     name: str
-    help: str
+    help: str  # "{default}" (and "{default_mib}") stand for the Config default, "{env}" the variable
     parse: Callable[[str], Any] = str
     flag_only: bool = False  # boolean switch
     commands: tuple[str, ...] = ("run", "probe")
@@ -161,11 +164,14 @@ def _gpus(text: str) -> str:
     return ",".join(uuids)
 
 
+_SUN_PATH_MAX = 107  # bytes of a Unix socket path (sockaddr_un.sun_path, less its NUL)
+
+
 def _socket_path(text: str) -> str:
     if not text.startswith("/"):
         raise ValueError("must be an absolute path")
-    if len(text.encode()) > 107:
-        raise ValueError("is longer than the 107 bytes a Unix socket path may have")
+    if len(text.encode()) > _SUN_PATH_MAX:
+        raise ValueError(f"is longer than the {_SUN_PATH_MAX} bytes a Unix socket path may have")
     return text
 
 
@@ -245,8 +251,7 @@ def _receiver(url: str) -> tuple[str, str, int, str, str]:
     """What identifies a receiver: credentials, case of scheme and host, a default port and an
     empty path make no difference."""
     parts = urlsplit(url)
-    port = parts.port or (443 if parts.scheme == "https" else 80)
-    return parts.scheme, parts.hostname or "", port, parts.path or "/", parts.query
+    return parts.scheme, parts.hostname or "", effective_port(parts), parts.path or "/", parts.query
 
 
 def _refuse_repeats(urls: tuple[str, ...]) -> None:
@@ -408,31 +413,31 @@ def _completion_index(text: str) -> str:
 
 
 OPTIONS: tuple[Option, ...] = (
-    Option("interval", "Seconds between samples (0.1..3600; default 5). GPM figures are averages "
+    Option("interval", "Seconds between samples (0.1..3600; default {default}). GPM figures are averages "
            "over this interval.", _seconds(0.1, 3600), commands=("run", "diagnose")),
     Option("gpus", "Which GPUs to sample (run exports them, diagnose judges them; probe reports "
-           "every visible GPU and only checks that the UUIDs named are visible): 'announced' "
-           "(default: the GPUs the app announced over the socket), 'visible' (every GPU NVML "
-           "shows this container) or a comma-separated list of GPU/MIG UUIDs.", _gpus,
+           "every visible GPU and only checks that the UUIDs named are visible; default "
+           "{default}): 'announced' (the GPUs the app announced over the socket), 'visible' "
+           "(every GPU NVML shows this container) or a comma-separated list of GPU/MIG UUIDs.", _gpus,
            commands=("run", "probe", "diagnose")),
-    Option("socket", "Path of the app's Unix datagram socket (default "
-           f"{protocol.DEFAULT_SOCKET_PATH}; the client reads {protocol.SOCKET_ENV} too). With "
-           "--simulate and no path given, a private temporary one.", _socket_path,
+    Option("socket", "Path of the app's Unix datagram socket (default {default}; the client "
+           "reads {env} too). With --simulate and no path given, a private temporary one.",
+           _socket_path,
            commands=("run", "probe", "diagnose")),
     Option("app_stale_after", "Seconds after which an app's silent allocator and latency figures "
-           "stop being exported, and a GPU it no longer announces is forgotten (default 30).",
+           "stop being exported, and a GPU it no longer announces is forgotten (default {default}).",
            _seconds(1, 86400), commands=("run",)),
-    Option("app_max_processes", "Most publishing processes tracked per GPU (default 256); "
+    Option("app_max_processes", "Most publishing processes tracked per GPU (default {default}); "
            "beyond it, once no tracked process is silent past --app-stale-after, messages are "
            "refused (reason too_many_processes).", _positive_int(1, 4096), commands=("run",)),
-    Option("app_max_gpus", "Most GPUs the app may announce (default 64); with NVML only its "
+    Option("app_max_gpus", "Most GPUs the app may announce (default {default}); with NVML only its "
            "visible GPUs are accepted anyway (reasons too_many_gpus, unknown_gpu).",
            _positive_int(1, 1024), commands=("run",)),
-    Option("app_max_buckets", f"Most latency buckets per histogram (default {protocol.MAX_BUCKETS}); "
+    Option("app_max_buckets", "Most latency buckets per histogram (default {default}); "
            "a histogram with more is refused (reason too_many_buckets).", _positive_int(1, 1024),
            commands=("run",)),
     Option("app_max_message_bytes", "Largest datagram accepted from the app, in bytes (default "
-           f"{protocol.MAX_MESSAGE_BYTES}, the size sidecar.client splits at; 1024..65536); a "
+           "{default}, the size sidecar.client splits at; 1024..65536); a "
            "larger one is refused (reason too_large).", _positive_int(1024, 65536),
            commands=("run",)),
     Option("app_process_series", "Also export per-process allocator series "
@@ -442,12 +447,12 @@ OPTIONS: tuple[Option, ...] = (
     Option("pcie_peak_bytes_per_second", "Calibrated per-direction PCIe peak in bytes/s to divide "
            "by instead of the link's theoretical maximum (default: from max link gen x width).",
            _positive_float, commands=("run", "probe", "diagnose")),
-    Option("gpu_retry_interval", "Seconds between attempts to re-open a lost GPU (default 30).",
+    Option("gpu_retry_interval", "Seconds between attempts to re-open a lost GPU (default {default}).",
            _seconds(1, 3600), commands=("run",)),
     Option("no_nvml", "Run without NVML: export (diagnose: judge) only the app's allocator and "
            "latency figures.", _bool, flag_only=True, commands=("run", "probe", "diagnose")),
-    Option("output", "stdout format: 'auto' (default: 'table' when stdout is a terminal, "
-           "'prometheus' otherwise), 'table' (one row per GPU with the three layers, the app's "
+    Option("output", "stdout format (default {default}): 'auto' ('table' when stdout is a "
+           "terminal, 'prometheus' otherwise), 'table' (one row per GPU with the three layers, the app's "
            "p50/p99 and a verdict, redrawn in place every --interval on a terminal; on a dumb "
            "terminal (TERM=dumb or unset) 'auto' gives 'prometheus' and 'table' prints plain "
            "frames one after another, without escape codes), "
@@ -457,7 +462,7 @@ OPTIONS: tuple[Option, ...] = (
            "configured, e.g. to watch what is pushed.", _bool, flag_only=True, commands=("run",)),
     Option("once", "Take one sample cycle, print it and exit.", _bool, flag_only=True,
            commands=("run",)),
-    Option("duration", "Seconds diagnose samples before it judges (1..3600; default 30). The "
+    Option("duration", "Seconds diagnose samples before it judges (1..3600; default {default}). The "
            "shipped alerts wait 3 to 10 minutes before firing; a longer window is steadier.",
            _seconds(1, 3600), commands=("diagnose",)),
     Option("simulate", "Use a built-in simulated GPU node instead of NVML: "
@@ -468,10 +473,10 @@ OPTIONS: tuple[Option, ...] = (
     Option("no_simulated_app", "With --simulate: do not start the simulated model server, so "
            "that a real app (sidecar.client) is the only publisher on the socket.", _bool,
            flag_only=True, commands=("run",)),
-    Option("log_format", "Log format on stderr: 'auto' (JSON unless stderr is a terminal), "
-           "'json' or 'console'.", _choice("auto", "json", "console"),
+    Option("log_format", "Log format on stderr (default {default}): 'auto' (JSON unless stderr "
+           "is a terminal), 'json' or 'console'.", _choice("auto", "json", "console"),
            commands=("run", "probe", "diagnose")),
-    Option("log_level", "Log level: debug, info, warning or error (default info for run; "
+    Option("log_level", "Log level: debug, info, warning or error (default {default} for run; "
            "warning for probe and diagnose, whose printed report says what info would).",
            _choice("debug", "info", "warning", "error"), commands=("run", "probe", "diagnose")),
     Option("pod_namespace", "Label 'namespace' on every series (downward API: "
@@ -493,7 +498,7 @@ OPTIONS: tuple[Option, ...] = (
            "for several.", _urls, commands=("run",), repeatable=True, show=_shown_urls),
     Option("pushgateway_url", "Pushgateway base URL. Latest values only, no timestamps and no "
            "history: prefer remote-write.", _url, commands=("run",), show=_shown_one_url),
-    Option("pushgateway_job", "Pushgateway 'job' of the grouping key (default gpu-sidecar); the "
+    Option("pushgateway_job", "Pushgateway 'job' of the grouping key (default {default}); the "
            "key adds namespace and pod (or instance=hostname).", _label, commands=("run",)),
     Option("pushgateway_delete_on_exit", "Delete this pod's Pushgateway group at shutdown.",
            _bool, flag_only=True, commands=("run",)),
@@ -508,28 +513,29 @@ OPTIONS: tuple[Option, ...] = (
            "Job keep one group each. Empty for other Jobs.", _completion_index,
            commands=("run",)),
     Option("push_interval", "Seconds between pushes; samples are batched in between "
-           "(default 15).", _seconds(0.1, 3600), commands=("run",)),
+           "(default {default}).", _seconds(0.1, 3600), commands=("run",)),
     Option("batch_max_samples", "A batch is flushed early when it holds this many samples "
-           "(default 20000).", _positive_int(100, 10_000_000), commands=("run",)),
+           "(default {default}).", _positive_int(100, 10_000_000), commands=("run",)),
     Option("spool_dir", "Directory of the disk spool (an emptyDir in Kubernetes; default "
-           "/var/lib/gpu-sidecar/durability/spool; with --simulate and no path, a temporary one).",
+           "{default}; with --simulate and no path, a temporary one).",
            _socket_path_like, commands=("run",)),
     Option("spool_max_bytes", "Bound of the spool in bytes per remote-write or OTLP receiver; beyond it "
-           "the oldest batches are dropped and counted (default 268435456 = 256 MiB).",
+           "the oldest batches are dropped and counted (default {default} = {default_mib}).",
            _positive_int(4096, 1 << 40), commands=("run",)),
     Option("spool_memory_max_bytes", "Bytes per remote-write or OTLP receiver held in memory "
            "while the spool volume refuses writes (full, read-only): those batches are still "
            "sent, and written to the spool once it takes writes again; beyond this bound, or "
-           "still in memory when the agent stops, they are lost and counted (default 16777216 "
-           "= 16 MiB; 0 keeps nothing in memory).", _positive_int(0, 1 << 34),
+           "still in memory when the agent stops, they are lost and counted (default {default} "
+           "= {default_mib}; 0 keeps nothing in memory).", _positive_int(0, 1 << 34),
            commands=("run",)),
     Option("shutdown_timeout", "Seconds allowed at SIGTERM for the last sample and flush "
-           "(default 5); what is not sent stays in the spool.", _seconds(0, 600),
+           "(default {default}); what is not sent stays in the spool.", _seconds(0, 600),
            commands=("run",)),
-    Option("push_timeout", "Seconds before one push request times out (default 10).",
+    Option("push_timeout", "Seconds before one push request times out (default {default}).",
            _seconds(0.1, 600), commands=("run",)),
     Option("retry_max_backoff", "Cap in seconds of the exponential backoff between retries "
-           "(default 30); Retry-After from the receiver is honoured up to 300.",
+           "(default {default}); Retry-After from the receiver is honoured up to "
+           f"{RETRY_AFTER_CAP_S:g}.",
            _seconds(0.1, 3600), commands=("run",)),
     Option("bearer_token_file", "File holding a bearer token for the receivers; re-read when "
            "it changes (rotated Secrets).", _secret_file, commands=("run",),
@@ -559,13 +565,30 @@ OPTIONS: tuple[Option, ...] = (
 )
 OPTION_BY_NAME = {o.name: o for o in OPTIONS}
 assert set(OPTION_BY_NAME) == {f.name for f in fields(Config)}
+DEFAULTS: dict[str, Any] = {f.name: f.default for f in fields(Config)}
+
+
+def shown_default(value: Any) -> str:
+    """A default as one would write it on the command line: 5, not 5.0."""
+    if isinstance(value, float) and value.is_integer():
+        return str(int(value))
+    return str(value)
+
+
+def help_text(opt: Option) -> str:
+    """The --help text of ``opt``: its default is the one of ``Config``, written nowhere else."""
+    default = DEFAULTS[opt.name]
+    text = opt.help.replace("{default}", shown_default(default)).replace("{env}", opt.env)
+    if "{default_mib}" in text:
+        text = text.replace("{default_mib}", f"{shown_default(default / (1 << 20))} MiB")
+    return f"{text} [env {opt.env}]"
 
 
 def add_arguments(parser: argparse.ArgumentParser, command: str) -> None:
     for opt in OPTIONS:
         if command not in opt.commands:
             continue
-        text = f"{opt.help} [env {opt.env}]"
+        text = help_text(opt)
         if opt.repeatable:
             parser.add_argument(opt.flag, dest=opt.name, action="append", default=None,
                                 metavar=opt.name.upper(), help=text)

@@ -48,7 +48,8 @@ MAX_BUCKETS = 64
 MAX_BYTES = 1 << 50  # 1 PiB: no single GPU has more; anything above is corrupt
 MAX_COUNT = 1 << 53  # exact in a JSON double
 DEFAULT_SOCKET_PATH = "/run/gpu-sidecar/app.sock"
-SOCKET_ENV = "GPU_SIDECAR_SOCKET"
+ENV_PREFIX = "GPU_SIDECAR_"  # of every variable of the agent: sidecar.config takes it from here
+SOCKET_ENV = ENV_PREFIX + "SOCKET"  # the socket path, read by the client and the agent alike
 
 # Latency buckets (seconds) shared by the client and the simulator: fine around the 50-300 ms
 # where the seed's latency went from 80 to 260 ms, coarse beyond.

@@ -3,34 +3,30 @@
 A sample is what one cycle learned about one GPU; ``None`` in a field means the GPU could not give
 that figure, and it becomes an absent series, never a zero.
 
-The records made afresh for every GPU on every cycle (the three layers, the sample, the series)
-are NamedTuples; the rest are frozen dataclasses. Both are immutable, but a frozen dataclass pays
-one ``object.__setattr__`` per field to build (about 0.1 us each), which at 25 records per GPU per
-cycle was most of the agent's own CPU time (bench/bench_sampler.py, bench/RESULTS.md).
+Every record is built by keyword. Each field of the three layers names its own series
+(``metric=`` in its definition), so the series name travels with the field: reordering, adding
+or renaming fields cannot mislabel a series, and a layer field without a series name is an error
+at import. ``Series`` stays a NamedTuple because the sinks and encoders downstream treat it as
+one (unpacking, equality, sorting); it is built by keyword all the same.
 """
 
 from __future__ import annotations
 
 import functools
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass
-from typing import NamedTuple
+from dataclasses import dataclass, field, fields
+from typing import Any, NamedTuple
 
 Labels = tuple[tuple[str, str], ...]
 
 
 class Series(NamedTuple):
-    """One value of one series at one time.
-
-    The most numerous record (about 20 per GPU per cycle), built from one tuple in ``sample_series``."""
+    """One value of one series at one time."""
 
     name: str
     labels: Labels
     value: float
     timestamp_ms: int
-
-
-_new = tuple.__new__  # a NamedTuple from one tuple in field order, without keyword handling
 
 
 @dataclass(frozen=True, slots=True)
@@ -43,30 +39,69 @@ class GpuIdentity:
     parent_uuid: str = ""  # set for MIG instances
 
 
-class ComputeLayer(NamedTuple):
-    sm_occupancy_ratio: float | None = None
-    tensor_core_util_ratio: float | None = None
-    sm_active_ratio: float | None = None
-    utilization_ratio: float | None = None
+def _figure(metric: str) -> Any:
+    """A layer field: absent (None) unless read, exported as the series ``metric``."""
+    return field(default=None, metadata={"metric": metric})
 
 
-class MemoryLayer(NamedTuple):
-    bandwidth_util_ratio: float | None = None
-    controller_busy_ratio: float | None = None
-    used_bytes: int | None = None
-    total_bytes: int | None = None
-    reserved_bytes: int | None = None
+@dataclass(frozen=True, slots=True)
+class ComputeLayer:
+    sm_occupancy_ratio: float | None = _figure("gpu_sm_occupancy_ratio")
+    tensor_core_util_ratio: float | None = _figure("gpu_tensor_core_util_ratio")
+    sm_active_ratio: float | None = _figure("gpu_sm_active_ratio")
+    utilization_ratio: float | None = _figure("gpu_utilization_ratio")
 
 
-class IoLayer(NamedTuple):
-    pcie_tx_bytes_per_second: float | None = None
-    pcie_rx_bytes_per_second: float | None = None
-    pcie_link_max_bytes_per_second: float | None = None
-    pcie_link_generation: int | None = None
-    pcie_link_width: int | None = None
-    pcie_replay_errors: int | None = None
-    nvlink_tx_bytes_per_second: float | None = None
-    nvlink_rx_bytes_per_second: float | None = None
+@dataclass(frozen=True, slots=True)
+class MemoryLayer:
+    bandwidth_util_ratio: float | None = _figure("gpu_mem_bandwidth_util_ratio")
+    controller_busy_ratio: float | None = _figure("gpu_memory_controller_busy_ratio")
+    used_bytes: int | None = _figure("gpu_memory_used_bytes")
+    total_bytes: int | None = _figure("gpu_memory_total_bytes")
+    reserved_bytes: int | None = _figure("gpu_memory_reserved_bytes")
+
+
+@dataclass(frozen=True, slots=True)
+class IoLayer:
+    pcie_tx_bytes_per_second: float | None = _figure("gpu_pcie_tx_bytes_per_second")
+    pcie_rx_bytes_per_second: float | None = _figure("gpu_pcie_rx_bytes_per_second")
+    pcie_link_max_bytes_per_second: float | None = _figure("gpu_pcie_link_max_bytes_per_second")
+    pcie_link_generation: int | None = _figure("gpu_pcie_link_generation")
+    pcie_link_width: int | None = _figure("gpu_pcie_link_width")
+    pcie_replay_errors: int | None = _figure("gpu_pcie_replay_errors_total")
+    nvlink_tx_bytes_per_second: float | None = _figure("gpu_nvlink_tx_bytes_per_second")
+    nvlink_rx_bytes_per_second: float | None = _figure("gpu_nvlink_rx_bytes_per_second")
+
+
+Layer = ComputeLayer | MemoryLayer | IoLayer
+LAYERS: tuple[type[Layer], ...] = (ComputeLayer, MemoryLayer, IoLayer)
+
+
+def _layer_metrics() -> dict[type[Layer], tuple[tuple[str, str], ...]]:
+    """layer class -> ((field name, series name), ...) in field order, read from the fields'
+    own definitions. A field that names no series, or two that name the same one, fail here, at
+    import, rather than going unexported or overwriting each other."""
+    out = {}
+    for layer in LAYERS:
+        for f in fields(layer):
+            if "metric" not in f.metadata:
+                raise TypeError(f"{layer.__name__}.{f.name} names no series: use _figure()")
+        out[layer] = tuple((f.name, f.metadata["metric"]) for f in fields(layer))
+    names = [name for pairs in out.values() for _, name in pairs]
+    if len(set(names)) != len(names):
+        raise TypeError(f"two layer fields name the same series: {sorted(names)}")
+    return out
+
+
+LAYER_METRICS = _layer_metrics()
+
+
+def layer_figures(layer: Layer) -> Iterator[tuple[str, float]]:
+    """(series name, value) of every figure ``layer`` holds, absent ones left out."""
+    for attr, name in LAYER_METRICS[type(layer)]:
+        value = getattr(layer, attr)
+        if value is not None:
+            yield name, value
 
 
 @dataclass(frozen=True, slots=True)
@@ -110,7 +145,8 @@ class AppFigures:
     ooms: int | None = None
 
 
-class GpuSample(NamedTuple):
+@dataclass(frozen=True, slots=True)
+class GpuSample:
     identity: GpuIdentity
     timestamp_ms: int
     compute: ComputeLayer = ComputeLayer()
@@ -140,20 +176,6 @@ def format_bound(bound: float) -> str:
     return repr(float(bound))
 
 
-# the per-GPU series: the fields of the three layers in order, then the two PCIe ratios
-_LAYER_NAMES = (
-    "gpu_sm_occupancy_ratio", "gpu_tensor_core_util_ratio", "gpu_sm_active_ratio",
-    "gpu_utilization_ratio",
-    "gpu_mem_bandwidth_util_ratio", "gpu_memory_controller_busy_ratio", "gpu_memory_used_bytes",
-    "gpu_memory_total_bytes", "gpu_memory_reserved_bytes",
-    "gpu_pcie_tx_bytes_per_second", "gpu_pcie_rx_bytes_per_second",
-    "gpu_pcie_link_max_bytes_per_second", "gpu_pcie_link_generation", "gpu_pcie_link_width",
-    "gpu_pcie_replay_errors_total", "gpu_nvlink_tx_bytes_per_second",
-    "gpu_nvlink_rx_bytes_per_second",
-    "gpu_pcie_tx_bandwidth_util_ratio", "gpu_pcie_rx_bandwidth_util_ratio",
-)
-
-
 def sample_series(
     sample: GpuSample, pod: Mapping[str, str], labels: Labels | None = None, *,
     per_process: bool = False,
@@ -167,12 +189,12 @@ def sample_series(
     ts = sample.timestamp_ms
     io = sample.io
     link = io.pcie_link_max_bytes_per_second
-    tx, rx = io.pcie_tx_bytes_per_second, io.pcie_rx_bytes_per_second
-    values = (*sample.compute, *sample.memory, *io,
-              None if tx is None or not link else tx / link,
-              None if rx is None or not link else rx / link)
-    out = [_new(Series, (name, labels, float(value), ts))
-           for name, value in zip(_LAYER_NAMES, values, strict=True) if value is not None]
+    figures = [*layer_figures(sample.compute), *layer_figures(sample.memory),
+               *layer_figures(io),
+               ("gpu_pcie_tx_bandwidth_util_ratio", ratio(io.pcie_tx_bytes_per_second, link)),
+               ("gpu_pcie_rx_bandwidth_util_ratio", ratio(io.pcie_rx_bytes_per_second, link))]
+    out = [Series(name=name, labels=labels, value=float(value), timestamp_ms=ts)
+           for name, value in figures if value is not None]
     app = sample.app
     if app.allocators or app.latency is not None:
         out.extend(_app_series(app, labels, ts))
@@ -186,11 +208,14 @@ def _process_series(app: AppFigures, labels: Labels, ts: int) -> Iterator[Series
     per-GPU process limit; every restarted worker is a new series for the receiver."""
     for a in app.allocators:
         own = with_labels(labels, pid=str(a.pid))
-        yield Series("gpu_app_process_reserved_bytes", own, float(a.reserved_bytes), ts)
-        yield Series("gpu_app_process_allocated_bytes", own, float(a.allocated_bytes), ts)
+        yield Series(name="gpu_app_process_reserved_bytes", labels=own,
+                     value=float(a.reserved_bytes), timestamp_ms=ts)
+        yield Series(name="gpu_app_process_allocated_bytes", labels=own,
+                     value=float(a.allocated_bytes), timestamp_ms=ts)
         frag = ratio(a.reserved_bytes - a.allocated_bytes, a.reserved_bytes)
         if frag is not None:
-            yield Series("gpu_app_process_fragmentation_ratio", own, frag, ts)
+            yield Series(name="gpu_app_process_fragmentation_ratio", labels=own, value=frag,
+                         timestamp_ms=ts)
 
 
 def _app_series(app: AppFigures, labels: Labels, ts: int) -> Iterator[Series]:
@@ -221,7 +246,7 @@ def _app_series(app: AppFigures, labels: Labels, ts: int) -> Iterator[Series]:
         )
         for name, value in fig:
             if value is not None:
-                yield _new(Series, (name, labels, float(value), ts))
+                yield Series(name=name, labels=labels, value=float(value), timestamp_ms=ts)
 
     hist = app.latency
     if hist is not None:
@@ -233,9 +258,10 @@ def histogram_series(
 ) -> Iterator[Series]:
     bucket = f"{name}_bucket"
     for le_labels, count in zip(bucket_labels(labels, hist.bounds), hist.counts, strict=True):
-        yield _new(Series, (bucket, le_labels, float(count), ts))
-    yield _new(Series, (f"{name}_sum", labels, float(hist.sum_seconds), ts))
-    yield _new(Series, (f"{name}_count", labels, float(hist.count), ts))
+        yield Series(name=bucket, labels=le_labels, value=float(count), timestamp_ms=ts)
+    yield Series(name=f"{name}_sum", labels=labels, value=float(hist.sum_seconds),
+                 timestamp_ms=ts)
+    yield Series(name=f"{name}_count", labels=labels, value=float(hist.count), timestamp_ms=ts)
 
 
 @functools.lru_cache(maxsize=1024)

@@ -3,7 +3,14 @@ label and spool directories. Shared by the configuration, the wiring and the sin
 
 from __future__ import annotations
 
-from urllib.parse import urlsplit, urlunsplit
+from urllib.parse import SplitResult, urlsplit, urlunsplit
+
+DEFAULT_PORTS = {"http": 80, "https": 443}
+
+
+def effective_port(parts: SplitResult) -> int:
+    """The port a request to the URL goes to: the one it names, or its scheme's default."""
+    return parts.port or DEFAULT_PORTS[parts.scheme]
 
 
 def redact_url(url: str) -> str:
@@ -24,7 +31,7 @@ def redact_url(url: str) -> str:
 
 def host_port(url: str) -> str:
     parts = urlsplit(url)
-    return f"{parts.hostname}:{parts.port or (443 if parts.scheme == 'https' else 80)}"
+    return f"{parts.hostname}:{effective_port(parts)}"
 
 
 def sink_label(kind: str, url: str) -> str:

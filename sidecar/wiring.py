@@ -68,7 +68,7 @@ def build_sinks(cfg: config.Config, spool_root: str) -> list[Sink]:
 
     if not cfg.has_receivers:
         return [StdoutSink(cfg.output)]
-    from sidecar.sinks.delivery import HttpOptions
+    from sidecar.sinks.http import HttpOptions
 
     http = HttpOptions(
         timeout_s=cfg.push_timeout, bearer_token_file=cfg.bearer_token_file,
@@ -233,8 +233,9 @@ def sampling(cfg: config.Config, *, listen: bool = True
         if listen and scenario is not None and source is not None and not cfg.no_simulated_app:
             from sidecar.simulate.app import SimulatedApp
 
+            # publishes every sampling interval, and at least as often as the default one
             sim = SimulatedApp(cfg.socket, [g.uuid for g in scenario.gpus], scenario.app,
-                               interval_s=min(cfg.interval, 5.0))
+                               interval_s=min(cfg.interval, config.Config.interval))
             sim.start()
             stack.callback(sim.stop)
             _wait_for(lambda: bool(state.announced()), 2.0)

@@ -3,6 +3,9 @@
 Not used on the agent's hot path (``sidecar.wire.remote_write`` writes the wire format directly):
 the tests decode the agent's output with these, and the benchmark builds its baseline with them.
 Requires the ``protobuf`` package.
+
+The field numbers are restated here from prometheus/prompb types.proto and remote.proto, on
+purpose not taken from the encoder's named tags: the classes are the independent check of them.
 """
 
 from __future__ import annotations
@@ -41,4 +44,5 @@ def _build() -> dict[str, Any]:
 _CLASSES = _build()
 WriteRequest = _CLASSES["WriteRequest"]
 TimeSeries = _CLASSES["TimeSeries"]
+Label = _CLASSES["Label"]
 Sample = _CLASSES["Sample"]

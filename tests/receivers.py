@@ -371,6 +371,7 @@ class FaultProxy(LocalServer):
         self.require = dict(require or {})  # may be changed while it runs
         self.log: list[tuple[float, int, bytes]] = []
         self.headers: list[dict[str, str]] = []  # per request, as it arrived on the wire
+        self.arrivals: list[float] = []  # when each request arrived, before its answer
         self.lock = threading.Lock()
         proxy = self
 
@@ -378,6 +379,7 @@ class FaultProxy(LocalServer):
             def do_POST(self) -> None:
                 body = self.rfile.read(int(self.headers.get("Content-Length", 0)))
                 with proxy.lock:
+                    proxy.arrivals.append(time.monotonic())
                     n = len(proxy.log)
                     if any(self.headers.get(k) != v for k, v in proxy.require.items()):
                         answer = (401, {}, b"unauthorized: bad or missing credentials")
@@ -413,6 +415,9 @@ class Agent:
     proc: subprocess.Popen | None = None
     out: list[str] = field(default_factory=list)
     err: list[str] = field(default_factory=list)
+    preexec_fn: Callable[[], None] | None = None  # e.g. a resource limit for the agent alone
+    _rows: list[tuple[str, tuple, int, float]] = field(default_factory=list, repr=False)
+    _parsed: int = field(default=0, repr=False)
 
     def start(self) -> Agent:
         env = {k: v for k, v in os.environ.items() if not k.startswith("GPU_SIDECAR_")}
@@ -420,7 +425,8 @@ class Agent:
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "sidecar", "run", "--stdout", "--output", "json",
              "--log-format", "json", *self.args],
-            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT, env=env)
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT, env=env,
+            preexec_fn=self.preexec_fn)
         self._readers = [
             threading.Thread(target=self._pump, args=(self.proc.stdout, self.out), daemon=True),
             threading.Thread(target=self._pump, args=(self.proc.stderr, self.err), daemon=True),
@@ -451,13 +457,15 @@ class Agent:
         return self.wait(timeout)
 
     def sampled(self) -> list[tuple[str, tuple, int, float]]:
-        rows = []
-        for line in list(self.out):
+        # parsed once per line: tests poll this while the agent runs
+        lines = self.out[:]  # whole lines only: the reader appends complete ones
+        for line in lines[self._parsed:]:
             if line.startswith("{"):
                 r = json.loads(line)
-                rows.append((r["name"], tuple(sorted(r["labels"].items())), r["timestamp_ms"],
-                             float(r["value"])))
-        return rows
+                self._rows.append((r["name"], tuple(sorted(r["labels"].items())),
+                                   r["timestamp_ms"], float(r["value"])))
+        self._parsed = len(lines)
+        return list(self._rows)
 
     def events(self) -> list[dict]:
         out = []
@@ -465,6 +473,41 @@ class Agent:
             with contextlib.suppress(ValueError):
                 out.append(json.loads(line))
         return out
+
+    def logged(self, event: str) -> list[dict]:
+        """The agent's log lines of one event."""
+        return [e for e in self.events() if isinstance(e, dict) and e.get("event") == event]
+
+    def cycles(self) -> int:
+        """How many cycles the agent has printed so far (one timestamp each)."""
+        return len({ts for _, _, ts, _ in self.sampled()})
+
+    def last(self, name: str, **labels: str) -> float | None:
+        """The newest value printed of a series (the first matching ``labels``), or None."""
+        found = [(ts, v) for n, lab, ts, v in self.sampled()
+                 if n == name and all(dict(lab).get(k) == x for k, x in labels.items())]
+        return max(found)[1] if found else None
+
+    def total(self, name: str, **labels: str) -> float:
+        """The sum over every label set of a series in the newest cycle that printed it (a
+        counter's total over reasons or sinks); 0 before it was printed."""
+        found = [(ts, v) for n, lab, ts, v in self.sampled()
+                 if n == name and all(dict(lab).get(k) == x for k, x in labels.items())]
+        if not found:
+            return 0.0
+        newest = max(ts for ts, _ in found)
+        return sum(v for ts, v in found if ts == newest)
+
+    def more_cycles(self, n: int, what: str = "", timeout: float = 60.0) -> int:
+        """Wait until the agent has printed ``n`` more cycles than now; the count reached."""
+        from tests.waiting import until
+
+        want = self.cycles() + n
+        until(lambda: self.cycles() >= want or self.proc.poll() is not None, timeout,
+              interval=0.1, what=lambda: f"{n} more cycles of the agent{' ' + what if what else ''}"
+                                         f" (at {self.cycles()} of {want})")
+        assert self.proc.poll() is None, "the agent exited:\n" + "".join(self.err)[-2000:]
+        return self.cycles()
 
 
 @contextlib.contextmanager

@@ -7,7 +7,6 @@ import json
 import os
 import socket
 import stat
-import time
 from pathlib import Path
 
 import pytest
@@ -16,6 +15,7 @@ from sidecar import protocol
 from sidecar.simulate.fake_nvml import ManualClock
 from sidecar.sources.app_socket import MAX_PROCESSES_PER_GPU, AppSocket, AppState, SocketInUse, bind_datagram
 from tests.conftest import send_datagram
+from tests.waiting import until
 
 GPU = "GPU-0c4b24ac-fb68-413f-6f0c-54be2b5a94c7"
 OTHER = "GPU-18f9fd34-4f90-8419-eed6-00c6bc203962"
@@ -208,15 +208,6 @@ def sock_path(tmp_path):
     return str(tmp_path / "run" / "app.sock")
 
 
-def wait_until(cond, timeout=3.0):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if cond():
-            return True
-        time.sleep(0.01)
-    return False
-
-
 def test_real_socket_keeps_valid_messages_around_bad_ones(sock_path):
     state = AppState()
     app = AppSocket(sock_path, state)
@@ -228,7 +219,8 @@ def test_real_socket_keeps_valid_messages_around_bad_ones(sock_path):
         send_datagram(sock_path, b"{" * 70_000)  # oversized: the kernel truncates, we notice
         send_datagram(sock_path, raw(latency(pid=5)))
         send_datagram(sock_path, raw(alloc(pid=5, ooms=-1)))
-        assert wait_until(lambda: state.accepted + sum(state.rejected.values()) == 6)
+        until(lambda: state.accepted + sum(state.rejected.values()) >= 6, 30, interval=0.01,
+              what="the 6 datagrams to be read")
         assert state.accepted == 3
         assert state.rejected == {"not_json": 1, "too_large": 1, "out_of_range": 1}
         figs = state.figures(GPU)
@@ -300,10 +292,12 @@ def test_eight_processes_on_eight_gpus_publishing_at_once_lose_no_round(tmp_path
                     s.sendto(data, app_socket.path)
                 except BlockingIOError:
                     refused += 1
-            time.sleep(0.05)
-        deadline = time.monotonic() + 5
-        while state.accepted < 160 and time.monotonic() < deadline:
-            time.sleep(0.01)
+            # the next round once this one is read, as rounds come seconds apart
+            if refused:
+                break
+            read = 8 * (round_no + 1)
+            until(lambda read=read: state.accepted + sum(state.rejected.values()) >= read, 30,
+                  interval=0.005, what=f"round {round_no} to be read")
     finally:
         for s in senders:
             s.close()
@@ -360,7 +354,9 @@ def test_bucket_count_and_message_size_are_bounds_with_their_own_reasons(sock_pa
         body = raw(alloc(pid=4))
         send_datagram(sock_path, body + b" " * (1025 - len(body)))
         send_datagram(sock_path, body + b" " * (1024 - len(body)))
-        assert wait_until(lambda: state.accepted == 2 and state.rejected["too_large"] == 2)
+        until(lambda: state.accepted + state.rejected["too_large"] >= 4, 30, interval=0.01,
+              what="the 4 datagrams to be read")
+        assert state.accepted == 2 and state.rejected["too_large"] == 2
     finally:
         app.stop()
 

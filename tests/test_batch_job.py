@@ -13,7 +13,6 @@ import signal
 import subprocess
 import sys
 import threading
-import time
 from collections import defaultdict
 from pathlib import Path
 
@@ -24,39 +23,59 @@ from sidecar.summary import Checkpoint, RunSummary, quantile
 from sidecar.thresholds import THRESHOLDS
 from tests.conftest import ROOT
 from tests.receivers import Agent, Prometheus, Pushgateway, VictoriaMetrics, running
+from tests.waiting import until
 
 RATIOS = ("gpu_sm_occupancy_ratio", "gpu_tensor_core_util_ratio", "gpu_mem_bandwidth_util_ratio",
           "gpu_pcie_tx_bandwidth_util_ratio", "gpu_pcie_rx_bandwidth_util_ratio",
           "gpu_memory_fragmentation_ratio")
 
-# the model server of the Job, in its own process: publishes, then exits before the agent stops
+# the model server of the Job, in its own process: publishes until its stdin closes (the test
+# decides when its work is done), then exits before the agent stops
 APP = """
-import sys, time
+import sys
 from sidecar.simulate.app import SimulatedApp
 from sidecar.simulate.scenarios import build
 scenario = build(sys.argv[2])
 app = SimulatedApp(sys.argv[1], [g.uuid for g in scenario.gpus], scenario.app, interval_s=0.2)
 app.start()
-time.sleep(float(sys.argv[3]))
+sys.stdin.read()
 app.stop()
 """
 
 
-def job_run(tmp: Path, scenario: str, job: str, pod: str, *sink: str, seconds: float = 2.5) -> Agent:
-    """Agent and app start; the app works ``seconds`` and exits; then the agent gets SIGTERM,
-    as Kubernetes sends it to a native sidecar once the Job's main container has ended."""
+def start_app(sock: Path, scenario: str) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-c", APP, str(sock), scenario], cwd=ROOT,
+                            stdin=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def end_app(app: subprocess.Popen) -> None:
+    """The Job's main container ends: its work done, it exits 0."""
+    _, err = app.communicate(timeout=30)
+    assert app.returncode == 0, err
+
+
+def app_cycles(agent: Agent) -> int:
+    """Cycles the agent printed with figures from the app (its allocator's)."""
+    return len({ts for n, _, ts, _ in agent.sampled() if n == "gpu_allocator_reserved_bytes"})
+
+
+def job_run(tmp: Path, scenario: str, job: str, pod: str, *sink: str, cycles: int = 10) -> Agent:
+    """Agent and app start; the app works until the agent sampled its figures ``cycles`` times,
+    and exits; then the agent gets SIGTERM, as Kubernetes sends it to a native sidecar once the
+    Job's main container has ended."""
     tmp.mkdir(parents=True, exist_ok=True)
     sock = tmp / "app.sock"
     agent = Agent(["--simulate", scenario, "--no-simulated-app", "--socket", str(sock),
                    "--interval", "0.2", "--push-interval", "0.5", "--batch-job", job,
                    "--pod-namespace", "ml", "--pod-name", pod, "--shutdown-timeout", "5", *sink])
     agent.start()
-    deadline = time.monotonic() + 10
-    while not sock.exists() and time.monotonic() < deadline:
-        time.sleep(0.05)
-    app = subprocess.run([sys.executable, "-c", APP, str(sock), scenario, str(seconds)],
-                         cwd=ROOT, timeout=seconds + 20, capture_output=True, text=True)
-    assert app.returncode == 0, app.stderr
+    until(sock.exists, what="the agent's socket")
+    app = start_app(sock, scenario)
+    try:
+        until(lambda: app_cycles(agent) >= cycles, interval=0.1,
+              what=lambda: f"{cycles} cycles with the app's figures (at {app_cycles(agent)})")
+    finally:
+        end_app(app)
     agent.signal(signal.SIGTERM)
     assert agent.wait() == 0, "".join(agent.err)[-2000:]
     return agent
@@ -173,11 +192,9 @@ def test_a_job_leaves_one_group_with_its_summary_and_a_rerun_replaces_it(tmp_pat
         assert_summary(Pushgateway.values(groups[0]), want)
 
         # Prometheus scraped it, with the Job's labels honoured
-        deadline = time.monotonic() + 15
-        scraped: list[dict] = []
-        while not scraped and time.monotonic() < deadline:
-            scraped = prom.query('gpu_run_duration_seconds{job_name="embed-2026-11-30"}')
-            time.sleep(0.5)
+        scraped = until(
+            lambda: prom.query('gpu_run_duration_seconds{job_name="embed-2026-11-30"}'),
+            interval=0.5, what="Prometheus to scrape the summary")
         assert scraped and float(scraped[0]["value"][1]) == pytest.approx(
             want[("gpu_run_duration_seconds",
                   (("job_name", "embed-2026-11-30"), ("namespace", "ml"), ("pod", "embed-abcde")))])
@@ -233,11 +250,9 @@ def test_the_summary_arrives_by_remote_write_at_the_runs_end_time(tmp_path):
         want = expected_summary(agent.sampled(), "train-42", "train-42-pod")
         assert_summary(printed_summary(agent), want)
         end_ms = max(ts for _, _, ts, _ in agent.sampled())
-        deadline = time.monotonic() + 15
+        until(lambda: len(vm.samples('{__name__=~"gpu_run_.+"}')) >= len(want), interval=0.5,
+              what=f"the {len(want)} summary series in VictoriaMetrics")
         rows = vm.samples('{__name__=~"gpu_run_.+"}')
-        while len(rows) < len(want) and time.monotonic() < deadline:
-            time.sleep(0.5)
-            rows = vm.samples('{__name__=~"gpu_run_.+"}')
         assert {ts for _, _, ts, _ in rows} == {end_ms}
         assert_summary({(n, labels): v for n, labels, _, v in rows}, want)
 
@@ -246,7 +261,10 @@ def test_a_gpu_lost_mid_run_shows_in_the_summary_not_as_a_healthy_mean(tmp_path)
     agent = Agent(["--simulate", "gpu-lost", "--interval", "0.2", "--batch-job", "train-3",
                    "--pod-namespace", "ml", "--pod-name", "train-3-p"])
     agent.start()
-    time.sleep(2.5)
+    until(lambda: any(n == "gpu_sidecar_gpu_available" and v == 0 and dict(lab).get("gpu_index")
+                      == "2" for n, lab, _, v in agent.sampled()), interval=0.1,
+          what="GPU 2 to be lost")
+    agent.more_cycles(3, "after the loss")
     assert agent.stop() == 0
     printed = printed_summary(agent)
     assert_summary(printed, expected_summary(agent.sampled(), "train-3", "train-3-p"))
@@ -331,18 +349,20 @@ def test_a_killed_job_agent_restarted_in_its_pod_goes_on_with_the_run_summary(tm
                 "--pod-namespace", "ml", "--pod-name", "train-9-p",
                 "--remote-write-url", vm.write_url, "--spool-dir", str(spool)]
         killed = Agent(args).start()
-        deadline = time.monotonic() + 10
-        while not sock.exists() and time.monotonic() < deadline:
-            time.sleep(0.05)
-        app = subprocess.Popen([sys.executable, "-c", APP, str(sock), "healthy", "4"], cwd=ROOT)
+        until(sock.exists, what="the agent's socket")
+        app = start_app(sock, "healthy")
         try:
-            time.sleep(2.0)
+            # mid-run: the app's figures sampled a while, and a checkpoint written
+            until(lambda: app_cycles(killed) >= 8 and (spool / "run-summary.json").exists(),
+                  interval=0.1, what="8 cycles with the app's figures and a checkpoint")
             killed.signal(signal.SIGKILL)
             killed.wait()
             assert not printed_summary(killed)
             checkpointed = json.loads((spool / "run-summary.json").read_text())["end_ms"]
             restarted = Agent(args).start()
-            assert app.wait(timeout=30) == 0  # the Job's main container ends
+            until(lambda: restarted.logged("run_summary_resumed") and app_cycles(restarted) >= 5,
+                  interval=0.1, what="the restarted agent to resume and sample the app")
+            end_app(app)  # the Job's main container ends
         finally:
             app.kill()
         assert restarted.stop() == 0, "".join(restarted.err)[-2000:]

@@ -18,10 +18,16 @@ from sidecar import protocol
 from sidecar.config import OPTIONS
 from sidecar.simulate.scenarios import GPU_LOST_INDEX, build
 from tests.conftest import ROOT, run_cli, send_datagram
+from tests.waiting import until
 
 
 def series_of(stdout: str) -> list[dict]:
     return [json.loads(line) for line in stdout.splitlines() if line.strip()]
+
+
+def _pump(stream, lines: list[str]) -> None:
+    for line in stream:
+        lines.append(line)
 
 
 def values(rows: list[dict], name: str) -> dict[str, float]:
@@ -235,21 +241,38 @@ def test_app_only_mode_exports_what_the_app_sends_over_the_socket(tmp_path):
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
         env={**{k: v for k, v in os.environ.items() if not k.startswith("GPU_SIDECAR")},
              "PYTHONUNBUFFERED": "1"})
+    out: list[str] = []
+    err: list[str] = []
+    pumps = [threading.Thread(target=_pump, args=(stream, lines), daemon=True)
+             for stream, lines in ((proc.stdout, out), (proc.stderr, err))]
+    for pump in pumps:
+        pump.start()
+
+    def exported() -> bool:
+        rows = series_of("".join(out[:]))
+        return (any(r["name"] == "gpu_memory_fragmentation_ratio" and r["value"] == 0.7
+                    and r["labels"]["gpu_uuid"] == gpu for r in rows)
+                and any(r["name"] == "gpu_sidecar_app_messages_rejected_total"
+                        and r["labels"]["reason"] == "not_json" and r["value"] == 1
+                        for r in rows))
+
     try:
-        deadline = time.monotonic() + 10
-        while not os.path.exists(path) and time.monotonic() < deadline:
-            time.sleep(0.02)
+        until(lambda: os.path.exists(path) or proc.poll() is not None, interval=0.02,
+              what="the agent's socket")
         message = protocol.Allocator(pid=4242, gpu=gpu, reserved_bytes=1000, allocated_bytes=300,
                                      active_bytes=300, inactive_split_bytes=100, alloc_retries=2,
                                      ooms=0)
         send_datagram(path, b"not json at all")
         send_datagram(path, protocol.encode(message))
-        time.sleep(1.0)
+        until(lambda: exported() or proc.poll() is not None,
+              what="a cycle exporting the app's fragmentation and the rejected message")
     finally:
         proc.send_signal(signal.SIGTERM)
-        out, err = proc.communicate(timeout=10)
-    assert proc.returncode == 0, err
-    rows = series_of(out)
+        proc.wait(timeout=10)
+        for pump in pumps:
+            pump.join(timeout=5)
+    assert proc.returncode == 0, "".join(err)
+    rows = series_of("".join(out))
     frag = [r for r in rows if r["name"] == "gpu_memory_fragmentation_ratio"]
     assert frag and frag[-1]["value"] == 0.7 and frag[-1]["labels"]["gpu_uuid"] == gpu
     rejected = [r for r in rows if r["name"] == "gpu_sidecar_app_messages_rejected_total"]

@@ -14,6 +14,7 @@ import pytest
 from sidecar import client, protocol
 from sidecar.client import Histogram, Publisher, allocator_figures, snapshot_figures
 from tests.conftest import ROOT
+from tests.waiting import until
 
 GPU = "GPU-0c4b24ac-fb68-413f-6f0c-54be2b5a94c7"
 MiB, GiB = 1 << 20, 1 << 30
@@ -222,14 +223,16 @@ def test_the_publisher_reconnects_when_the_sidecar_comes_back(tmp_path, monkeypa
     pub = Publisher(str(path), gpus=[GPU], use_torch=False)
     assert not pub.send_allocator(GPU, reserved_bytes=1, allocated_bytes=1)
     first = bind(path)
-    time.sleep(0.06)
-    assert pub.send_allocator(GPU, reserved_bytes=2, allocated_bytes=1)
+    # sends fail until the next reconnect attempt is due, then reach the sidecar
+    until(lambda: pub.send_allocator(GPU, reserved_bytes=2, allocated_bytes=1), 10,
+          interval=0.01, what="a send through the socket that appeared")
+    assert [protocol.decode(m).reserved_bytes for m in drain(first)][-1] == 2
     first.close()
     path.unlink()  # the sidecar restarts: a new socket at the same path
     second = bind(path)
     pub.send_allocator(GPU, reserved_bytes=3, allocated_bytes=1)  # fails on the stale socket
-    time.sleep(0.06)
-    assert pub.send_allocator(GPU, reserved_bytes=4, allocated_bytes=1)
+    until(lambda: pub.send_allocator(GPU, reserved_bytes=4, allocated_bytes=1), 10,
+          interval=0.01, what="a send through the new socket")
     got = [protocol.decode(m).reserved_bytes for m in drain(second)]
     assert got[-1] == 4
 
@@ -241,22 +244,38 @@ def test_a_forked_worker_publishes_with_its_own_pid_socket_histogram_and_thread(
     for _ in range(5):
         pub.observe(0.01)
     pub.start()
-    time.sleep(0.1)
+    until(lambda: pub.sent >= 1, 30, interval=0.01, what="a round of the parent's thread")
     child = os.fork()
     if child == 0:  # the worker: observe its own requests, let its thread publish, leave
+        status = 1
         try:
             for _ in range(3):
                 pub.observe(0.2)
-            time.sleep(0.3)
+            # two rounds sent after the observations: the second began after them
+            sent = pub.sent
+            deadline = time.monotonic() + 30
+            while pub.sent < sent + 2 and time.monotonic() < deadline:
+                time.sleep(0.01)
+            status = 0 if pub.sent >= sent + 2 else 3
         finally:
-            os._exit(0)
-    os.waitpid(child, 0)
-    pub.stop()
+            os._exit(status)
     latest: dict[int, protocol.Latency] = {}
-    for m in drain(received):
-        msg = protocol.decode(m)
-        if isinstance(msg, protocol.Round) and msg.latency:
-            latest[msg.pid] = msg.latency[0]
+
+    def read() -> dict[int, protocol.Latency]:  # drained as it comes: the queue holds only 10
+        for m in drain(received, timeout=0.01):
+            msg = protocol.decode(m)
+            if isinstance(msg, protocol.Round) and msg.latency:
+                latest[msg.pid] = msg.latency[0]
+        return latest
+
+    try:
+        until(lambda: child in read() and latest[child].counts[-1] == 3, 30, interval=0.01,
+              what=lambda: f"a round of the child with its 3 requests (latest: {latest})")
+    finally:
+        _, status = os.waitpid(child, 0)
+    assert os.waitstatus_to_exitcode(status) == 0, "the child's thread did not publish"
+    pub.stop()
+    read()
     assert latest[child].counts[-1] == 3  # its own requests, not the parent's five
     assert latest[os.getpid()].counts[-1] == 5
 
@@ -269,7 +288,10 @@ def test_importing_and_using_the_client_prints_nothing_and_needs_no_gpu(tmp_path
         "with client.timer():\n    pass\n"
         "@client.timed\ndef f():\n    return 1\n"
         "f()\n"
-        "import time; time.sleep(0.2)\n"
+        "import time\n"
+        "deadline = time.monotonic() + 30\n"  # the thread tried to publish, twice, to no one
+        "while pub.dropped < 2 and time.monotonic() < deadline:\n    time.sleep(0.01)\n"
+        "assert pub.dropped >= 2, pub.dropped\n"
         "import sys; assert 'pynvml' not in sys.modules and 'structlog' not in sys.modules\n"
         "assert pub.histogram.snapshot()[0][-1] == 3, pub.histogram.snapshot()\n"
     )

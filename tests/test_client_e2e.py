@@ -6,12 +6,12 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import time
 
 from sidecar import protocol
 from sidecar.simulate.scenarios import simulated_uuid
 from tests.conftest import ROOT
 from tests.receivers import Agent, VictoriaMetrics, running
+from tests.waiting import until
 
 CLIENT = """
 import sys, time
@@ -20,11 +20,16 @@ gpu = sys.argv[1]
 pub = client.start(gpus=[gpu], use_torch=False, interval_s=0.2)
 for latency in (0.004, 0.03, 0.08, 0.08, 0.12, 0.26, 0.9, 3.0, 12.0):
     client.observe(latency)
-for _ in range(5):  # a non-torch app sends its allocator figures itself, periodically
+sends = 0
+deadline = time.monotonic() + 30
+# a non-torch app sends its allocator figures itself, periodically, while its thread publishes
+# rounds: at least 5 of each
+while (sends < 5 or pub.sent + pub.dropped < 8) and time.monotonic() < deadline:
     pub.send_allocator(gpu, reserved_bytes=64 << 30, allocated_bytes=22 << 30,
                        active_bytes=23 << 30, inactive_split_bytes=9 << 30, alloc_retries=4,
                        ooms=1, largest_free_block_bytes=1 << 28, private_pool_bytes=2 << 30)
-    time.sleep(0.2)
+    sends += 1
+    time.sleep(0.2)  # the app's own period, not a wait for anything
 client.stop()
 print(pub.sent, pub.dropped)
 """
@@ -39,16 +44,21 @@ def test_client_figures_arrive_in_victoriametrics_labelled_with_the_gpu(tmp_path
                        "--socket", str(sock), "--interval", "0.2", "--push-interval", "0.4",
                        "--remote-write-url", vm.write_url, "--spool-dir", str(tmp_path / "sp")])
         agent.start()
-        deadline = time.monotonic() + 10
-        while not sock.exists() and time.monotonic() < deadline:
-            time.sleep(0.05)
+        until(sock.exists, what="the agent's socket")
         proc = subprocess.run([sys.executable, "-c", CLIENT, gpu], capture_output=True,
                               text=True, cwd=ROOT, timeout=30,
                               env={**os.environ, "GPU_SIDECAR_SOCKET": str(sock)})
         assert proc.returncode == 0, proc.stderr
         sent, dropped = map(int, proc.stdout.split())
         assert sent > 0 and sent + dropped >= 8
-        time.sleep(0.5)
+
+        def sampled_the_client() -> bool:  # a cycle that holds its figures and all 9 requests
+            rows = agent.sampled()
+            return any(n == "gpu_allocator_reserved_bytes" and dict(lab).get("gpu_uuid") == gpu
+                       for n, lab, _, _ in rows) and any(
+                n == "inference_request_duration_seconds_count" and v == 9
+                and dict(lab).get("gpu_uuid") == gpu for n, lab, _, v in rows)
+        until(sampled_the_client, what="a cycle with the client's figures", interval=0.1)
         assert agent.stop() == 0
         stored: dict[tuple[str, tuple], float] = {}
         rows = vm.settled(len(agent.sampled()))

@@ -7,6 +7,7 @@ import email.utils
 import http.server
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -15,18 +16,19 @@ from typing import ClassVar
 
 import pytest
 import requests
+import tenacity
 
-from sidecar.sinks.delivery import (
-    DATA_REFUSALS,
-    Http,
-    HttpOptions,
+from sidecar.sinks.answers import (
+    OTLP,
+    REMOTE_WRITE,
+    Held,
     Refused,
     Response,
     Retryable,
-    check,
     parse_retry_after,
-    redact,
 )
+from sidecar.sinks.http import Http, HttpOptions
+from sidecar.urls import redact_url as redact
 from tests.conftest import ROOT, run_cli
 from tests.receivers import FaultProxy
 
@@ -34,6 +36,9 @@ from tests.receivers import FaultProxy
 def response(status: int, text: str = "", headers: dict | None = None) -> Response:
     return Response(status, requests.structures.CaseInsensitiveDict(headers or {}), text.encode(),
                     "http://127.0.0.1:9/api/v1/write")
+
+
+check = REMOTE_WRITE.check
 
 
 @pytest.mark.parametrize(("status", "kind", "reason"), [
@@ -49,7 +54,9 @@ def test_which_answers_are_retried(status, kind, reason):
         assert err.value.reason == reason
     # of the refusals, only answers about the data set a batch aside (and split a merged
     # request); a wrong URL or credentials keep the spool and retry (SpooledSink)
-    assert (status in DATA_REFUSALS) == (status in (400, 413, 422))
+    if kind is Refused:
+        assert err.value.about_data == (status in (400, 413, 422))
+    assert REMOTE_WRITE.data_refusals == OTLP.data_refusals == {400, 413, 422}
     check(response(204))
     check(response(200))
 
@@ -217,3 +224,281 @@ def _run_briefly(url: str, tmp_path, auth: list[str]) -> str:
     timer.cancel()
     assert proc.returncode == 0, out[-2000:]
     return out
+
+
+# -- what the policy waits ----------------------------------------------------------------------
+
+
+def _waited(policy, exc: BaseException, attempt: int, *, initial: float = 0.5, maximum: float = 30.0,
+            closing: bool = False) -> float:
+    state = tenacity.RetryCallState(retry_object=None, fn=None, args=(), kwargs={})
+    state.attempt_number = attempt
+    state.set_exception((type(exc), exc, None))
+    return policy.wait(initial_s=initial, max_s=maximum, closing=lambda: closing)(state)
+
+
+@pytest.mark.parametrize("policy", [REMOTE_WRITE, OTLP], ids=["remote_write", "otlp"])
+def test_backoff_has_full_jitter_above_a_floor_and_retry_after_lengthens_it_capped(policy):
+    network = Retryable("network", "down")
+    waits = [_waited(policy, network, attempt) for attempt in range(1, 12) for _ in range(20)]
+    assert min(waits) >= 0.5 and max(waits) <= 30.0  # the floor, the longest backoff
+    late = [_waited(policy, network, 10) for _ in range(200)]
+    assert max(late) - min(late) > 10  # full jitter: anywhere from the floor to the cap
+    # Retry-After lengthens the wait, past the longest backoff, up to its own cap...
+    assert _waited(policy, Retryable("http_429", "slow", retry_after=120.0), 1) == 120.0
+    assert _waited(policy, Retryable("http_429", "slow", retry_after=86_400.0), 1) == \
+        policy.retry_after_cap_s == 300.0
+    # ...and never shortens it
+    assert _waited(policy, Retryable("http_5xx", "busy", retry_after=0.0), 1) >= 0.5
+    assert min(_waited(policy, Retryable("http_429", "x", retry_after=1.0), 8, maximum=60.0)
+               for _ in range(50)) >= 1.0
+    # a refusal that is not about the data waits the longest; closing cuts every wait short
+    held = Held(Refused(401, "HTTP 401", "token", about_data=False))
+    assert _waited(policy, held, 1) == 30.0
+    assert _waited(policy, Retryable("http_429", "x", retry_after=86_400.0), 1, closing=True) == 0.25
+    assert _waited(policy, held, 1, closing=True) == 0.25
+
+
+# -- the wire ---------------------------------------------------------------------------------
+
+
+class Counting(http.server.BaseHTTPRequestHandler):
+    """A receiver that counts what reaches it and answers 204."""
+
+    protocol_version = "HTTP/1.1"
+    seen: ClassVar[list[tuple[str, str]]] = []
+
+    def do_POST(self) -> None:
+        self.rfile.read(int(self.headers.get("Content-Length", 0)))
+        Counting.seen.append((self.command, self.path))
+        self.send_response(204)
+        self.send_header("Content-Length", "0")
+        self.end_headers()
+
+    do_GET = do_POST
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+def _serve(handler: type) -> http.server.ThreadingHTTPServer:
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    server.daemon_threads = True
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    return server
+
+
+def test_a_308_redirect_is_never_followed(tmp_path):
+    Counting.seen.clear()
+    elsewhere = _serve(Counting)
+    target = f"http://127.0.0.1:{elsewhere.server_address[1]}/api/v1/write?key=moved-secret"
+
+    class Redirecting(http.server.BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+
+        def do_POST(self) -> None:
+            self.rfile.read(int(self.headers.get("Content-Length", 0)))
+            self.send_response(308)
+            self.send_header("Location", target)
+            self.send_header("Content-Length", "5")
+            self.end_headers()
+            self.wfile.write(b"moved")
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    redirecting = _serve(Redirecting)
+    token = tmp_path / "token"
+    token.write_text("tok-never-sent-elsewhere\n")
+    client = Http(HttpOptions(bearer_token_file=str(token)))
+    url = f"http://127.0.0.1:{redirecting.server_address[1]}/api/v1/write"
+    try:
+        answer = client.request("POST", url, data=b"batch")
+        assert answer.status_code == 308
+        with pytest.raises(Retryable) as err:
+            client.check(answer)
+        time.sleep(0.2)  # time for a follow-up request, were there one
+    finally:
+        for server in (redirecting, elsewhere):
+            server.shutdown()
+            server.server_close()
+    assert Counting.seen == [], "the redirect was followed"
+    assert err.value.reason == "redirect"
+    assert f"127.0.0.1:{elsewhere.server_address[1]}/api/v1/write?key=***" in str(err.value)
+    assert "moved-secret" not in str(err.value)
+
+
+class DropsReused(http.server.BaseHTTPRequestHandler):
+    """Answers the first request of each connection and keeps it alive; reads any later request
+    on it and closes without a byte of an answer, as a receiver does that closed the idle
+    connection the instant the request went out. ``fresh_too`` drops first requests as well,
+    once the first connection has been served."""
+
+    protocol_version = "HTTP/1.1"
+    requests: ClassVar[list[tuple[int, bool]]] = []  # (client port, answered)
+    fresh_too: ClassVar[bool] = False
+
+    def setup(self) -> None:
+        super().setup()
+        self.served = 0
+
+    def do_POST(self) -> None:
+        self.rfile.read(int(self.headers.get("Content-Length", 0)))
+        answer = self.served == 0 and not (DropsReused.fresh_too and DropsReused.requests)
+        self.served += 1
+        DropsReused.requests.append((self.client_address[1], answer))
+        if not answer:
+            self.close_connection = True
+            return
+        self.send_response(204)
+        self.send_header("Content-Length", "0")
+        self.end_headers()
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+@pytest.mark.parametrize("fresh_too", [False, True], ids=["retried", "only_once"])
+def test_a_kept_alive_connection_found_closed_is_retried_once_on_a_new_one(fresh_too):
+    DropsReused.requests.clear()
+    DropsReused.fresh_too = False
+    server = _serve(DropsReused)
+    client = Http(HttpOptions(timeout_s=5))
+    url = f"http://127.0.0.1:{server.server_address[1]}/api/v1/write"
+    try:
+        assert client.request("POST", url, data=b"one").status_code == 204
+        DropsReused.fresh_too = fresh_too
+        if fresh_too:  # the new connection drops it too: a failure, not a third try
+            with pytest.raises(Retryable) as err:
+                client.request("POST", url, data=b"two")
+            assert err.value.reason == "network"
+        else:
+            assert client.request("POST", url, data=b"two").status_code == 204
+    finally:
+        server.shutdown()
+        server.server_close()
+    ports = [port for port, _ in DropsReused.requests]
+    answered = [ok for _, ok in DropsReused.requests]
+    # the first request, the second on the kept connection (dropped), once more on a new one
+    assert len(ports) == 3 and ports[0] == ports[1] != ports[2]
+    assert answered == [True, False, not fresh_too]
+
+
+class Trickling(http.server.BaseHTTPRequestHandler):
+    """Sends its answer a byte a second: the body (``headers_first``) or all of it."""
+
+    protocol_version = "HTTP/1.1"
+    headers_first: ClassVar[bool] = True
+    requests: ClassVar[int] = 0
+
+    def do_POST(self) -> None:
+        self.rfile.read(int(self.headers.get("Content-Length", 0)))
+        Trickling.requests += 1
+        body = b"x" * 60
+        head = (b"HTTP/1.1 200 OK\r\nContent-Type: text/plain\r\nContent-Length: "
+                + str(len(body)).encode() + b"\r\n\r\n")
+        if Trickling.headers_first:
+            self.wfile.write(head)
+            self.wfile.flush()
+            rest = body
+        else:
+            rest = head + body
+        try:
+            for byte in rest:
+                self.wfile.write(bytes([byte]))
+                self.wfile.flush()
+                time.sleep(1.0)
+        except OSError:
+            pass
+        self.close_connection = True
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+@pytest.mark.parametrize("headers_first", [True, False], ids=["trickled_body", "trickled_status"])
+def test_push_timeout_bounds_a_trickled_answer(headers_first):
+    Trickling.headers_first = headers_first
+    server = _serve(Trickling)
+    client = Http(HttpOptions(timeout_s=1.5))
+    url = f"http://127.0.0.1:{server.server_address[1]}/api/v1/write"
+    started = time.monotonic()
+    try:
+        if headers_first:  # a 2xx came: final, whatever happens to its body
+            answer = client.request("POST", url, data=b"batch")
+            assert answer.status_code == 200 and "--push-timeout" in answer.unread
+            assert len(answer.content) < 5
+        else:
+            with pytest.raises(Retryable) as err:
+                client.request("POST", url, data=b"batch")
+            assert err.value.reason == "network" and "--push-timeout" in str(err.value)
+        took = time.monotonic() - started
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert 1.4 < took < 2.5, took
+
+
+def test_push_timeout_bounds_name_resolution(monkeypatch):
+    real = socket.getaddrinfo
+
+    def hanging(host, *args, **kwargs):
+        if host == "receiver.example":
+            time.sleep(3.0)
+        return real(host, *args, **kwargs)
+
+    monkeypatch.setattr(socket, "getaddrinfo", hanging)
+    client = Http(HttpOptions(timeout_s=0.5))
+    started = time.monotonic()
+    with pytest.raises(Retryable) as err:
+        client.request("POST", "http://receiver.example:9/api/v1/write", data=b"x")
+    assert time.monotonic() - started < 1.0
+    assert err.value.reason == "network" and "name resolution" in str(err.value)
+
+
+def test_a_2xx_whose_body_never_ends_is_final_and_said_once(tmp_path):
+    """The batch leaves the spool on the 2xx; the body timing out is logged, never a resend."""
+    import structlog
+
+    from sidecar.durability.spool import Spool
+    from sidecar.samples import Series
+    from sidecar.sinks.remote_write import RemoteWriteSink
+
+    Trickling.headers_first = True
+    Trickling.requests = 0
+    server = _serve(Trickling)
+    spool = Spool(tmp_path / "spool", max_bytes=1 << 20)
+    sink = RemoteWriteSink(f"http://127.0.0.1:{server.server_address[1]}/api/v1/write", spool,
+                           HttpOptions(timeout_s=0.5, initial_backoff_s=0.05, max_backoff_s=0.1),
+                           push_interval_s=0.0)
+    try:
+        with structlog.testing.capture_logs() as logs:
+            sink.start()
+            sink.emit([Series("x", (), 1.0, 1_700_000_000_000)])
+            deadline = time.monotonic() + 5
+            while time.monotonic() < deadline and sink.samples_pushed == 0:
+                time.sleep(0.05)
+            time.sleep(1.0)  # time for a resend, were there one
+            assert sink.close(time.monotonic() + 2)
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert Trickling.requests == 1 and sink.samples_pushed == 1 and len(spool) == 0
+    assert sink.failures["internal"] == 1
+    assert [e["event"] for e in logs if e["log_level"] == "error"] == ["answer_unreadable"]
+
+
+def test_query_values_and_every_secret_are_masked_in_what_a_receiver_echoes(tmp_path):
+    password = tmp_path / "password"
+    password.write_text("pw-Zq81x\n")
+    client = Http(HttpOptions(basic_auth_user="alice", basic_auth_password_file=str(password),
+                              headers=(("X-Api-Key", "hdr-77xq"),)))
+    url = "http://u:url-pw-5@127.0.0.1:9/api/v1/write?license=lic-9f8e&tenant=t%2D42x"
+    echoed = response(401, "you sent pw-Zq81x hdr-77xq url-pw-5 lic-9f8e t-42x t%2D42x "
+                      + base64.b64encode(b"alice:pw-Zq81x").decode())
+    echoed = Response(echoed.status_code, echoed.headers, echoed.content, url)
+    with pytest.raises(Refused) as err:
+        client.check(echoed)
+    for secret in ("pw-Zq81x", "hdr-77xq", "url-pw-5", "lic-9f8e", "42x",
+                   base64.b64encode(b"alice:pw-Zq81x").decode()):
+        assert secret not in str(err.value)

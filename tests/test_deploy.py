@@ -8,6 +8,7 @@ import json
 import re
 import subprocess
 import time
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -19,6 +20,7 @@ from sidecar.metrics import BY_NAME
 from sidecar.thresholds import THRESHOLDS
 from tests.conftest import ROOT
 from tests.receivers import Agent, VictoriaMetrics, need, running
+from tests.waiting import until
 
 K8S = ROOT / "k8s"
 OVERLAYS = sorted(p.name for p in (K8S / "overlays").iterdir() if p.is_dir())
@@ -289,7 +291,21 @@ def test_every_dashboard_query_returns_data_from_a_real_victoriametrics(tmp_path
                        "--pod-namespace", "ml", "--pod-name", "llm-0", "--node-name", "n1",
                        "--batch-job", "nightly-eval"])  # and a run summary for "Batch runs"
         agent.start()
-        time.sleep(6.0)
+        # the data the panels judge: every series they need (but the run summary's, printed by
+        # the last cycle; "or on() vector(0)" needs none) in two cycles at least, and 12
+        # cycles for rates and increases
+        queried = {name for panel in dashboard()["panels"] for target in panel.get("targets", [])
+                   if "vector(0)" not in target["expr"]
+                   for name in re.findall(r"([a-z_][a-z0-9_]*)\{", target["expr"])
+                   if not name.startswith("gpu_run_")}
+
+        def missing() -> set[str]:
+            seen = Counter(name for name, _ in {(n, ts) for n, _, ts, _ in agent.sampled()})
+            return {name for name in queried if seen[name] < 2}
+
+        until(lambda: (agent.cycles() >= 12 and not missing()) or agent.proc.poll() is not None,
+              interval=0.2, what=lambda: f"12 cycles with every queried series (at "
+                                         f"{agent.cycles()}; missing {sorted(missing())})")
         assert agent.stop() == 0
         vm.settled(len(agent.sampled()))
         failures = []

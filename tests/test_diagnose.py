@@ -219,6 +219,8 @@ def test_an_interrupted_diagnose_prints_a_partial_report_and_exits_128_plus_the_
         assert proc.stderr is not None
         line = proc.stderr.readline()  # the simulated_gpus warning: sampling has begun
         assert "simulated_gpus" in line, line
+        # a few cycles (0.5 s each) into the window. A time, not a condition: diagnose shows
+        # nothing of its window from outside until the report, the very thing judged here
         time.sleep(1.5)
         start = time.monotonic()
         proc.send_signal(sig)

@@ -23,14 +23,16 @@ from pathlib import Path
 import pytest
 import structlog
 
-from sidecar.wiring import _private_root
 from sidecar.durability.spool import DROP_REASONS, STATES, Spool
 from sidecar.samples import Series
-from sidecar.sinks.delivery import FAILURE_REASONS, HttpOptions
+from sidecar.sinks.answers import FAILURE_REASONS
+from sidecar.sinks.http import HttpOptions
 from sidecar.sinks.remote_write import RemoteWriteSink
 from sidecar.wire.remote_write import Batch, Encoder, compress
+from sidecar.wiring import _private_root
 from tests.conftest import ROOT
 from tests.receivers import VM_REL, Agent, FaultProxy, VictoriaMetrics, running
+from tests.waiting import until
 
 
 def args(url: str, spool: Path, *extra: str) -> list[str]:
@@ -45,13 +47,32 @@ def keyed(rows: list[tuple[str, tuple, int, float]]) -> dict[tuple[str, tuple, i
 
 def last(agent: Agent, name: str, **labels: str) -> float | None:
     """The newest value the agent sampled of a series of its own."""
-    found = [(ts, v) for n, lab, ts, v in agent.sampled()
-             if n == name and all(dict(lab).get(k) == x for k, x in labels.items())]
-    return max(found)[1] if found else None
+    return agent.last(name, **labels)
 
 
 def events(agent: Agent, name: str) -> list[dict]:
-    return [e for e in agent.events() if e.get("event") == name]
+    return agent.logged(name)
+
+
+def pushed(agent: Agent) -> float:
+    """Samples the agent says it delivered, over all its sinks, as of its newest cycle."""
+    return agent.total("gpu_sidecar_samples_pushed_total")
+
+
+def failures(agent: Agent, reason: str | None = None) -> float:
+    labels = {"reason": reason} if reason else {}
+    return agent.total("gpu_sidecar_push_failures_total", **labels)
+
+
+def stored_keys(vm: VictoriaMetrics) -> set:
+    return set(keyed(vm.samples()))
+
+
+def delivered(vm: VictoriaMetrics, rows: list, lost: int = 0):
+    """A condition: VictoriaMetrics holds every key of ``rows`` but at most ``lost``."""
+    keys = set(keyed(rows))
+    assert keys, "nothing was sampled"
+    return lambda: len(keys - stored_keys(vm)) <= lost
 
 
 def stored_equals_sampled_but(vm: VictoriaMetrics, agent: Agent) -> set:
@@ -152,12 +173,21 @@ def test_spool_volume_remounted_read_only_mid_run_loses_nothing_the_receiver_can
     vm = VictoriaMetrics(tmp_path).start()
     with running(vm):
         agent = Agent(args(vm.write_url, tmpfs / "spool")).start()
-        time.sleep(1.5)
+        until(lambda: pushed(agent) > 0, what="a first delivery before the fault")
         remount(tmpfs, "ro")
-        time.sleep(2.0)
+        # the window: the refusal seen by the spool and the journal, the alert's gauge up, and
+        # then several more push intervals (0.5 s, 2.5 cycles each) of sealing on a read-only disk
+        until(lambda: events(agent, "spool_write_failed") and events(agent, "journal_write_failed")
+              and last(agent, "gpu_sidecar_spool_write_failing") == 1.0,
+              what="the read-only volume to be noticed")
+        agent.more_cycles(8, "on the read-only volume")
         assert agent.proc.poll() is None, "".join(agent.err)[-2000:]
         remount(tmpfs, "rw")
-        time.sleep(2.0)
+        until(lambda: events(agent, "spool_write_recovered")
+              and last(agent, "gpu_sidecar_spool_write_failing") == 0.0
+              and last(agent, "gpu_sidecar_spool_bytes", state="memory") == 0,
+              what="the spool to recover once the volume takes writes")
+        agent.more_cycles(8, "after the recovery")  # a second failure or recovery would show
         assert agent.stop() == 0, "".join(agent.err)[-2000:]
         lost = stored_equals_sampled_but(vm, agent)
     assert lost == set(), "the batches the volume refused waited in memory and were sent"
@@ -177,18 +207,21 @@ def test_batches_a_full_volume_refused_are_written_out_once_it_has_room(tmp_path
     spool = tmpfs / "spool"
     vm = VictoriaMetrics(tmp_path)  # down: what the volume refuses can only wait
     first = Agent(args(vm.write_url, spool)).start()
-    time.sleep(1.0)
+    until(lambda: list(spool.rglob("*.batch")), what="a batch spooled before the volume fills")
     filler = fill(tmpfs)
-    assert _until(lambda: (last(first, "gpu_sidecar_spool_bytes", state="memory") or 0) > 0)
+    until(lambda: (last(first, "gpu_sidecar_spool_bytes", state="memory") or 0) > 0,
+          what="batches held in memory while the volume is full")
     filler.unlink()
-    assert _until(lambda: last(first, "gpu_sidecar_spool_bytes", state="memory") == 0)
+    until(lambda: last(first, "gpu_sidecar_spool_bytes", state="memory") == 0,
+          what="the held batches written out once the volume has room")
     assert first.stop() == 0, "".join(first.err)[-2000:]
     assert events(first, "spool_write_failed") and events(first, "spool_write_recovered")
     assert not events(first, "spool_write_failed_at_exit")
     vm.start()
     with running(vm):
         second = Agent(args(vm.write_url, spool)).start()
-        time.sleep(1.0)
+        until(lambda: pushed(second) > 0 and delivered(vm, first.sampled())(),
+              what="the second agent delivering, and the first agent's spool")
         assert second.stop() == 0
         stored = keyed(vm.settled(len(first.sampled())))
     sampled = keyed(first.sampled())
@@ -201,11 +234,12 @@ def test_batches_still_in_memory_when_the_agent_stops_are_the_only_loss_and_coun
     spool = tmpfs / "spool"
     vm = VictoriaMetrics(tmp_path)  # down
     first = Agent(args(vm.write_url, spool, "--spool-memory-max-bytes", "30000")).start()
-    time.sleep(1.0)
+    until(lambda: list(spool.rglob("*.batch")), what="a batch spooled before the volume fills")
     with kept_full(tmpfs):
         # the bound of memory is reached: the oldest held batches go, counted
-        assert _until(lambda: (last(first, "gpu_sidecar_samples_dropped_total",
-                                    reason="spool_write_failed") or 0) > 0)
+        until(lambda: (last(first, "gpu_sidecar_samples_dropped_total",
+                            reason="spool_write_failed") or 0) > 0,
+              what="the memory bound to drop held batches")
         assert events(first, "spool_memory_full_dropped_oldest")
         assert (last(first, "gpu_sidecar_spool_bytes", state="memory") or 0) <= 30000
         assert first.stop() == 0, "".join(first.err)[-2000:]
@@ -214,7 +248,10 @@ def test_batches_still_in_memory_when_the_agent_stops_are_the_only_loss_and_coun
     vm.start()
     with running(vm):
         second = Agent(args(vm.write_url, spool)).start()
-        time.sleep(1.0)
+        until(lambda: pushed(second) > 0 and delivered(
+                  vm, first.sampled(), lost=at_exit["dropped_samples_total"])(),
+              what="the second agent delivering, and the first agent's spool but what it "
+                   "counted lost")
         assert second.stop() == 0
         stored = keyed(vm.settled())
     sampled = keyed(first.sampled())
@@ -232,22 +269,33 @@ def test_held_batches_on_the_wire_when_the_agent_stops_are_counted_lost(tmp_path
     proxy = FaultProxy(vm.write_url, lambda n, body: (503, {}, b"busy") if busy["on"] else None,
                        delay=3.0)
     # full from the start (the agent still starts): every batch is held in memory
-    with running(proxy), kept_full(tmpfs):
-        first = Agent(args(proxy.url, spool, "--shutdown-timeout", "1",
-                           "--push-timeout", "10")).start()
-        time.sleep(2.0)  # the first request is on the wire, waiting for its slow 503
-        first.signal(signal.SIGTERM)
-        assert first.wait() == 0, "".join(first.err)[-2000:]
-    [at_exit] = events(first, "spool_write_failed_at_exit")
-    assert at_exit["on_the_wire_samples"] > 0
-    assert not events(first, "shutdown_left_in_spool"), "nothing in memory is left for a restart"
-    busy["on"], proxy.delay = False, 0.0
-    vm.start()
-    with running(vm, proxy):
-        second = Agent(args(proxy.url, spool)).start()
-        time.sleep(1.0)
-        assert second.stop() == 0
-        stored = keyed(vm.settled())
+    # one proxy for both agents: the spool directory is named after the URL the agent pushes to
+    with running(proxy):
+        with kept_full(tmpfs):
+            first = Agent(args(proxy.url, spool, "--shutdown-timeout", "1",
+                               "--push-timeout", "10")).start()
+            # the first request is on the wire, waiting for its slow 503, and more batches are
+            # held behind it; then SIGTERM while a request is still unanswered
+            until(lambda: proxy.arrivals, what="a request to reach the slow receiver")
+            first.more_cycles(3, "behind the request on the wire")
+            until(lambda: len(proxy.arrivals) > len(proxy.log), interval=0.01,
+                  what="a request on the wire")
+            first.signal(signal.SIGTERM)
+            assert first.wait() == 0, "".join(first.err)[-2000:]
+        [at_exit] = events(first, "spool_write_failed_at_exit")
+        assert at_exit["on_the_wire_samples"] > 0
+        assert not events(first, "shutdown_left_in_spool"), \
+            "nothing in memory is left for a restart"
+        busy["on"], proxy.delay = False, 0.0  # the proxy now passes everything on at once
+        vm.start()
+        with running(vm):
+            second = Agent(args(proxy.url, spool)).start()
+            until(lambda: pushed(second) > 0 and delivered(
+                      vm, first.sampled(), lost=at_exit["dropped_samples_total"])(),
+                  what="the second agent delivering, and the first agent's spool but what it "
+                       "counted lost")
+            assert second.stop() == 0
+            stored = keyed(vm.settled())
     lost = set(keyed(first.sampled())) - set(stored)
     assert len(lost) == at_exit["dropped_samples_total"], "every lost sample is counted"
 
@@ -256,7 +304,7 @@ def test_an_unreadable_spool_entry_is_set_aside_and_the_sender_goes_on(tmp_path)
     spool = tmp_path / "spool"
     vm = VictoriaMetrics(tmp_path)  # down: batches pile up in the spool
     first = Agent(args(vm.write_url, spool, "--shutdown-timeout", "0.5")).start()
-    time.sleep(2.5)
+    until(lambda: len(list(spool.rglob("*.batch"))) >= 3, what="3 batches in the spool")
     assert first.stop() == 0
     batches = sorted(spool.rglob("*.batch"))
     assert len(batches) >= 3
@@ -266,7 +314,10 @@ def test_an_unreadable_spool_entry_is_set_aside_and_the_sender_goes_on(tmp_path)
     vm.start()
     with running(vm):
         second = Agent(args(vm.write_url, spool)).start()
-        time.sleep(2.0)
+        # past the bad entry: the second agent's own cycles reach VictoriaMetrics
+        until(lambda: events(second, "spool_batch_unreadable")
+              and set(keyed(second.sampled())) & stored_keys(vm),
+              what="the bad entry set aside and the second agent's own cycles stored")
         assert second.stop() == 0
         stored = keyed(vm.settled())
     after = keyed(second.sampled())
@@ -288,12 +339,13 @@ def test_a_redirect_is_never_followed_nor_counted_as_delivered(tmp_path, status)
         status, {"Location": vm.write_url}, b"moved") if redirecting["on"] else None)
     with running(vm, proxy):
         agent = Agent(args(proxy.url, tmp_path / "spool")).start()
-        time.sleep(2.0)
+        until(lambda: failures(agent, "redirect") >= 2, what="redirects counted as failures")
         assert keyed(vm.samples()) == {}, "a redirect was followed"
         assert last(agent, "gpu_sidecar_samples_pushed_total") == 0
-        assert last(agent, "gpu_sidecar_push_failures_total", reason="redirect") > 0
         redirecting["on"] = False
-        time.sleep(2.0)
+        until(lambda: events(agent, "receiver_recovered") and pushed(agent) > 0,
+              what="delivery once the receiver stops redirecting")
+        agent.more_cycles(5, "after the recovery")  # a second episode would show
         assert agent.stop() == 0
         assert stored_equals_sampled_but(vm, agent) == set()
     failing = events(agent, "push_failing")
@@ -308,7 +360,11 @@ def test_a_receiver_that_refuses_everything_keeps_the_spool_within_its_bound(tmp
     with running(proxy):
         agent = Agent(args(proxy.url, tmp_path / "spool", "--push-interval", "0.2",
                            "--spool-max-bytes", str(bound))).start()
-        time.sleep(6.0)
+        # refused long enough for the refused copies to reach the bound, and be trimmed
+        until(lambda: failures(agent, "http_400") >= 12
+              and events(agent, "spool_trimmed_kept_copy"),
+              what=lambda: f"12 refusals (at {failures(agent, 'http_400')}) and the kept copies "
+                           f"trimmed to the bound")
         assert agent.stop() == 0
     spool_files = [p for p in (tmp_path / "spool").rglob("*.batch") if p.is_file()]
     assert 0 < sum(p.stat().st_size for p in spool_files) <= bound
@@ -326,7 +382,8 @@ def test_a_slow_receiver_is_caught_up_by_merging_the_backlog(tmp_path):
     with running(vm, proxy):
         agent = Agent(args(proxy.url, tmp_path / "spool", "--push-interval", "0.2",
                            "--push-timeout", "5")).start()
-        time.sleep(6.0)
+        # a backlog builds behind each slow answer: several answered requests
+        until(lambda: len(proxy.log) >= 5, what="5 answers of the slow receiver")
         assert sigterm_and_wait(agent) < 5.5
         assert stopped(agent)["all_delivered"] is True
         assert stored_equals_sampled_but(vm, agent) == set()
@@ -339,7 +396,7 @@ def test_a_hanging_receiver_does_not_hold_shutdown_past_its_timeout(tmp_path):
     with running(proxy):
         agent = Agent(args(proxy.url, tmp_path / "spool", "--shutdown-timeout", "2",
                            "--push-timeout", "30")).start()
-        time.sleep(2.0)
+        until(lambda: proxy.arrivals, what="a request to hang at the receiver")
         assert sigterm_and_wait(agent) < 2.5
     assert stopped(agent)["all_delivered"] is False
     assert list((tmp_path / "spool").rglob("*.batch")), "what was not sent stays in the spool"
@@ -350,11 +407,12 @@ def test_sigterm_just_after_the_receiver_returns_sends_the_whole_backlog(tmp_pat
     with running(vm):
         agent = Agent(args(vm.write_url, tmp_path / "spool", "--retry-max-backoff", "30",
                            "--shutdown-timeout", "5")).start()
-        time.sleep(1.0)
+        until(lambda: pushed(agent) > 0, what="a first delivery")
         vm.stop()
-        time.sleep(12.0)  # long enough for the backoff to reach several seconds
-        vm.start()
-        time.sleep(1.0)
+        # the backoff doubles from 0.5 s: after the 5th failed attempt the sender sleeps 8 s
+        until(lambda: failures(agent) >= 5,
+              what=lambda: f"5 failed attempts (at {failures(agent)})")
+        vm.start()  # and SIGTERM at once, while the sender sleeps
         assert sigterm_and_wait(agent) < 5.5
         assert stopped(agent)["all_delivered"] is True
         assert stored_equals_sampled_but(vm, agent) == set()
@@ -364,7 +422,7 @@ def test_every_counter_the_alerts_use_exists_at_zero_from_the_first_push(tmp_pat
     vm = VictoriaMetrics(tmp_path).start()
     with running(vm):
         agent = Agent(args(vm.write_url, tmp_path / "spool")).start()
-        time.sleep(1.5)
+        until(lambda: pushed(agent) > 0, what="a first push")
         assert agent.stop() == 0
         rows = vm.settled(len(agent.sampled()))
     first_ts = min(ts for _, _, ts, _ in rows)
@@ -386,7 +444,7 @@ def test_every_stop_signal_takes_a_last_sample_and_flushes(tmp_path, sig):
     vm = VictoriaMetrics(tmp_path).start()
     with running(vm):
         agent = Agent(args(vm.write_url, tmp_path / "spool", "--push-interval", "60")).start()
-        time.sleep(1.5)
+        until(lambda: agent.cycles() >= 3, what="3 cycles sampled, none pushed yet")
         agent.signal(sig)
         assert agent.wait() == 0
         assert stopped(agent)["all_delivered"] is True
@@ -401,15 +459,21 @@ def _spawn(argv: list[str], prefix: tuple[str, ...] = ()) -> subprocess.Popen:
                             text=True, cwd=ROOT, env={**env, "PYTHONUNBUFFERED": "1"})
 
 
-def _child_of(pid: int, timeout: float = 5.0) -> int:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
+def _child_of(pid: int, timeout: float = 30.0) -> int:
+    def children() -> list[str]:
         with contextlib.suppress(OSError):
-            children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
-            if children:
-                return int(children[0])
-        time.sleep(0.01)
-    raise TimeoutError("no child process")
+            return Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
+        return []
+    return int(until(children, timeout, interval=0.01, what=f"a child process of {pid}")[0])
+
+
+def _catches(pid: int, sig: int) -> bool:
+    """Whether process ``pid`` has a handler installed for ``sig`` (its SigCgt mask)."""
+    with contextlib.suppress(OSError):
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("SigCgt:"):
+                return bool(int(line.split()[1], 16) >> (sig - 1) & 1)
+    return False
 
 
 @pytest.mark.parametrize("as_pid_1", [False, True])
@@ -421,7 +485,10 @@ def test_a_signal_during_start_up_is_honoured(tmp_path, as_pid_1):
                        "--shutdown-timeout", "1"), prefix)
     try:
         target = _child_of(proc.pid) if as_pid_1 else proc.pid
-        time.sleep(0.45)
+        # the moment the entry point has its handler, while the agent is still importing
+        until(lambda: _catches(target, signal.SIGTERM) or proc.poll() is not None,
+              interval=0.005, what="the SIGTERM handler to be installed")
+        assert proc.poll() is None, proc.communicate()[1][-2000:]
         os.kill(target, signal.SIGTERM)
         _, err = proc.communicate(timeout=15)
     finally:
@@ -435,7 +502,12 @@ def test_a_second_agent_on_the_same_spool_exits_5_naming_the_first(tmp_path):
     spool = tmp_path / "spool"
     first = Agent(args("http://127.0.0.1:9/api/v1/write", spool)).start()
     try:
-        time.sleep(1.5)
+        def locked_by_first() -> bool:  # its pid in the spool directory's lock file
+            with contextlib.suppress(OSError):
+                return any(p.read_text().strip() == str(first.proc.pid)
+                           for p in spool.rglob(".lock"))
+            return False
+        until(locked_by_first, what="the first agent to lock the spool")
         second = _spawn(args("http://127.0.0.1:9/api/v1/write", spool))
         _, err = second.communicate(timeout=30)
         assert second.returncode == 5
@@ -450,7 +522,9 @@ def test_two_urls_on_one_host_and_port_get_their_own_spool_and_sink_label(tmp_pa
         other = vm.write_url.replace("/api/v1/write", "/prometheus/api/v1/write")
         agent = Agent([*args(vm.write_url, tmp_path / "spool"), "--remote-write-url", other])
         agent.start()
-        time.sleep(2.0)
+        until(lambda: len({dict(lab)["sink"] for n, lab, _, v in agent.sampled()
+                           if n == "gpu_sidecar_samples_pushed_total" and v > 0}) == 2,
+              what="both sinks to deliver")
         assert agent.stop() == 0
         stored = vm.settled(2 * len(agent.sampled()) - 100)
     sinks = {dict(lab)["sink"] for n, lab, _, _ in agent.sampled()
@@ -480,7 +554,9 @@ def test_a_receiver_echoing_the_request_never_puts_a_secret_in_the_log(tmp_path)
         agent = Agent(args(proxy.url.replace("http://", "http://u:pw-secret-77@"),
                            tmp_path / "spool", "--bearer-token-file", str(token),
                            "--header", "X-Key=hdr-9z8y7x", "--log-level", "debug")).start()
-        time.sleep(1.5)
+        # refused several times over: logged when it starts, not per attempt
+        until(lambda: len(proxy.log) >= 3 and events(agent, "push_refused"),
+              what=lambda: f"3 refused requests (at {len(proxy.log)}) and their log line")
         assert agent.stop() == 0
     text = "".join(agent.err) + "".join(agent.out)
     refused = events(agent, "push_refused")  # a 401: logged once, every batch kept
@@ -499,13 +575,6 @@ def _sink(url: str, spool_dir: Path) -> tuple[RemoteWriteSink, Spool]:
     return RemoteWriteSink(url, spool, options, push_interval_s=0.0), spool
 
 
-def _until(condition, timeout: float = 10.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline and not condition():
-        time.sleep(0.02)
-    return condition()
-
-
 def test_an_unexpected_error_in_the_sender_is_logged_counted_and_retried(tmp_path, monkeypatch):
     proxy = FaultProxy("http://127.0.0.1:9/unused", lambda n, body: (204, {}, b""))
     sink, spool = _sink(proxy.url, tmp_path / "spool")
@@ -521,7 +590,8 @@ def test_an_unexpected_error_in_the_sender_is_logged_counted_and_retried(tmp_pat
     with running(proxy), structlog.testing.capture_logs() as logs:
         sink.start()
         sink.emit([Series("x", (), 1.0, 1000)])
-        assert _until(lambda: len(proxy.log) == 1), "the sender died"
+        until(lambda: len(proxy.log) >= 1, what="a request: the sender must not die")
+        assert len(proxy.log) == 1
         assert sink.close(time.monotonic() + 2)
     assert sink.failures["internal"] == 1
     errors = [e for e in logs if e["event"] == "sender_error"]
@@ -541,7 +611,7 @@ def test_a_spooled_batch_that_cannot_be_merged_is_sent_alone_and_the_rest_flows(
         good.add([Series("after_the_bad_one", (("k", "v"),), 2.5, 1_700_000_000_000)])
         spool.put(compress(Encoder().write_request(good.series)), samples=1)
         sink.start()
-        assert _until(lambda: len(spool) == 0)
+        until(lambda: len(spool) == 0, what=lambda: f"an empty spool (at {len(spool)})")
         assert sink.close(time.monotonic() + 2)
         assert [(n, v) for n, _, _, v in vm.settled(1)] == [("after_the_bad_one", 2.5)]
     assert spool.dropped_samples["rejected"] == 3
@@ -568,7 +638,8 @@ def test_the_spool_of_an_earlier_release_is_adopted_and_sent(tmp_path):
         old.put(compress(Encoder().write_request(left.series)), samples=1)
         old.close()
         agent = Agent(args(vm.write_url, tmp_path / "spool")).start()
-        time.sleep(1.5)
+        until(lambda: events(agent, "spool_adopted") and pushed(agent) > 0,
+              what="the old spool adopted and a push")
         assert agent.stop() == 0
         assert ("left_by_the_old_release", (), 1_700_000_000_000, 7.0) in vm.settled()
     assert len(events(agent, "spool_adopted")) == 1
@@ -589,11 +660,9 @@ def test_pushgateway_values_that_arrive_while_a_push_fails_are_pushed_without_wa
     with running(proxy):
         sink.start()
         sink.emit([Series("gpu_utilization_ratio", labels, 0.25, 1)])
-        time.sleep(0.2)
+        until(lambda: proxy.arrivals, what="the first push on the wire")
         sink.emit([Series("gpu_utilization_ratio", labels, 0.75, 2)])
-        deadline = time.monotonic() + 3
-        while time.monotonic() < deadline and not any(s < 300 for _, s, _ in proxy.log):
-            time.sleep(0.05)
+        until(lambda: any(s < 300 for _, s, _ in proxy.log), what="a successful push")
         sink.close(time.monotonic() + 2)
     pushed = [body for _, status, body in proxy.log if status < 300]
     assert pushed and b"0.75" in pushed[0], proxy.log
@@ -625,10 +694,11 @@ def test_a_backlog_refused_401_is_kept_whole_and_delivered_once_the_token_is_fix
         sink, spool = _backlog_sink(proxy.url, tmp_path / "spool", token)
         assert len(spool) == 30
         sink.start()
-        time.sleep(2.0)
+        until(lambda: sum(1 for _, status, _ in proxy.log if status == 401) >= 5,
+              what="5 refusals of the old token")
         assert len(spool) == 30, "a refusal about credentials must keep every batch"
         token.write_text("new-token\n")  # the kubelet swapped the Secret
-        assert _until(lambda: len(spool) == 0)
+        until(lambda: len(spool) == 0, what=lambda: f"an empty spool (at {len(spool)})")
         assert sink.close(time.monotonic() + 2)
         stored = vm.settled(30)
     assert sorted(v for n, _, _, v in stored if n == "backlog_sample") == [float(i) for i in range(30)]
@@ -656,7 +726,8 @@ def test_a_receiver_refusing_403_for_ever_keeps_the_spool_within_its_bound(tmp_p
         sink.start()
         for i in range(200):
             sink.emit([Series("more", (("i", str(i)),), float(i), 1_700_000_001_000 + i)])
-            time.sleep(0.005)
+            time.sleep(0.005)  # paced like cycles; the count below does not depend on it
+        until(lambda: any(status == 403 for _, status, _ in proxy.log), what="a refused request")
         sink.close(time.monotonic() + 0.5)
         sink._thread.join(timeout=5)
     # a request on the wire is left alone by the bound (spool.py, _trim), so the spool may

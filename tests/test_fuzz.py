@@ -12,7 +12,6 @@ import math
 import random
 import re
 import socket
-import time
 
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
@@ -20,6 +19,7 @@ from hypothesis import strategies as st
 from sidecar import protocol
 from sidecar.samples import AppFigures, GpuIdentity, GpuSample, sample_series
 from sidecar.sources.app_socket import AppSocket, AppState
+from tests.waiting import until
 
 GPUS = ["GPU-0c4b24ac-fb68-413f-6f0c-54be2b5a94c7", "GPU-18f9fd34-4f90-8419-eed6-00c6bc203962"]
 STRANGER = "GPU-99999999-9999-9999-9999-999999999999"
@@ -158,10 +158,9 @@ def test_hundred_thousand_datagrams_through_the_real_socket(tmp_path):
                 data, reason = malformed_message(rng)
                 sender.send(data)
                 expected_reasons[reason] = expected_reasons.get(reason, 0) + 1
-        deadline = time.monotonic() + 30
-        while state.accepted + sum(state.rejected.values()) < 100_000 and \
-                time.monotonic() < deadline:
-            time.sleep(0.05)
+        until(lambda: state.accepted + sum(state.rejected.values()) >= 100_000, 60,
+              what=lambda: f"100000 datagrams read (at "
+                           f"{state.accepted + sum(state.rejected.values())})")
         assert app._thread is not None and app._thread.is_alive()  # never crashed
     finally:
         sender.close()

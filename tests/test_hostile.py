@@ -8,7 +8,6 @@ import http.server
 import itertools
 import os
 import resource
-import signal
 import socket
 import ssl
 import stat
@@ -16,6 +15,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -27,6 +27,7 @@ from sidecar.simulate.fake_nvml import ManualClock
 from sidecar.sources.app_socket import AppState
 from tests.conftest import ROOT, run_cli
 from tests.receivers import Agent, VictoriaMetrics, running
+from tests.waiting import until
 
 # -- TLS ---------------------------------------------------------------------------------------
 
@@ -77,12 +78,16 @@ class TlsReceiver:
         self.server.server_close()
 
 
-def brief_run(url: str, tmp: Path, *extra: str, seconds: float = 2.0) -> Agent:
+def brief_run(url: str, tmp: Path, *extra: str, until_: Callable[[Agent], object],
+              what: str) -> Agent:
+    """The agent runs until ``until_(agent)`` holds, and a few more push intervals (0.3 s, 1.5
+    cycles each) in which anything else it would do shows, then stops."""
     agent = Agent(["--simulate", "healthy", "--interval", "0.2", "--push-interval", "0.3",
                    "--remote-write-url", url, "--spool-dir", str(tmp / "spool"),
                    "--retry-max-backoff", "0.3", "--shutdown-timeout", "1", *extra])
     agent.start()
-    time.sleep(seconds)
+    until(lambda: until_(agent) or agent.proc.poll() is not None, what=what, interval=0.1)
+    agent.more_cycles(5)
     assert agent.stop() == 0, "".join(agent.err)[-2000:]
     return agent
 
@@ -91,16 +96,21 @@ def test_tls_is_verified_by_default_and_a_private_ca_must_be_given(tmp_path):
     ca, cert, key = make_ca_and_server_cert(tmp_path)
     receiver = TlsReceiver(cert, key)
     with running(receiver):
-        refused = brief_run(receiver.url, tmp_path / "a")
+        refused = brief_run(receiver.url, tmp_path / "a",
+                            until_=lambda agent: agent.logged("push_failing"),
+                            what="the push to fail")
         assert receiver.requests == 0
         failing = [e for e in refused.events() if e.get("event") == "push_failing"]
         assert failing and failing[0]["reason"] == "tls" and "--ca-file" in failing[0]["detail"]
 
-        brief_run(receiver.url, tmp_path / "b", "--ca-file", str(ca))
+        brief_run(receiver.url, tmp_path / "b", "--ca-file", str(ca),
+                  until_=lambda agent: receiver.requests > 0, what="a request verified by the CA")
         trusted = receiver.requests
         assert trusted > 0
 
-        insecure = brief_run(receiver.url, tmp_path / "c", "--insecure-skip-verify")
+        insecure = brief_run(receiver.url, tmp_path / "c", "--insecure-skip-verify",
+                             until_=lambda agent: receiver.requests > trusted,
+                             what="a request without verification")
         assert receiver.requests > trusted  # only when explicitly asked
         warned = [e for e in insecure.events() if e.get("event") == "tls_verification_disabled"]
         assert len(warned) == 1 and "--ca-file" in warned[0]["hint"]  # said once, by us
@@ -108,9 +118,9 @@ def test_tls_is_verified_by_default_and_a_private_ca_must_be_given(tmp_path):
 
 
 @pytest.mark.parametrize("tls", [False, True], ids=["http", "https"])
-def test_openssl_is_mapped_only_when_a_receiver_speaks_tls(tmp_path, tls):
-    """OpenSSL costs the agent 4.8 MiB of resident memory (bench/RESULTS.md): a plain-HTTP
-    receiver must not pay for it, even with --ca-file set; a https one still works."""
+def test_a_receiver_with_ca_file_works_over_http_and_https(tmp_path, tls):
+    """--ca-file set and a plain-HTTP receiver: pushes go out unencrypted and are taken; the
+    same with https: verified against the CA. OpenSSL loads the ordinary way in both."""
     ca, cert, key = make_ca_and_server_cert(tmp_path)
     receiver = TlsReceiver(cert, key, tls=tls)
     agent = Agent(["--simulate", "healthy", "--interval", "0.2", "--push-interval", "0.3",
@@ -118,26 +128,37 @@ def test_openssl_is_mapped_only_when_a_receiver_speaks_tls(tmp_path, tls):
                    "--spool-dir", str(tmp_path / "spool")])
     with running(receiver, agent):
         agent.start()
-        deadline = time.monotonic() + 20
-        while receiver.requests < 2 and time.monotonic() < deadline:
-            time.sleep(0.1)
+        until(lambda: receiver.requests >= 2 or agent.proc.poll() is not None,
+              what=lambda: f"2 requests at the receiver (at {receiver.requests})")
         assert receiver.requests >= 2, "".join(agent.err)[-2000:]
-        maps = Path(f"/proc/{agent.proc.pid}/maps").read_text()
-        assert ("libssl" in maps, "libcrypto" in maps) == (tls, tls)
         assert agent.stop() == 0
 
 
-def test_openssl_stays_loadable_for_whatever_may_need_it():
-    """The Pushgateway's client library needs http.client's HTTPS support at import: a
-    Pushgateway or https anywhere in the command line or the environment keeps OpenSSL."""
-    from sidecar.__main__ import may_need_tls
+_MODULES_AFTER = """
+import runpy, sys
+sys.argv = ["gpu-sidecar", "run", "--simulate", "healthy", "--once", "--output", "json",
+            "--log-level", "error"]
+{start}
+import ssl, urllib.request  # nothing the agent loaded hides a module from a later import
+print("MODULES", " ".join(sorted(m for m in sys.modules if m.startswith(("sidecar", "ssl",
+      "_ssl", "_hashlib", "requests", "urllib3")))))
+"""
 
-    assert not may_need_tls(["gpu-sidecar", "run", "--remote-write-url", "http://vm:8428/x"],
-                            {"GPU_SIDECAR_OTLP_URL": "http://otel:4318/v1/metrics"})
-    assert may_need_tls(["gpu-sidecar", "run", "--pushgateway-url=http://pgw:9091"], {})
-    assert may_need_tls(["gpu-sidecar", "run"], {"GPU_SIDECAR_PUSHGATEWAY_URL": "http://pgw"})
-    assert may_need_tls(["gpu-sidecar", "run"], {"GPU_SIDECAR_REMOTE_WRITE_URL": "HTTPS://vm/x"})
-    assert not may_need_tls(["gpu-sidecar", "run"], {"HTTPS_PROXY": "https://proxy"})  # not ours
+
+def test_python_dash_m_and_an_in_process_main_load_the_same_modules():
+    """No import trick depends on how the agent was started: ``python -m sidecar`` and a caller
+    of ``cli.main()`` load the same modules, and ``ssl`` and ``urllib.request`` stay importable."""
+    by_module = "try:\n    runpy.run_module('sidecar', run_name='__main__')\nexcept SystemExit:\n    pass"
+    in_process = "from sidecar import cli\ncli.main(sys.argv[1:])"
+    seen = []
+    for start in (by_module, in_process):
+        out = subprocess.run([sys.executable, "-c", _MODULES_AFTER.format(start=start)],
+                             capture_output=True, text=True, timeout=60, cwd=ROOT)
+        assert out.returncode == 0, out.stderr[-2000:]
+        line = next(x for x in out.stdout.splitlines() if x.startswith("MODULES"))
+        seen.append(set(line.split()[1:]) - {"sidecar.__main__"})
+    assert seen[0] == seen[1]
+    assert {"ssl", "_ssl", "sidecar.cli"} <= seen[0]
 
 
 # -- manners -----------------------------------------------------------------------------------
@@ -163,7 +184,11 @@ def test_the_agent_opens_no_listening_network_port_and_keeps_its_files_private(t
                    "--pushgateway-url", "http://127.0.0.1:9", "--socket", str(sock)])
     agent.start()
     try:
-        time.sleep(2.0)
+        # running in full: its socket bound, batches spooled, a push tried at each receiver
+        until(lambda: sock.exists() and list((tmp_path / "spool").rglob("*.batch"))
+              and agent.total("gpu_sidecar_push_failures_total") > 0, interval=0.1,
+              what="the socket, a spooled batch and failed pushes")
+        agent.more_cycles(3)
         pid = agent.proc.pid
         inodes = socket_inodes(pid)
         listening = []
@@ -201,29 +226,25 @@ def test_a_spool_volume_refusing_every_write_holds_batches_in_memory_and_keeps_s
     def tiny_files() -> None:  # every write beyond 2 KB fails with EFBIG, like a full volume
         resource.setrlimit(resource.RLIMIT_FSIZE, (2048, 2048))
 
-    env = {k: v for k, v in os.environ.items() if not k.startswith("GPU_SIDECAR_")}
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "sidecar", "run", "--simulate", "healthy", "--interval", "0.2",
-         "--push-interval", "0.3", "--remote-write-url", "http://127.0.0.1:9/api/v1/write",
-         "--spool-dir", str(tmp_path / "spool"), "--stdout", "--output", "json",
-         "--shutdown-timeout", "1"],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
-        env={**env, "PYTHONUNBUFFERED": "1"}, preexec_fn=tiny_files)
-    timer = threading.Timer(3.0, proc.send_signal, args=(signal.SIGTERM,))
-    timer.start()
-    out, err = proc.communicate(timeout=30)
-    timer.cancel()
-    assert proc.returncode == 0, err[-2000:]
-    assert err.count('"spool_write_failed"') == 1  # logged once, not per batch
-    import json
-
-    rows = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
-    cycles = {r["timestamp_ms"] for r in rows}
-    assert len(cycles) >= 10  # sampling went on
-    in_memory = [r["value"] for r in rows if r["name"] == "gpu_sidecar_spool_bytes"
-                 and r["labels"].get("state") == "memory"]
+    agent = Agent(["--simulate", "healthy", "--interval", "0.2", "--push-interval", "0.3",
+                   "--remote-write-url", "http://127.0.0.1:9/api/v1/write",
+                   "--spool-dir", str(tmp_path / "spool"), "--shutdown-timeout", "1"],
+                  preexec_fn=tiny_files)
+    with running(agent):
+        agent.start()
+        until(lambda: (agent.logged("spool_write_failed") and agent.cycles() >= 10
+              and (agent.last("gpu_sidecar_spool_bytes", state="memory") or 0) > 0)
+              or agent.proc.poll() is not None, interval=0.1,
+              what=lambda: f"a refused write, 10 cycles (at {agent.cycles()}) and batches held "
+                           f"in memory")
+        agent.more_cycles(5, "with every write refused")  # several more batches refused
+        assert agent.stop() == 0, "".join(agent.err)[-2000:]
+    assert len(agent.logged("spool_write_failed")) == 1  # logged once, not per batch
+    assert agent.cycles() >= 10  # sampling went on
+    in_memory = [v for n, lab, _, v in agent.sampled() if n == "gpu_sidecar_spool_bytes"
+                 and dict(lab).get("state") == "memory"]
     assert in_memory and in_memory[-1] > 0  # the receiver is down: the batches wait there
-    [lost] = [json.loads(line) for line in err.splitlines() if "spool_write_failed_at_exit" in line]
+    [lost] = agent.logged("spool_write_failed_at_exit")
     assert lost["samples"] > 0  # the disk never took them: lost at exit, and counted
 
 
@@ -289,10 +310,8 @@ def test_a_flooding_app_neither_blocks_nor_bloats_the_agent_nor_shifts_its_sched
                    "--spool-dir", str(tmp_path / "spool"), "--spool-max-bytes", "1000000"])
     agent.start()
     try:
-        deadline = time.monotonic() + 10
-        while not sock.exists() and time.monotonic() < deadline:
-            time.sleep(0.05)
-        time.sleep(0.5)
+        until(sock.exists, what="the agent's socket")
+        agent.more_cycles(2, "before the flood")  # warmed up: a baseline to measure against
         rss_before = _rss_kib(agent.proc.pid)
         flooder = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
         flooder.setblocking(False)
@@ -311,7 +330,7 @@ def test_a_flooding_app_neither_blocks_nor_bloats_the_agent_nor_shifts_its_sched
                 refused += 1
             worst = max(worst, time.perf_counter() - t)
         flooder.close()
-        time.sleep(0.5)
+        agent.more_cycles(2, "after the flood")  # what was queued is read and counted
         rss_after = _rss_kib(agent.proc.pid)
     finally:
         assert agent.stop() == 0

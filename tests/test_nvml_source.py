@@ -422,22 +422,6 @@ def test_fake_answers_unknown_functions_like_an_old_library():
     assert fake.library.nvmlDeviceGetMemoryInfo(None, None) == pynvml.NVML_ERROR_INVALID_ARGUMENT
 
 
-@pytest.mark.parametrize(("mine", "theirs"), [
-    ("MemoryV2", pynvml.c_nvmlMemory_v2_t), ("MemoryV1", pynvml.c_nvmlMemory_t),
-    ("Utilization", pynvml.c_nvmlUtilization_t), ("FieldValue", pynvml.c_nvmlFieldValue_t),
-    ("GpmMetric", pynvml.c_nvmlGpmMetric_t), ("GpmMetricsGet", pynvml.c_nvmlGpmMetricsGet_t),
-])
-def test_prepared_call_structures_have_pynvml_layout(mine, theirs):
-    from sidecar.sources import nvml_calls
-
-    ours = getattr(nvml_calls, mine)
-    assert ctypes.sizeof(ours) == ctypes.sizeof(theirs)
-    assert [f[0] for f in ours._fields_] == [f[0] for f in theirs._fields_]
-    for name, *_ in theirs._fields_:
-        assert getattr(ours, name).offset == getattr(theirs, name).offset, name
-        assert getattr(ours, name).size == getattr(theirs, name).size, name
-
-
 def test_nvml_disappearing_mid_run_makes_gpus_unavailable_then_they_come_back(install_fake, clock):
     fake = install_fake([gpu(0), gpu(1)], clock=clock, record_calls=True)
     source = open_source(clock, lost_retry_s=2.0)
@@ -457,3 +441,34 @@ def test_nvml_disappearing_mid_run_makes_gpus_unavailable_then_they_come_back(in
     clock.advance(3.0)
     back = source.read(uuids)
     assert all(r is not None and r.memory.used_bytes for r in back.values())
+
+
+def test_a_later_stand_in_without_a_symbol_answers_function_not_found(install_fake, clock):
+    # pynvml caches each symbol it looks up; the cached symbol follows the installed stand-in,
+    # so one without the symbol (an old driver) is FunctionNotFound however the last one was
+    install_fake([gpu()], clock=clock)
+    source = open_source(clock)
+    assert source.capabilities(source.devices()[0].uuid)["memory"] == "v2"
+    source.close()
+    install_fake([gpu()], clock=clock, missing=OLD_DRIVER_MISSING)
+    pynvml.nvmlInit()
+    handle = pynvml.nvmlDeviceGetHandleByIndex(0)
+    with pytest.raises(pynvml.NVMLError_FunctionNotFound):
+        pynvml.nvmlDeviceGetMemoryInfo(handle, version=pynvml.nvmlMemory_v2)
+    with pytest.raises(pynvml.NVMLError_FunctionNotFound):
+        pynvml.nvmlGpmSampleAlloc()
+    assert pynvml.nvmlDeviceGetMemoryInfo(handle).total == 141 * GiB
+
+
+def test_the_stand_in_refuses_gpm_structures_of_another_version(install_fake):
+    install_fake([gpu()])
+    pynvml.nvmlInit()
+    handle = pynvml.nvmlDeviceGetHandleByIndex(0)
+    support = pynvml.c_nvmlGpmSupport_t()
+    support.version = pynvml.NVML_GPM_SUPPORT_VERSION + 1
+    assert pynvml.nvmlLib.nvmlGpmQueryDeviceSupport(handle, ctypes.byref(support)) == \
+        pynvml.NVML_ERROR_ARGUMENT_VERSION_MISMATCH
+    request = pynvml.c_nvmlGpmMetricsGet_t()
+    request.version = pynvml.NVML_GPM_METRICS_GET_VERSION + 1
+    with pytest.raises(pynvml.NVMLError_ArgumentVersionMismatch):
+        pynvml.nvmlGpmMetricsGet(request)

@@ -9,6 +9,7 @@ receiver fails, refuses, answers partial_success and hangs, and nothing spooled 
 
 from __future__ import annotations
 
+import contextlib
 import gzip
 import itertools
 import math
@@ -28,12 +29,14 @@ from opentelemetry.proto.collector.metrics.v1.metrics_service_pb2 import (
 )
 
 from sidecar import metrics
+from sidecar.durability.journal import read_records
 from sidecar.durability.spool import HEADER
 from sidecar.samples import Series
 from sidecar.wire import otlp
 from tests.conftest import ROOT, run_cli
 from tests.receivers import Agent, OtlpReceiver, otlp_io, otlp_rows, running
 from tests.test_faults import events, last
+from tests.waiting import until
 
 PROTOBUF = {"Content-Type": "application/x-protobuf"}
 
@@ -102,16 +105,33 @@ def assert_io_is_the_integral_of_the_printed_rates(receiver: OtlpReceiver, agent
         assert points[0][2] == 0.0 and points[-1][2] > 0
 
 
-def run_for(agent: Agent, seconds: float, until: Callable[[], bool] | None = None) -> Agent:
-    """Run the agent ``seconds``, or, with ``until``, until that holds (``seconds`` at the least,
-    30 s at the most: a loaded machine pushes less often than the options say)."""
+def run_for(agent: Agent, done: Callable[[], object], what: str) -> Agent:
+    """Run the agent until ``done`` holds (the state the test then judges; ``what`` names it),
+    then two cycles more, so that the self-metrics it printed caught up with that state, and
+    stop it (a stop delivers the rest)."""
     agent.start()
-    time.sleep(seconds)
-    deadline = time.monotonic() + 30
-    while until is not None and not until() and time.monotonic() < deadline:
-        time.sleep(0.2)
+    until(lambda: done() or agent.proc.poll() is not None, interval=0.2, what=what)
+    agent.more_cycles(2, f"after {what}")  # fails if the agent exited
     assert agent.stop() == 0, "".join(agent.err)[-3000:]
     return agent
+
+
+def keys(rows: list[tuple[str, tuple, int, float]]) -> set[tuple[str, tuple, int]]:
+    return {(n, labels, ts) for n, labels, ts, _ in rows}
+
+
+def stored_all_of(receiver: OtlpReceiver, agent: Agent) -> bool:
+    """Whether the receiver stored every point the agent printed so far."""
+    return keys(agent.sampled()) <= keys(otlp_rows(list(receiver.stored)))
+
+
+def journaled(spool: Path) -> int:
+    """Cycles held in the spool's journals (intact records)."""
+    held = 0
+    for path in spool.rglob("*.journal"):
+        with contextlib.suppress(FileNotFoundError):  # sealed meanwhile
+            held += sum(1 for _ in read_records(path))
+    return held
 
 
 def spooled(directory: Path, where: str = "") -> list:
@@ -135,7 +155,7 @@ def test_every_point_decoded_matches_what_the_agent_printed(tmp_path):
             receiver.url, tmp_path / "spool", "--pod-namespace", "ml", "--pod-name", "llm-0",
             "--pod-container", "server", "--node-name", "gpu-node-3", "--extra-label",
             "cluster=prod", "--app-process-series"))
-        run_for(agent, 3.0, until=lambda: len({ts for _, _, ts, _ in agent.sampled()}) >= 10)
+        run_for(agent, lambda: agent.cycles() >= 10, "10 cycles printed")
     assert_delivered_exactly(receiver, agent)
     assert len({ts for _, _, ts, _ in agent.sampled()}) >= 10  # cycles
     assert_io_is_the_integral_of_the_printed_rates(receiver, agent)
@@ -253,8 +273,9 @@ def test_503_and_429_are_retried_honouring_retry_after_and_nothing_is_lost(tmp_p
 
     receiver = OtlpReceiver(plan)
     with running(receiver):
-        agent = run_for(Agent(otlp_args(receiver.url, tmp_path / "spool")), 4.5,
-                        until=lambda: len(receiver.log) >= 6)
+        agent = Agent(otlp_args(receiver.url, tmp_path / "spool"))
+        run_for(agent, lambda: len(receiver.log) >= 6 and events(agent, "receiver_recovered"),
+                "the 6th request, accepted, and receiver_recovered logged")
     assert_delivered_exactly(receiver, agent)
     times = [t for t, _, _ in receiver.log]
     assert times[4] - times[3] >= 0.95 and times[5] - times[4] >= 0.95, "Retry-After ignored"
@@ -274,7 +295,10 @@ def test_a_refused_batch_is_sent_once_set_aside_and_the_rest_flows(tmp_path, sta
     receiver = OtlpReceiver(lambda n, request: (status, PROTOBUF, answer) if n == 1 else None)
     spool = tmp_path / "spool"
     with running(receiver):
-        agent = run_for(Agent(otlp_args(receiver.url, spool)), 3.0)
+        agent = Agent(otlp_args(receiver.url, spool))
+        # three requests after the refused one: a retry of it would have come first
+        run_for(agent, lambda: len(receiver.log) >= 5 and events(agent, "batch_refused"),
+                "batch_refused logged and 3 requests after the refused one")
     refused = receiver.log[1][2]
     assert sum(1 for _, _, r in receiver.log if r == refused) == 1, "a refused request was retried"
     kept = spooled(spool, "rejected")
@@ -308,8 +332,8 @@ def test_partial_success_is_delivered_counted_and_each_condition_logged_once(tmp
 
     receiver = OtlpReceiver(plan)
     with running(receiver):
-        agent = run_for(Agent(otlp_args(receiver.url, tmp_path / "spool", "--push-interval",
-                                        "0.2")), 2.0, until=lambda: len(receiver.log) >= 12)
+        agent = Agent(otlp_args(receiver.url, tmp_path / "spool", "--push-interval", "0.2"))
+        run_for(agent, lambda: len(receiver.log) >= 12, "12 requests answered")
     assert_delivered_exactly(receiver, agent)  # not sent again: the receiver has the rest
     answered = len(receiver.log)
     assert answered >= 12
@@ -329,7 +353,14 @@ def test_a_hanging_receiver_holds_neither_sampling_nor_shutdown_and_the_next_sta
     with running(receiver):
         first = Agent(otlp_args(receiver.url, spool, "--push-timeout", "0.5",
                                 "--shutdown-timeout", "1")).start()
-        time.sleep(2.5)
+        # four pushes hung to their 0.5 s timeout (at least 2.5 s of a hanging network, with the
+        # first push interval), and what they carried still spooled
+        until(lambda: ((last(first, "gpu_sidecar_push_failures_total", reason="network") or 0)
+                       >= 4 and list(spool.rglob("*.batch"))) or first.proc.poll() is not None,
+              what=lambda: f"4 network failures printed and a batch spooled (failures "
+                           f"{last(first, 'gpu_sidecar_push_failures_total', reason='network')}, "
+                           f"cycles {first.cycles()})")
+        assert first.proc.poll() is None, "".join(first.err)[-3000:]
         first.signal(signal.SIGTERM)
         signalled = time.monotonic()
         assert first.wait() == 0
@@ -339,7 +370,8 @@ def test_a_hanging_receiver_holds_neither_sampling_nor_shutdown_and_the_next_sta
         assert last(first, "gpu_sidecar_push_failures_total", reason="network") > 0
         assert list(spool.rglob("*.batch")), "what was not acknowledged stays in the spool"
         receiver.delay = 0  # it answers again: the next start sends the backlog
-        second = run_for(Agent(otlp_args(receiver.url, spool)), 2.0)
+        second = run_for(Agent(otlp_args(receiver.url, spool)),
+                         lambda: stored_all_of(receiver, first), "the backlog delivered")
     sampled = keyed([*first.sampled(), *second.sampled()])
     assert keyed(otlp_rows(receiver.stored)) == sampled
     assert not list(spool.rglob("*.batch"))
@@ -350,11 +382,14 @@ def test_a_killed_agent_loses_nothing_its_journal_held(tmp_path):
     receiver = OtlpReceiver()
     with running(receiver):
         first = Agent(otlp_args(receiver.url, spool, "--push-interval", "60")).start()
-        time.sleep(1.5)
+        until(lambda: journaled(spool) >= 5 or first.proc.poll() is not None,
+              what=lambda: f"5 cycles journaled (at {journaled(spool)})")
+        assert first.proc.poll() is None, "".join(first.err)[-3000:]
         first.signal(signal.SIGKILL)
         first.wait()
         assert list(spool.rglob("*.journal")) and not receiver.log
-        second = run_for(Agent(otlp_args(receiver.url, spool)), 1.5)
+        second = run_for(Agent(otlp_args(receiver.url, spool)),
+                         lambda: stored_all_of(receiver, first), "the journal's cycles delivered")
     printed = keyed([*first.sampled(), *second.sampled()])
     assert keyed(otlp_rows(receiver.stored)) == printed
     assert len(events(second, "journal_replayed")) == 1
@@ -371,7 +406,7 @@ def _status(code: int) -> bytes:
 
 def _backlog(url: str, spool_dir: Path, batches: int = 30):
     from sidecar.durability.spool import Spool
-    from sidecar.sinks.delivery import HttpOptions
+    from sidecar.sinks.http import HttpOptions
     from sidecar.sinks.otlp import otlp_sink
 
     spool = Spool(spool_dir, max_bytes=64 << 20)
@@ -383,13 +418,6 @@ def _backlog(url: str, spool_dir: Path, batches: int = 30):
         sink.emit([Series("gpu_sm_occupancy_ratio", labels, i / 100, 1_700_000_000_000 + i)])
     assert len(spool) == batches
     return sink, spool
-
-
-def _until(condition, timeout: float = 15.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline and not condition():
-        time.sleep(0.02)
-    return condition()
 
 
 @pytest.mark.parametrize("status", [500, 404, 501])
@@ -413,7 +441,8 @@ def test_a_backlog_that_meets_500s_or_a_wrong_url_stays_in_the_spool_and_is_all_
         sink, spool = _backlog(receiver.url, tmp_path / "spool")
         refuse_until[0] = time.monotonic() + 2.0
         sink.start()
-        assert _until(lambda: len(spool) == 0), f"{len(spool)} batches left"
+        until(lambda: len(spool) == 0, interval=0.02,
+              what=lambda: f"the backlog delivered ({len(spool)} batches left)")
         assert sink.close(time.monotonic() + 2)
     assert not list((tmp_path / "spool").rglob("rejected/*")), "a batch was set aside"
     assert spool.dropped_samples["rejected"] == 0
@@ -447,14 +476,24 @@ def test_an_answer_that_cannot_be_read_after_a_2xx_never_sends_the_batch_again(t
         def unreadable(response):
             raise RuntimeError("decoder bug")
 
-        sink.codec.partial = unreadable
+        readable, sink.codec.partial = sink.codec.partial, unreadable
         with structlog.testing.capture_logs() as logs:
             sink.start()
-            assert _until(lambda: len(spool) == 0)
-            time.sleep(0.5)  # time for a resend, were there one
+            until(lambda: len(spool) == 0, interval=0.02,
+                  what=lambda: f"the backlog delivered ({len(spool)} batches left)")
+            # a later batch delivered: the sender went past the first one, so a resend of it
+            # would have come before this one
+            sink.codec.partial = readable
+            labels = (("gpu_uuid", "GPU-1"), ("namespace", "ml"), ("pod", "llm-0"))
+            sink.emit([Series("gpu_sm_occupancy_ratio", labels, 0.5, 1_700_000_001_000)])
+            until(lambda: len(receiver.stored) >= 2 and len(spool) == 0, interval=0.02,
+                  what=lambda: f"a later batch delivered (requests {len(receiver.log)}, "
+                               f"{len(spool)} batches left)")
             assert sink.close(time.monotonic() + 2)
-    assert len(receiver.log) == 1, "an accepted batch was sent again"
-    assert sink.failures["internal"] == 1 and sink.samples_pushed == 3
+    sent = [sorted(p.as_double for rm in r.resource_metrics for sm in rm.scope_metrics
+                   for m in sm.metrics for p in m.gauge.data_points) for _, _, r in receiver.log]
+    assert sent == [[0.0, 0.01, 0.02], [0.5]], "an accepted batch was sent again"
+    assert sink.failures["internal"] == 1 and sink.samples_pushed == 3 + 1
     assert [e["event"] for e in logs if e["log_level"] == "error"] == ["answer_unreadable"]
 
 

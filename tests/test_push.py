@@ -28,6 +28,7 @@ from tests.receivers import (
     VmAgent,
     running,
 )
+from tests.waiting import until
 
 Key = tuple[str, tuple, int]
 
@@ -54,19 +55,35 @@ def assert_same(stored: dict[Key, float], sampled: dict[Key, float], rel: float 
         assert math.isclose(stored[key], value, rel_tol=rel, abs_tol=0.0), (key, stored[key], value)
 
 
-def wait_for(condition, timeout: float = 15.0, step: float = 0.2) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if condition():
-            return True
-        time.sleep(step)
-    return condition()
+def pushed(agent: Agent) -> float:
+    """Samples the agent says it delivered, as of its newest cycle."""
+    return agent.total("gpu_sidecar_samples_pushed_total")
 
 
-def run_for(agent: Agent, seconds: float) -> None:
+def run_until(agent: Agent, condition, what: str) -> None:
+    """Start the agent, wait for ``condition``, stop it (SIGTERM: a last sample and a flush)."""
     agent.start()
-    time.sleep(seconds)
+    until(lambda: condition() or agent.proc.poll() is not None, what=what, interval=0.1)
+    assert agent.proc.poll() is None, "".join(agent.err)[-3000:]
     assert agent.stop() == 0, "".join(agent.err)[-3000:]
+
+
+def pushed_to_pgw(agent: Agent) -> bool:
+    """The Pushgateway sink says it pushed (it counts no samples, it stamps its last success)."""
+    return agent.last("gpu_sidecar_last_push_success_timestamp_seconds") is not None
+
+
+def delivering(agent: Agent, cycles: int) -> bool:
+    """The agent sampled ``cycles`` cycles and pushed some before any shutdown flush."""
+    return agent.cycles() >= cycles and pushed(agent) > 0
+
+
+def sampled_some(agent: Agent) -> dict[Key, float]:
+    """What the agent sampled, which must be at least one cycle: comparing two empty maps proves
+    nothing."""
+    sampled = as_map(agent.sampled())
+    assert sampled and agent.cycles() >= 1, "the agent sampled nothing"
+    return sampled
 
 
 
@@ -74,8 +91,8 @@ def test_victoriametrics_stores_exactly_what_was_sampled(tmp_path):
     vm = VictoriaMetrics(tmp_path).start()
     with running(vm):
         agent = Agent(push_args(vm.write_url, tmp_path / "spool"))
-        run_for(agent, 3.0)
-        sampled = as_map(agent.sampled())
+        run_until(agent, lambda: delivering(agent, 10), "10 cycles and a push")
+        sampled = sampled_some(agent)
         assert len({k[2] for k in sampled}) >= 10  # cycles
         assert_same(as_map(vm.settled(len(sampled))), sampled, VM_REL)
         names = {k[0] for k in sampled}
@@ -90,8 +107,8 @@ def test_vmagent_relay_to_victoriametrics(tmp_path):
     relay = VmAgent(tmp_path, vm.write_url).start()
     with running(vm, relay):
         agent = Agent(push_args(relay.write_url, tmp_path / "spool"))
-        run_for(agent, 2.5)
-        sampled = as_map(agent.sampled())
+        run_until(agent, lambda: delivering(agent, 5), "5 cycles and a push to vmagent")
+        sampled = sampled_some(agent)
         assert_same(as_map(vm.settled(len(sampled))), sampled, VM_REL)
 
 
@@ -99,8 +116,8 @@ def test_prometheus_remote_write_receiver_stores_exactly_what_was_sampled(tmp_pa
     prom = Prometheus(tmp_path).start()
     with running(prom):
         agent = Agent(push_args(prom.write_url, tmp_path / "spool"))
-        run_for(agent, 2.5)
-        sampled = as_map(agent.sampled())
+        run_until(agent, lambda: delivering(agent, 5), "5 cycles and a push to Prometheus")
+        sampled = sampled_some(agent)
         stored = as_map(prom.samples('{__name__=~".+"}', at=time.time() + 1))
         assert_same(stored, sampled)  # Prometheus keeps float64 bit for bit
 
@@ -112,8 +129,10 @@ def test_pushgateway_holds_the_latest_values_and_the_group_is_deleted_when_asked
                 "--pushgateway-url", pgw.base, "--pod-namespace", "ml", "--pod-name", "llm-0",
                 "--shutdown-timeout", "5"]
         agent = Agent(base)
-        run_for(agent, 2.0)
+        run_until(agent, lambda: agent.cycles() >= 5 and pushed_to_pgw(agent),
+                  "5 cycles and a push to the Pushgateway")
         rows = agent.sampled()
+        assert rows
         last_ts = max(ts for _, _, ts, _ in rows)
         latest = {(n, labels): v for n, labels, ts, v in rows if ts == last_ts}
         groups = pgw.groups()
@@ -126,7 +145,8 @@ def test_pushgateway_holds_the_latest_values_and_the_group_is_deleted_when_asked
             assert stored[key] == pytest.approx(value, rel=1e-12), key
 
         agent = Agent([*base, "--pushgateway-delete-on-exit"])
-        run_for(agent, 1.5)
+        run_until(agent, lambda: agent.cycles() >= 2 and pushed_to_pgw(agent),
+                  "2 cycles and a push to the Pushgateway")
         assert pgw.groups() == []
         assert any(e.get("event") == "pushgateway_group_deleted" for e in agent.events())
 
@@ -136,13 +156,15 @@ def test_receiver_down_for_a_while_then_back_nothing_is_lost(tmp_path):
     with running(vm):
         agent = Agent(push_args(vm.write_url, tmp_path / "spool"))
         agent.start()
-        time.sleep(1.5)
+        until(lambda: delivering(agent, 3), what="3 cycles and a push")
         vm.stop()
-        time.sleep(3.0)
+        until(lambda: agent.logged("push_failing"), what="the outage to be noticed")
+        agent.more_cycles(10, "while the receiver is down")  # 4 push intervals spooled
         vm.start()
-        time.sleep(2.5)
+        until(lambda: agent.logged("receiver_recovered"), what="the receiver to be back")
+        agent.more_cycles(5, "after the recovery")  # a second episode would show
         assert agent.stop() == 0
-        sampled = as_map(agent.sampled())
+        sampled = sampled_some(agent)
         assert_same(as_map(vm.settled(len(sampled))), sampled, VM_REL)
         events = [e["event"] for e in agent.events()]
         assert events.count("push_failing") == 1 and events.count("receiver_recovered") == 1
@@ -162,7 +184,7 @@ def test_remote_write_requests_carry_the_headers_the_protocol_requires(tmp_path)
     proxy = FaultProxy(vm.write_url, lambda n, body: None)
     with running(vm, proxy):
         agent = Agent(push_args(proxy.url, tmp_path / "spool"))
-        run_for(agent, 1.5)
+        run_until(agent, lambda: len(proxy.log) >= 2, "2 requests at the receiver")
         assert proxy.headers, "no request reached the receiver"
         info = next(r for r in agent.sampled() if r[0] == "gpu_sidecar_info")
         version = dict(info[1])["version"]
@@ -181,8 +203,8 @@ def test_500s_are_retried_and_batches_arrive_in_order(tmp_path):
                        lambda n, body: (500, {}, b"overloaded") if n in (1, 2, 3) else None)
     with running(vm, proxy):
         agent = Agent(push_args(proxy.url, tmp_path / "spool"))
-        run_for(agent, 3.0)
-        sampled = as_map(agent.sampled())
+        run_until(agent, lambda: len(proxy.log) >= 6, "3 refusals and 2 requests after them")
+        sampled = sampled_some(agent)
         assert_same(as_map(vm.settled(len(sampled))), sampled, VM_REL)
         statuses = [status for _, status, _ in proxy.log]
         assert statuses[1:4] == [500, 500, 500] and statuses[4] == 204
@@ -201,8 +223,8 @@ def test_429_retry_after_is_honoured(tmp_path):
                        if n == 1 else None)
     with running(vm, proxy):
         agent = Agent(push_args(proxy.url, tmp_path / "spool"))
-        run_for(agent, 4.0)
-        sampled = as_map(agent.sampled())
+        run_until(agent, lambda: len(proxy.log) >= 4, "the request after the 429, and one more")
+        sampled = sampled_some(agent)
         assert_same(as_map(vm.settled(len(sampled))), sampled, VM_REL)
         (t429, s429, _), (t_next, _, _) = proxy.log[1], proxy.log[2]
         assert s429 == 429
@@ -231,10 +253,15 @@ def test_400_sets_one_batch_aside_and_later_batches_flow(tmp_path):
     proxy = FaultProxy(vm.write_url, plan)
     with running(vm, proxy):
         agent = Agent(push_args(proxy.url, tmp_path / "spool"))
-        run_for(agent, 3.0)
+
+        def flowing_after_the_refusal() -> bool:  # two requests taken after the last 400
+            statuses = [status for _, status, _ in proxy.log]
+            return (bool(agent.logged("batch_refused")) and 400 in statuses
+                    and statuses[::-1].index(400) >= 2 and len(statuses) > 4)
+        run_until(agent, flowing_after_the_refusal, "a batch set aside and later ones taken")
         # a merged request is retried batch by batch: the last refusal is the batch set aside
         refused = samples_in([body for _, status, body in proxy.log if status == 400][-1])
-        sampled = as_map(agent.sampled())
+        sampled = sampled_some(agent)
         expected = {k: v for k, v in sampled.items() if k not in refused}
         assert_same(as_map(vm.settled(len(expected))), expected, VM_REL)
         aside = list((tmp_path / "spool").rglob("rejected/*.batch"))
@@ -255,17 +282,20 @@ def test_sigkill_then_restart_on_the_same_spool_loses_at_most_the_cycle_in_progr
     first = Agent(push_args(vm.write_url, spool, "--push-interval", push_interval))
     first.start()
     # killed once it has sampled for a while, however slowly it started on a loaded machine
-    assert wait_for(lambda: len({ts for _, _, ts, _ in first.sampled()}) >= 12, timeout=30)
+    until(lambda: first.cycles() >= 12, what="12 cycles of the first agent")
     first.signal(signal.SIGKILL)
     first.wait()
     assert list(spool.rglob("*.batch")) or list(spool.rglob("*.journal"))
     vm.start()
     with running(vm):
         second = Agent(push_args(vm.write_url, spool))
-        run_for(second, 2.5)
+        before_keys = set(as_map(first.sampled()))
+        run_until(second, lambda: delivering(second, 3) and before_keys <= set(
+            (n, labels, ts) for n, labels, ts, _ in vm.samples()),
+                  "the first agent's spool and journal sent by the second")
         stored = as_map(vm.settled())  # raises on any duplicate
         before = as_map(first.sampled())
-        after = as_map(second.sampled())
+        after = sampled_some(second)
         assert_same({k: v for k, v in stored.items() if k in after}, after, VM_REL)
         # every cycle the first agent printed had reached its journal before it was printed
         # (sinks are fed in order, stdout last): only a cycle in progress at the kill may be lost
@@ -285,13 +315,14 @@ def test_sigterm_takes_a_last_sample_and_flushes_within_the_timeout(tmp_path):
         agent = Agent(push_args(vm.write_url, tmp_path / "spool", "--push-interval", "60",
                                 "--shutdown-timeout", "3"))
         agent.start()
-        time.sleep(2.0)
+        # several cycles (GPM figures need two readings), none pushed at this push interval
+        until(lambda: agent.cycles() >= 5, what="5 cycles", interval=0.1)
         signalled = time.time()
         agent.signal(signal.SIGTERM)
         started = time.monotonic()
         assert agent.wait() == 0
         assert time.monotonic() - started < 3.0
-        sampled = as_map(agent.sampled())
+        sampled = sampled_some(agent)
         last = max(k[2] for k in sampled)
         assert last >= signalled * 1000 - 50  # the last sample
         # which keeps its GPM figures even when it lands within 100 ms of the cycle before
@@ -311,11 +342,16 @@ def test_spool_full_drops_the_oldest_counts_them_and_keeps_running(tmp_path):
                             "--spool-max-bytes", "12000"))
     agent.start()
     try:
-        time.sleep(4.0)
+        # the bound is reached and the oldest go, several times over (logged at 1, then 10)
+        until(lambda: (agent.last("gpu_sidecar_samples_dropped_total", reason="spool_full") or 0)
+              > 0 and agent.logged("spool_full_dropped_oldest"),
+              what="the spool to drop its oldest batch", interval=0.1)
+        agent.more_cycles(5, "with a full spool")
         assert agent.proc.poll() is None  # still running
         vm.start()
         with running(vm):
-            time.sleep(2.5)
+            until(lambda: pushed(agent) > 0, what="deliveries once the receiver is up")
+            agent.more_cycles(3, "delivering")
             assert agent.stop() == 0
             events = [e for e in agent.events() if e.get("event") == "spool_full_dropped_oldest"]
             assert events and events[0]["count"] == 1  # logged when it starts, not per batch
@@ -324,7 +360,7 @@ def test_spool_full_drops_the_oldest_counts_them_and_keeps_running(tmp_path):
                        if n == "gpu_sidecar_samples_dropped_total"
                        and ("reason", "spool_full") in labels]
             assert dropped and dropped[-1] > 0
-            sampled = as_map(agent.sampled())
+            sampled = sampled_some(agent)
             stored = as_map(vm.settled())
             first_ts = min(k[2] for k in sampled)
             last_ts = max(k[2] for k in sampled)

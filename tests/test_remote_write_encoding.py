@@ -5,12 +5,14 @@ from __future__ import annotations
 import struct
 
 import cramjam
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from sidecar.samples import Series
-from sidecar.wire.remote_write import Batch, Encoder, compress, decompress, varint
-from tests.prompb import Sample, WriteRequest
+from sidecar.wire import protobuf, remote_write
+from sidecar.wire.remote_write import Batch, Encoder, compress, decompress, encode_labels, varint
+from tests.prompb import Label, Sample, TimeSeries, WriteRequest
 
 
 def decode(body: bytes) -> dict[tuple[str, tuple], list[tuple[int, float]]]:
@@ -37,6 +39,33 @@ def test_varint_matches_protobuf_encoding():
     for value in (127, 128, 2**32, 1_700_000_000_123, 2**63 - 1, -5):
         sample = Sample(timestamp=value).SerializeToString()
         assert sample == b"\x10" + varint(value)
+    for value in (1 << 64, -(1 << 63) - 1):  # fits no 64 bits: refused, never wrapped or overlong
+        with pytest.raises(ValueError):
+            varint(value)
+
+
+def test_every_named_tag_is_the_one_protobuf_writes_for_that_field():
+    """Each tag the encoder names is what the protobuf runtime writes for that field alone."""
+    for message, tag in [
+        (WriteRequest(timeseries=[TimeSeries()]), remote_write.WRITE_REQUEST_TIMESERIES),
+        (TimeSeries(labels=[Label()]), remote_write.TIMESERIES_LABELS),
+        (TimeSeries(samples=[Sample()]), remote_write.TIMESERIES_SAMPLES),
+        (Label(name="n"), remote_write.LABEL_NAME),
+        (Label(value="v"), remote_write.LABEL_VALUE),
+        (Sample(value=1.5), remote_write.SAMPLE_VALUE),
+        (Sample(timestamp=7), remote_write.SAMPLE_TIMESTAMP),
+    ]:
+        assert message.SerializeToString()[:len(tag)] == tag, (message, tag)
+
+
+def test_the_shared_reader_reads_back_what_the_shared_helpers_write():
+    labels = encode_labels("up", (("job", "gpu"),))
+    pairs = [[v.decode() for _, v in protobuf.fields(lab)] for _, lab in protobuf.fields(labels)]
+    assert pairs == [["__name__", "up"], ["job", "gpu"]]
+    assert list(protobuf.fields(b"\x10" + varint(-5))) == [(2, (1 << 64) - 5)]
+    assert protobuf.int64((1 << 64) - 5) == -5
+    with pytest.raises(ValueError):
+        list(protobuf.fields(b"\x0a\x05ab"))  # truncated
 
 
 def test_batch_round_trips_through_protobuf_and_snappy_block_format():

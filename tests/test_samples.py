@@ -1,7 +1,13 @@
 """Samples become series named and labelled as Contract 1 says; absent stays absent."""
 
+import dataclasses
+
+import pytest
+
 from sidecar.metrics import BY_NAME
 from sidecar.samples import (
+    LAYER_METRICS,
+    LAYERS,
     AllocatorFigures,
     AppFigures,
     ComputeLayer,
@@ -13,8 +19,18 @@ from sidecar.samples import (
     sample_series,
 )
 
-ID = GpuIdentity("GPU-aaaaaaaa-bbbb-cccc-dddd-eeeeeeeeeeee", "Simulated NVIDIA H200", "3")
+ID = GpuIdentity(uuid="GPU-aaaaaaaa-bbbb-cccc-dddd-eeeeeeeeeeee", name="Simulated NVIDIA H200",
+                 index="3")
 POD = {"namespace": "ml", "pod": "llm-0", "node": "gpu-node-7"}
+
+
+TWO_PROCESSES = (
+    AllocatorFigures(pid=11, reserved_bytes=100, allocated_bytes=50, active_bytes=50,
+                     inactive_split_bytes=10, alloc_retries=2, ooms=0, largest_free_block_bytes=30),
+    AllocatorFigures(pid=22, reserved_bytes=300, allocated_bytes=250, active_bytes=250,
+                     inactive_split_bytes=30, alloc_retries=1, ooms=1, largest_free_block_bytes=20,
+                     private_pool_bytes=64),
+)
 
 
 def by_name(series):
@@ -25,8 +41,9 @@ def by_name(series):
 
 
 def test_every_series_carries_gpu_and_pod_identity_and_the_sample_time():
-    sample = GpuSample(ID, 1_700_000_000_123, ComputeLayer(utilization_ratio=0.97),
-                       MemoryLayer(used_bytes=5), IoLayer(pcie_rx_bytes_per_second=1.0))
+    sample = GpuSample(identity=ID, timestamp_ms=1_700_000_000_123,
+                       compute=ComputeLayer(utilization_ratio=0.97),
+                       memory=MemoryLayer(used_bytes=5), io=IoLayer(pcie_rx_bytes_per_second=1.0))
     series = list(sample_series(sample, POD))
     assert series
     for s in series:
@@ -40,18 +57,19 @@ def test_every_series_carries_gpu_and_pod_identity_and_the_sample_time():
 
 
 def test_what_a_gpu_cannot_give_is_absent_not_zero():
-    series = by_name(sample_series(GpuSample(ID, 1, ComputeLayer(utilization_ratio=0.5)), {}))
+    series = by_name(sample_series(GpuSample(identity=ID, timestamp_ms=1,
+                                                 compute=ComputeLayer(utilization_ratio=0.5)), {}))
     assert set(series) == {"gpu_utilization_ratio"}
     # no link maximum: no ratio, even with a rate
     io = IoLayer(pcie_tx_bytes_per_second=5e9)
-    series = by_name(sample_series(GpuSample(ID, 1, io=io), {}))
+    series = by_name(sample_series(GpuSample(identity=ID, timestamp_ms=1, io=io), {}))
     assert "gpu_pcie_tx_bandwidth_util_ratio" not in series
 
 
 def test_pcie_ratio_is_rate_over_link_maximum():
     io = IoLayer(pcie_tx_bytes_per_second=6.3e9, pcie_rx_bytes_per_second=56.7e9,
                  pcie_link_max_bytes_per_second=63e9)
-    series = by_name(sample_series(GpuSample(ID, 1, io=io), {}))
+    series = by_name(sample_series(GpuSample(identity=ID, timestamp_ms=1, io=io), {}))
     assert series["gpu_pcie_tx_bandwidth_util_ratio"][0].value == 0.1
     assert series["gpu_pcie_rx_bandwidth_util_ratio"][0].value == 0.9
 
@@ -62,7 +80,8 @@ def test_fragmentation_is_the_empty_share_of_the_cache_not_memory_usage():
                          largest_free_block_bytes=8)
     # the seed's fault: used/total of the device would say 0.9 here; fragmentation is 0.65
     mem = MemoryLayer(used_bytes=90, total_bytes=100)
-    series = by_name(sample_series(GpuSample(ID, 1, memory=mem, app=AppFigures((a,))), {}))
+    series = by_name(sample_series(GpuSample(identity=ID, timestamp_ms=1, memory=mem,
+                                                 app=AppFigures(allocators=(a,))), {}))
     assert series["gpu_memory_fragmentation_ratio"][0].value == 0.65
     assert series["gpu_allocator_nonreleasable_ratio"][0].value == 0.2
     assert series["gpu_allocator_largest_free_block_bytes"][0].value == 8
@@ -71,9 +90,8 @@ def test_fragmentation_is_the_empty_share_of_the_cache_not_memory_usage():
 
 
 def test_several_processes_on_a_gpu_make_one_set_of_series_from_their_sums():
-    figs = (AllocatorFigures(11, 100, 50, 50, 10, 2, 0, 30, None),
-            AllocatorFigures(22, 300, 250, 250, 30, 1, 1, 20, 64))
-    series = by_name(sample_series(GpuSample(ID, 1, app=AppFigures(figs)), {}))
+    sample = GpuSample(identity=ID, timestamp_ms=1, app=AppFigures(allocators=TWO_PROCESSES))
+    series = by_name(sample_series(sample, {}))
     assert all(len(v) == 1 and "pid" not in dict(v[0].labels) for v in series.values())
     value = {name: v[0].value for name, v in series.items()}
     assert value["gpu_allocator_reserved_bytes"] == 400
@@ -87,9 +105,7 @@ def test_several_processes_on_a_gpu_make_one_set_of_series_from_their_sums():
 
 
 def test_per_process_series_only_when_asked_one_set_per_live_process():
-    figs = (AllocatorFigures(11, 100, 50, 50, 10, 2, 0, 30, None),
-            AllocatorFigures(22, 300, 250, 250, 30, 1, 1, 20, 64))
-    sample = GpuSample(ID, 1, app=AppFigures(figs))
+    sample = GpuSample(identity=ID, timestamp_ms=1, app=AppFigures(allocators=TWO_PROCESSES))
     assert not [s for s in sample_series(sample, {}) if s.name.startswith("gpu_app_process_")]
     series = by_name(sample_series(sample, {}, per_process=True))
     frag = {dict(s.labels)["pid"]: s.value for s in series["gpu_app_process_fragmentation_ratio"]}
@@ -101,21 +117,36 @@ def test_per_process_series_only_when_asked_one_set_per_live_process():
 
 
 def test_latency_histogram_series_are_cumulative_with_inf_bucket():
-    h = LatencyHistogram((0.1, 0.25), (3, 8, 10), 1.5)
-    series = by_name(sample_series(GpuSample(ID, 1, app=AppFigures((), h)), {}))
+    h = LatencyHistogram(bounds=(0.1, 0.25), counts=(3, 8, 10), sum_seconds=1.5)
+    series = by_name(sample_series(GpuSample(identity=ID, timestamp_ms=1, app=AppFigures(latency=h)), {}))
     buckets = {dict(s.labels)["le"]: s.value for s in series["inference_request_duration_seconds_bucket"]}
     assert buckets == {"0.1": 3, "0.25": 8, "+Inf": 10}
     assert series["inference_request_duration_seconds_count"][0].value == 10
     assert series["inference_request_duration_seconds_sum"][0].value == 1.5
 
 
+def _full_layers() -> dict[type, object]:
+    """Every layer with every field set, each to a value of its own (1.0, 2.0, ...)."""
+    out, n = {}, 0
+    for layer in LAYERS:
+        values = {}
+        for f in dataclasses.fields(layer):
+            n += 1
+            values[f.name] = float(n)
+        out[layer] = layer(**values)
+    return out
+
+
 def test_every_name_produced_is_in_the_metric_table():
-    a = AllocatorFigures(1, 100, 50, 50, 10, 1, 0, 5, 7)
+    a = AllocatorFigures(pid=1, reserved_bytes=100, allocated_bytes=50, active_bytes=50,
+                         inactive_split_bytes=10, alloc_retries=1, ooms=0,
+                         largest_free_block_bytes=5, private_pool_bytes=7)
+    layers = _full_layers()
     sample = GpuSample(
-        ID, 1,
-        ComputeLayer(0.1, 0.2, 0.3, 0.4), MemoryLayer(0.1, 0.2, 1, 2, 3),
-        IoLayer(1.0, 2.0, 10.0, 5, 16, 0, 3.0, 4.0),
-        AppFigures((a,), LatencyHistogram((0.1,), (1, 2), 0.3)),
+        identity=ID, timestamp_ms=1, compute=layers[ComputeLayer], memory=layers[MemoryLayer],
+        io=layers[IoLayer],
+        app=AppFigures(allocators=(a,), latency=LatencyHistogram(bounds=(0.1,), counts=(1, 2),
+                                                                 sum_seconds=0.3)),
     )
     for s in sample_series(sample, {}, per_process=True):
         base = s.name
@@ -123,3 +154,51 @@ def test_every_name_produced_is_in_the_metric_table():
             if base.startswith("inference_") and base.endswith(suffix):
                 base = base.removesuffix(suffix)
         assert base in BY_NAME, s.name
+
+
+def test_every_layer_field_names_its_own_series_and_no_two_share_one():
+    for layer in LAYERS:
+        assert [attr for attr, _ in LAYER_METRICS[layer]] == \
+            [f.name for f in dataclasses.fields(layer)]
+    names = [name for pairs in LAYER_METRICS.values() for _, name in pairs]
+    assert len(names) == len(set(names))
+    assert all(name in BY_NAME for name in names)
+
+
+@pytest.mark.parametrize("layer", LAYERS)
+def test_each_series_carries_the_value_of_the_field_it_is_named_by(layer):
+    # each field holds a value of its own: the series named for a field must carry that
+    # field's value, so a reordered or inserted field cannot shift values onto other names
+    layers = _full_layers()
+    sample = GpuSample(identity=ID, timestamp_ms=1, compute=layers[ComputeLayer],
+                       memory=layers[MemoryLayer], io=layers[IoLayer])
+    value = {s.name: s.value for s in sample_series(sample, {})}
+    for attr, name in LAYER_METRICS[layer]:
+        assert value[name] == getattr(layers[layer], attr), (attr, name)
+
+
+def test_the_series_names_follow_the_fields_not_their_order():
+    # the same layer built with its fields in another order labels every value alike
+    forward = IoLayer(pcie_tx_bytes_per_second=1.0, pcie_rx_bytes_per_second=2.0,
+                      pcie_replay_errors=3, nvlink_rx_bytes_per_second=4.0)
+    backward = IoLayer(nvlink_rx_bytes_per_second=4.0, pcie_replay_errors=3,
+                       pcie_rx_bytes_per_second=2.0, pcie_tx_bytes_per_second=1.0)
+    series = [sample_series(GpuSample(identity=ID, timestamp_ms=1, io=io), {})
+              for io in (forward, backward)]
+    assert series[0] == series[1]
+    assert {s.name: s.value for s in series[0]} == {
+        "gpu_pcie_tx_bytes_per_second": 1.0, "gpu_pcie_rx_bytes_per_second": 2.0,
+        "gpu_pcie_replay_errors_total": 3.0, "gpu_nvlink_rx_bytes_per_second": 4.0}
+
+
+def test_a_layer_field_without_a_series_name_is_refused_at_import():
+    from sidecar import samples
+
+    @dataclasses.dataclass(frozen=True, slots=True)
+    class Unnamed:
+        figure: float | None = None
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(samples, "LAYERS", (*samples.LAYERS, Unnamed))
+        with pytest.raises(TypeError, match=r"Unnamed\.figure names no series"):
+            samples._layer_metrics()

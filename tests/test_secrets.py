@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import socket
 import string
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -26,6 +25,7 @@ from sidecar import cli
 from sidecar.config import Config, ConfigError, build, describe
 from tests.conftest import run_cli
 from tests.receivers import Agent, running
+from tests.waiting import until
 
 WINDOW = 6  # this many characters of a secret in a row count as a leak
 URL = "http://vm.example:8428/api/v1/write"
@@ -271,7 +271,11 @@ def test_help_the_start_up_line_and_every_log_line_show_no_secret(auth: str, tmp
                    "--header", f"X-Scope-OrgID={secrets['tenant']}"])
     with running(agent):
         agent.start()
-        time.sleep(2.0)
+        # both sinks' error paths ran (each logs its URL, redacted), and the agent went on
+        until(lambda: (agent.logged("push_failing") and agent.logged("pushgateway_failing"))
+              or agent.proc.poll() is not None,
+              what="push_failing and pushgateway_failing logged")
+        agent.more_cycles(2, "after both sinks failed")
         assert agent.stop() == 0, "".join(agent.err)[-2000:]
     events = agent.events()
     starting = next(e for e in events if e["event"] == "starting")

@@ -1,6 +1,6 @@
 """The journal of the open batch: every cycle reaches disk before the next one is sampled.
 
-A spooled sink (remote-write, OTLP: ``sidecar.sinks.delivery.SpooledSink``) keeps the batch it
+A spooled sink (remote-write, OTLP: ``sidecar.sinks.spooled.SpooledSink``) keeps the batch it
 is filling in memory for a whole push interval (15 s by default). Without a journal, a SIGKILL
 or an OOM kill loses that batch: up to fifteen samples per series. So each cycle's series are
 also appended, as one record, to a file named after the spool sequence number the batch will

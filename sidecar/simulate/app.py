@@ -15,6 +15,7 @@ import time
 from collections.abc import Callable, Sequence
 
 from sidecar import protocol
+from sidecar.config import Config
 from sidecar.simulate.scenarios import AppProfile
 
 _Z99 = 2.3263478740408408  # standard normal quantile of 0.99
@@ -54,7 +55,7 @@ class SimulatedApp:
         gpus: Sequence[str],
         profile: AppProfile,
         *,
-        interval_s: float = 5.0,
+        interval_s: float = Config.interval,
         clock: Callable[[], float] = time.monotonic,
         warm_up_s: float = 600.0,
     ) -> None:

@@ -548,7 +548,10 @@ class FakeNvml:
         dev = self._gpu(handle, "nvmlGpmQueryDeviceSupport")
         if isinstance(dev, int):
             return dev
-        _out(ref).isSupportedDevice = int(dev[1].has_gpm)
+        out = _out(ref)
+        if out.version != pynvml.NVML_GPM_SUPPORT_VERSION:
+            return pynvml.NVML_ERROR_ARGUMENT_VERSION_MISMATCH
+        out.isSupportedDevice = int(dev[1].has_gpm)
         return SUCCESS
 
     def nvmlGpmSampleAlloc(self, ref: object) -> int:
@@ -612,6 +615,8 @@ class FakeNvml:
         mg = _out(ref)
         if mg.version != pynvml.NVML_GPM_METRICS_GET_VERSION:
             return pynvml.NVML_ERROR_ARGUMENT_VERSION_MISMATCH
+        if mg.numMetrics > len(mg.metrics):  # more than NVML_GPM_METRIC_MAX
+            return INVALID_ARGUMENT
         s1 = self._gpm.get(_pointer_value(mg.sample1))
         s2 = self._gpm.get(_pointer_value(mg.sample2))
         if s1 is None or s2 is None or s1.key is None or s1.key != s2.key or s2.t <= s1.t:
@@ -631,6 +636,48 @@ class FakeNvml:
         return SUCCESS
 
 
+class _Symbol:
+    """One C symbol as pynvml keeps it: pynvml looks each symbol up once per process and caches
+    what it got, so the object it caches must follow whichever stand-in is installed now. A call
+    goes to the installed fake's function; a symbol that fake lacks answers FUNCTION_NOT_FOUND,
+    which pynvml raises as the same ``NVMLError_FunctionNotFound`` its own look-up would."""
+
+    __slots__ = ("__name__", "argtypes", "restype")
+
+    def __init__(self, name: str) -> None:
+        self.__name__ = name
+        self.argtypes = self.restype = None  # pynvml sets restype on some, as on a C pointer
+
+    def __call__(self, *args: object) -> object:
+        fake = _installed.fake
+        fn = None if fake is None else fake.library.__dict__.get(self.__name__)
+        if fn is None:
+            return pynvml.NVML_ERROR_UNINITIALIZED if fake is None else \
+                pynvml.NVML_ERROR_FUNCTION_NOT_FOUND
+        return fn(*args)
+
+
+class _Installed:
+    """What pynvml sees at ``pynvml.nvmlLib`` while a stand-in is installed: the installed
+    fake's symbols and nothing else, so a symbol it lacks is an AttributeError (pynvml's
+    FunctionNotFound), as with dlsym. One object for the whole process, with one ``_Symbol`` per
+    name, so installing another fake needs nothing of pynvml's cache.
+
+    A process that installed the stand-in keeps it in pynvml's cache: it cannot load the real
+    library afterwards (the CLI and the benchmarks use one or the other per process)."""
+
+    def __init__(self) -> None:
+        self.fake: FakeNvml | None = None
+        self._symbols: dict[str, _Symbol] = {}
+
+    def __getattr__(self, name: str) -> _Symbol:
+        fake = self.fake
+        if fake is None or name not in fake.library.__dict__ or not name.startswith("nvml"):
+            raise AttributeError(name)
+        return self._symbols.setdefault(name, _Symbol(name))
+
+
+_installed = _Installed()
 _install_lock = threading.Lock()
 
 
@@ -638,15 +685,15 @@ def install(fake: FakeNvml) -> FakeNvml:
     """Put ``fake`` where pynvml keeps the loaded library; pynvml's own code then talks to it."""
     with _install_lock:
         fake.library.fake = fake
-        pynvml.nvmlLib = fake.library
-        pynvml._nvmlGetFunctionPointer_cache.clear()
+        _installed.fake = fake
+        pynvml.nvmlLib = _installed
     return fake
 
 
 def uninstall() -> None:
     with _install_lock:
+        _installed.fake = None
         pynvml.nvmlLib = None
-        pynvml._nvmlGetFunctionPointer_cache.clear()
 
 
 @dataclass(frozen=True)

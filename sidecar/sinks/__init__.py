@@ -9,6 +9,9 @@ from typing import Protocol
 
 from sidecar.samples import Labels, Series
 
+# the longest a sink's thread waits for a wake-up: only bounds the harm of one somehow missed
+IDLE_WAIT_S = 60.0
+
 
 class Sink(Protocol):
     name: str

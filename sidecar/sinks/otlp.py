@@ -1,17 +1,17 @@
-"""OTLP/HTTP metrics sink: the spooled pipeline of ``sidecar.sinks.delivery.SpooledSink`` (batch,
+"""OTLP/HTTP metrics sink: the spooled pipeline of ``sidecar.sinks.spooled.SpooledSink`` (batch,
 journal, spool, one request in flight, in order) with OTLP bodies: gzip-compressed protobuf
 ``ExportMetricsServiceRequest`` (``sidecar.wire.otlp``).
 
-Answers: 429, 500, 502, 503 and 504 are retried with backoff, ``Retry-After`` honoured, like
-network errors. Retrying a 500 departs from the OTLP/HTTP specification ("MUST NOT retry"), on
-purpose: Prometheus 3 answers 500 for transient append errors, and the product promises that
-nothing spooled is lost. 400, 413 and 422 are answers about the data: the refused batch is set
-aside in the spool's ``rejected/`` (a merged backlog is split first, as for remote-write). Any
-other refusal (401, 403, 404, 405, 415, 501, any other 5xx ...) says the URL, the credentials or
-the receiver are wrong: every batch stays in the spool, the head retried at the longest backoff
-(``SpooledSink``). A 2xx with ``partial_success`` is delivered; the points it says were rejected
-are counted (``gpu_sidecar_samples_dropped_total{reason="partial_success"}``) and each condition
-logged once.
+Answers (``sidecar.sinks.answers.OTLP``): 429, 500, 502, 503 and 504 are retried with backoff,
+``Retry-After`` honoured, like network errors. Retrying a 500 departs from the OTLP/HTTP
+specification ("MUST NOT retry"), on purpose: Prometheus 3 answers 500 for transient append
+errors, and the product promises that nothing spooled is lost. 400, 413 and 422 are answers
+about the data: the refused batch is set aside in the spool's ``rejected/`` (a merged backlog is
+split first, as for remote-write). Any other refusal (401, 403, 404, 405, 415, 501, any other
+5xx ...) says the URL, the credentials or the receiver are wrong: every batch stays in the
+spool, the head retried at the longest backoff (``SpooledSink``). A 2xx with ``partial_success``
+is delivered; the points it says were rejected are counted
+(``gpu_sidecar_samples_dropped_total{reason="partial_success"}``) and each condition logged once.
 """
 
 from __future__ import annotations
@@ -24,39 +24,11 @@ from typing import Any
 from sidecar import __version__, metrics
 from sidecar.durability.spool import Spool
 from sidecar.samples import Series
-from sidecar.sinks.delivery import HINTS, Answers, HttpOptions, Response, SpooledSink
+from sidecar.sinks.answers import OTLP, Response, is_protobuf
+from sidecar.sinks.http import HttpOptions
+from sidecar.sinks.spooled import SpooledSink
 from sidecar.urls import sink_label
 from sidecar.wire import otlp
-
-# the OTLP/HTTP specification's retryable statuses, and 500 (see the module's docstring)
-RETRIED = frozenset({429, 500, 502, 503, 504})
-
-OTLP_HINTS = {
-    **HINTS,
-    400: "the receiver refused the data itself (OTLP: bad data); the batch is set aside in the "
-         "spool's rejected/",
-    404: "no OTLP endpoint at this URL: an OpenTelemetry Collector takes /v1/metrics on port "
-         "4318, Prometheus 3 /api/v1/otlp/v1/metrics (with --web.enable-otlp-receiver), "
-         "VictoriaMetrics /opentelemetry/v1/metrics",
-    405: "wrong method for this URL: is it the OTLP metrics path (.../v1/metrics)?",
-    415: "the receiver does not take protobuf bodies or gzip: it must support OTLP/HTTP protobuf",
-    501: "the receiver does not implement OTLP metrics at this URL",
-}
-
-
-def _said(response: Response) -> str:
-    """An OTLP receiver answers a failure with a google.rpc.Status: its message (or code), else
-    the text of an answer that is not protobuf."""
-    if _protobuf(response):
-        return otlp.status_message(response.content)
-    return response.text
-
-
-def _protobuf(response: Response) -> bool:
-    return "protobuf" in (response.headers.get("Content-Type") or "").lower()
-
-
-OTLP_ANSWERS = Answers(retried=RETRIED.__contains__, said=_said, hints=OTLP_HINTS)
 
 
 def sink_name(url: str) -> str:
@@ -69,7 +41,7 @@ class OtlpCodec:
 
     kind = "otlp"
     headers = otlp.CONTENT_HEADERS
-    answers = OTLP_ANSWERS
+    policy = OTLP
     drop_reasons = ("partial_success", otlp.UNENCODABLE)
 
     def __init__(self, resource: Mapping[str, str], extra_labels: tuple[str, ...] = (),
@@ -93,7 +65,7 @@ class OtlpCodec:
         return otlp.decompress(body)
 
     def partial(self, response: Response) -> tuple[int, str] | None:
-        if not response.content or not _protobuf(response):  # JSON, text: not ours to read
+        if not response.content or not is_protobuf(response):  # JSON, text: not ours to read
             return None
         found = otlp.partial_success(response.content)
         return None if found is None else (found.rejected, found.message)

@@ -20,20 +20,14 @@ import structlog
 from prometheus_client import CollectorRegistry, delete_from_gateway, push_to_gateway
 from prometheus_client.metrics_core import Metric
 
+from sidecar.config import Config
 from sidecar.metrics import BY_NAME, histogram_of
 from sidecar.samples import Labels, Series
-from sidecar.sinks.delivery import (
-    FAILURE_REASONS,
-    Http,
-    HttpOptions,
-    Refused,
-    Retryable,
-    redact,
-    retrying,
-)
+from sidecar.sinks import IDLE_WAIT_S
+from sidecar.sinks.answers import FAILURE_REASONS, REMOTE_WRITE, Refused, Retryable
+from sidecar.sinks.http import Http, HttpOptions
 from sidecar.summary import is_summary
-
-IDLE_WAIT_S = 60.0
+from sidecar.urls import redact_url as redact
 
 log = structlog.get_logger("sidecar.pushgateway")
 
@@ -75,9 +69,9 @@ class PushgatewaySink:
         url: str,
         http: HttpOptions,
         *,
-        job: str = "gpu-sidecar",
+        job: str = Config.pushgateway_job,
         grouping: dict[str, str] | None = None,
-        push_interval_s: float = 15.0,
+        push_interval_s: float = Config.push_interval,
         delete_on_exit: bool = False,
         summary_at_exit: bool = False,
         clock: Callable[[], float] = time.monotonic,
@@ -130,6 +124,12 @@ class PushgatewaySink:
             self.http.check(response)
         return send
 
+    def _retrying(self, *, stop: Callable[[Any], bool],
+                  sleep: Callable[[float], object]) -> Any:
+        """The Pushgateway answers as remote-write receivers do (``answers.REMOTE_WRITE``)."""
+        return REMOTE_WRITE.retrying(initial_s=self.options.initial_backoff_s,
+                                     max_s=self.options.max_backoff_s, stop=stop, sleep=sleep)
+
     def _push_latest(self, stop: Callable[[Any], bool]) -> None:
         with self._lock:
             series, self._pending = self._pending, None
@@ -140,7 +140,7 @@ class PushgatewaySink:
             return
         started = time.monotonic()
         try:
-            for attempt in retrying(self.options, stop=stop, sleep=self._stop.wait):
+            for attempt in self._retrying(stop=stop, sleep=self._stop.wait):
                 with attempt:
                     try:
                         push_to_gateway(self.url, job=self.job, registry=self._registry,
@@ -228,8 +228,8 @@ class PushgatewaySink:
 
     def _delete(self, deadline: float) -> None:
         try:
-            for attempt in retrying(self.options, stop=lambda _s: time.monotonic() >= deadline,
-                                    sleep=time.sleep):
+            for attempt in self._retrying(stop=lambda _s: time.monotonic() >= deadline,
+                                          sleep=time.sleep):
                 with attempt:
                     delete_from_gateway(self.url, job=self.job, grouping_key=self.grouping,
                                         handler=self._handler)

@@ -1,8 +1,9 @@
-"""Remote-write sink: the spooled pipeline of ``sidecar.sinks.delivery.SpooledSink`` (batch,
+"""Remote-write sink: the spooled pipeline of ``sidecar.sinks.spooled.SpooledSink`` (batch,
 journal, spool, then send in order with one request in flight) with remote-write 1.0 bodies:
 snappy-compressed WriteRequests, every 5xx, 429 and network error retried with backoff; 400, 413
 and 422 set the refused batch aside; any other refusal (401, 403, 404, ...) keeps the whole
-spool and retries at the longest backoff until the receiver accepts.
+spool and retries at the longest backoff until the receiver accepts
+(``sidecar.sinks.answers.REMOTE_WRITE``).
 """
 
 from __future__ import annotations
@@ -10,9 +11,12 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
+from sidecar.config import Config
 from sidecar.durability.spool import Spool
 from sidecar.samples import Series
-from sidecar.sinks.delivery import REMOTE_WRITE, HttpOptions, Response, SpooledSink
+from sidecar.sinks.answers import REMOTE_WRITE, Response
+from sidecar.sinks.http import HttpOptions
+from sidecar.sinks.spooled import SpooledSink
 from sidecar.urls import sink_label
 from sidecar.wire.remote_write import CONTENT_HEADERS, Encoder, compress, decompress
 
@@ -30,7 +34,7 @@ class RemoteWriteCodec:
 
     kind = "remote_write"
     headers = CONTENT_HEADERS
-    answers = REMOTE_WRITE
+    policy = REMOTE_WRITE
     drop_reasons: tuple[str, ...] = ()
 
     def __init__(self) -> None:
@@ -58,8 +62,8 @@ class RemoteWriteSink(SpooledSink):
         http: HttpOptions,
         *,
         name: str | None = None,
-        push_interval_s: float = 15.0,
-        max_batch_samples: int = 20_000,
+        push_interval_s: float = Config.push_interval,
+        max_batch_samples: int = Config.batch_max_samples,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         super().__init__(url, spool, http, RemoteWriteCodec(), name=name or sink_name(url),

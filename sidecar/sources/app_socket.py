@@ -23,12 +23,13 @@ from dataclasses import dataclass, field
 import structlog
 
 from sidecar import protocol
+from sidecar.config import Config
 from sidecar.samples import AllocatorFigures, AppFigures, LatencyHistogram
 
 log = structlog.get_logger("sidecar.app")
 
-MAX_PROCESSES_PER_GPU = 256
-MAX_APP_GPUS = 64
+MAX_PROCESSES_PER_GPU = Config.app_max_processes
+MAX_APP_GPUS = Config.app_max_gpus
 REJECT_LOG_EVERY_S = 60.0
 
 
@@ -53,13 +54,13 @@ class AppState:
     def __init__(
         self,
         *,
-        stale_after_s: float = 30.0,
+        stale_after_s: float = Config.app_stale_after,
         known_gpu: Callable[[str], bool] | None = None,
         clock: Callable[[], float] = time.monotonic,
         max_processes: int = MAX_PROCESSES_PER_GPU,
         max_gpus: int = MAX_APP_GPUS,
-        max_buckets: int = protocol.MAX_BUCKETS,
-        max_message_bytes: int = protocol.MAX_MESSAGE_BYTES,
+        max_buckets: int = Config.app_max_buckets,
+        max_message_bytes: int = Config.app_max_message_bytes,
     ) -> None:
         self.stale_after_s = stale_after_s
         self.max_processes = max_processes

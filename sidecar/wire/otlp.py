@@ -1,6 +1,6 @@
 """OTLP/HTTP metrics bodies: a protobuf ``ExportMetricsServiceRequest``, gzip-compressed.
 
-Written directly in protobuf wire format, as ``sidecar.wire.remote_write`` does for remote-write: the
+Written directly in protobuf wire format (``sidecar.wire.protobuf``), as ``remote_write`` is: the
 agent does not depend on protobuf at run time, and the generated OTLP classes cost several MiB of
 resident memory where these few functions cost almost nothing (bench/bench_otlp.py,
 bench/RESULTS.md). The tests decode every request with the official ``opentelemetry-proto``.
@@ -41,55 +41,105 @@ from __future__ import annotations
 import math
 import struct
 import zlib
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 from sidecar import metrics
 from sidecar.samples import Labels, Series
+from sidecar.wire.protobuf import (
+    DOUBLE,
+    FIXED64,
+    INT64_MIN,
+    UINT64_MAX,
+    WireType,
+    fields,
+    int64,
+    length_delimited,
+    string,
+    tag,
+    varint,
+)
 
 CONTENT_HEADERS = {"Content-Encoding": "gzip", "Content-Type": "application/x-protobuf"}
-CUMULATIVE = 2  # AggregationTemporality
-_FIXED64 = struct.Struct("<Q")
-_DOUBLE = struct.Struct("<d")
-_SMALL = [bytes((n,)) for n in range(0x80)]
-_INT64 = range(-(1 << 63), 1 << 63)
-_UINT64_MAX = (1 << 64) - 1
 UNENCODABLE = "unencodable"  # the gpu_sidecar_samples_dropped_total reason
 # what encoding a value the wire cannot carry raises (struct for fixed64, int() for NaN/inf)
 _ENCODING_ERRORS = (ValueError, OverflowError, struct.error, TypeError)
+_INT64 = range(INT64_MIN, 1 << 63)
+
+# The tag of each field written, named after it (opentelemetry-proto: collector/metrics/v1/
+# metrics_service.proto, metrics/v1/metrics.proto, common/v1/common.proto, resource/v1/resource.proto)
+_LEN, _I64, _VARINT = WireType.LEN, WireType.I64, WireType.VARINT
+# ExportMetricsServiceRequest
+REQUEST_RESOURCE_METRICS = tag(1, _LEN)  # repeated ResourceMetrics resource_metrics = 1
+# ResourceMetrics
+RESOURCE_METRICS_RESOURCE = tag(1, _LEN)  # Resource resource = 1
+RESOURCE_METRICS_SCOPE_METRICS = tag(2, _LEN)  # repeated ScopeMetrics scope_metrics = 2
+# Resource
+RESOURCE_ATTRIBUTES = tag(1, _LEN)  # repeated KeyValue attributes = 1
+# ScopeMetrics
+SCOPE_METRICS_SCOPE = tag(1, _LEN)  # InstrumentationScope scope = 1
+SCOPE_METRICS_METRICS = tag(2, _LEN)  # repeated Metric metrics = 2
+# InstrumentationScope
+SCOPE_NAME = tag(1, _LEN)  # string name = 1
+SCOPE_VERSION = tag(2, _LEN)  # string version = 2
+# Metric
+METRIC_NAME = tag(1, _LEN)  # string name = 1
+METRIC_DESCRIPTION = tag(2, _LEN)  # string description = 2
+METRIC_UNIT = tag(3, _LEN)  # string unit = 3
+METRIC_GAUGE = tag(5, _LEN)  # Gauge gauge = 5 (oneof data)
+METRIC_SUM = tag(7, _LEN)  # Sum sum = 7 (oneof data)
+METRIC_HISTOGRAM = tag(9, _LEN)  # Histogram histogram = 9 (oneof data)
+# Gauge, Sum, Histogram
+GAUGE_DATA_POINTS = tag(1, _LEN)  # repeated NumberDataPoint data_points = 1
+SUM_DATA_POINTS = tag(1, _LEN)  # repeated NumberDataPoint data_points = 1
+SUM_AGGREGATION_TEMPORALITY = tag(2, _VARINT)  # AggregationTemporality aggregation_temporality = 2
+SUM_IS_MONOTONIC = tag(3, _VARINT)  # bool is_monotonic = 3
+HISTOGRAM_DATA_POINTS = tag(1, _LEN)  # repeated HistogramDataPoint data_points = 1
+HISTOGRAM_AGGREGATION_TEMPORALITY = tag(2, _VARINT)  # (the same as Sum's)
+# NumberDataPoint
+NUMBER_POINT_ATTRIBUTES = tag(7, _LEN)  # repeated KeyValue attributes = 7
+NUMBER_POINT_START_TIME_UNIX_NANO = tag(2, _I64)  # fixed64 start_time_unix_nano = 2
+NUMBER_POINT_TIME_UNIX_NANO = tag(3, _I64)  # fixed64 time_unix_nano = 3
+NUMBER_POINT_AS_DOUBLE = tag(4, _I64)  # double as_double = 4 (oneof value)
+# HistogramDataPoint
+HISTOGRAM_POINT_ATTRIBUTES = tag(9, _LEN)  # repeated KeyValue attributes = 9
+HISTOGRAM_POINT_START_TIME_UNIX_NANO = tag(2, _I64)  # fixed64 start_time_unix_nano = 2
+HISTOGRAM_POINT_TIME_UNIX_NANO = tag(3, _I64)  # fixed64 time_unix_nano = 3
+HISTOGRAM_POINT_COUNT = tag(4, _I64)  # fixed64 count = 4
+HISTOGRAM_POINT_SUM = tag(5, _I64)  # optional double sum = 5
+HISTOGRAM_POINT_BUCKET_COUNTS = tag(6, _LEN)  # repeated fixed64 bucket_counts = 6 (packed)
+HISTOGRAM_POINT_EXPLICIT_BOUNDS = tag(7, _LEN)  # repeated double explicit_bounds = 7 (packed)
+# KeyValue, AnyValue
+KEY_VALUE_KEY = tag(1, _LEN)  # string key = 1
+KEY_VALUE_VALUE = tag(2, _LEN)  # AnyValue value = 2
+ANY_VALUE_STRING_VALUE = tag(1, _LEN)  # string string_value = 1 (oneof value)
+ANY_VALUE_INT_VALUE = tag(3, _VARINT)  # int64 int_value = 3 (oneof value)
+
+CUMULATIVE = 2  # AggregationTemporality.AGGREGATION_TEMPORALITY_CUMULATIVE
+_TRUE, _FALSE = varint(1), varint(0)  # a bool's value
+
+# Field numbers of the answers read (the reader gives numbers, not tags)
+RESPONSE_PARTIAL_SUCCESS = 1  # ExportMetricsServiceResponse: ExportMetricsPartialSuccess partial_success = 1
+PARTIAL_SUCCESS_REJECTED_DATA_POINTS = 1  # ExportMetricsPartialSuccess: int64 rejected_data_points = 1
+PARTIAL_SUCCESS_ERROR_MESSAGE = 2  # ExportMetricsPartialSuccess: string error_message = 2
+STATUS_CODE = 1  # google.rpc.Status: int32 code = 1
+STATUS_MESSAGE = 2  # google.rpc.Status: string message = 2
+
+# a NumberDataPoint is framed before its metric is known to be a Gauge or a Sum: the same either way
+NUMBER_DATA_POINTS = GAUGE_DATA_POINTS
+assert NUMBER_DATA_POINTS == SUM_DATA_POINTS
 
 
-def varint(n: int) -> bytes:
-    """Base-128 varint of a uint64, or of an int64 (a negative one as its 64-bit two's
-    complement, ten bytes, as protobuf encodes int64). ``sidecar.wire.remote_write`` has one too, but
-    importing it loads snappy (1.6 MiB resident) into an agent that may send no remote-write at
-    all. Raises ValueError for what fits neither."""
-    if 0 <= n < 0x80:
-        return _SMALL[n]
-    if n < 0:
-        if n < -(1 << 63):
-            raise ValueError(f"{n} is below int64")
-        n += 1 << 64
-    elif n > _UINT64_MAX:
-        raise ValueError(f"{n} is above uint64")
-    return bytes((n >> shift & 0x7F) | (0x80 if n >> (shift + 7) else 0)
-                 for shift in range(0, n.bit_length(), 7))
-
-
-def field(tag: int, payload: bytes) -> bytes:
-    """A length-delimited field whose tag byte is ``tag`` (field number << 3 | 2)."""
-    return bytes((tag,)) + varint(len(payload)) + payload
-
-
-def key_value(key: str, value: str | int, tag: int = 0x0A) -> bytes:
-    """A KeyValue as the field ``tag`` (Resource.attributes is field 1, NumberDataPoint's 7,
-    HistogramDataPoint's 9); ints (``process.pid``) as AnyValue.int_value (int64), the rest, and
-    an int outside int64, as string_value."""
+def key_value(name: str, value: str | int, field_tag: bytes = RESOURCE_ATTRIBUTES) -> bytes:
+    """A KeyValue as the field ``field_tag`` (Resource.attributes, NumberDataPoint.attributes or
+    HistogramDataPoint.attributes); ints (``process.pid``) as AnyValue.int_value (int64), the
+    rest, and an int outside int64, as string_value."""
     if isinstance(value, int) and value in _INT64:
-        any_value = b"\x18" + varint(value)
+        any_value = ANY_VALUE_INT_VALUE + varint(value)
     else:
-        any_value = field(0x0A, str(value).encode())
-    return field(tag, field(0x0A, key.encode()) + field(0x12, any_value))
+        any_value = string(ANY_VALUE_STRING_VALUE, str(value))
+    return length_delimited(field_tag, string(KEY_VALUE_KEY, name)
+                            + length_delimited(KEY_VALUE_VALUE, any_value))
 
 
 @dataclass(frozen=True, slots=True)
@@ -141,8 +191,8 @@ class Encoder:
         generated-class variant; each series' start time is its own, see the module)."""
         self.resource = resource
         self.resource_labels = dict(resource_labels)
-        self.start_ns = _FIXED64.pack(start_ms * 1_000_000)
-        self.scope = field(0x0A, b"gpu-sidecar") + field(0x12, scope_version.encode())
+        self.start_ns = FIXED64.pack(start_ms * 1_000_000)
+        self.scope = string(SCOPE_NAME, "gpu-sidecar") + string(SCOPE_VERSION, scope_version)
         self._points: dict[tuple[str, Labels], _Point] = {}
         self._headers: dict[str, bytes] = {}
         self._resources: dict[Labels, bytes] = {}
@@ -175,10 +225,10 @@ class Encoder:
         if state is None:
             if len(self._starts) > self._max:  # bounded like the placings: beyond it, series
                 self._starts.clear()           # seen again start afresh
-            state = self._starts[key] = [_FIXED64.pack(ts_ms * 1_000_000), value]
+            state = self._starts[key] = [FIXED64.pack(ts_ms * 1_000_000), value]
         else:
             if p.monotonic and value < state[1]:
-                state[0] = _FIXED64.pack(ts_ms * 1_000_000)
+                state[0] = FIXED64.pack(ts_ms * 1_000_000)
             if not math.isnan(value):
                 state[1] = value
         return state[0]
@@ -190,7 +240,7 @@ class Encoder:
         if io is None:
             if len(self._io) > self._max:  # bounded like the start times
                 self._io.clear()
-            io = self._io[key] = _Integral(_FIXED64.pack(ts_ms * 1_000_000), ts_ms, self._cycles)
+            io = self._io[key] = _Integral(FIXED64.pack(ts_ms * 1_000_000), ts_ms, self._cycles)
         else:
             step = ts_ms - io.ts_ms
             after_last = io.cycle == self._cycles - 1  # not absent from the last cycle
@@ -200,8 +250,10 @@ class Encoder:
                 if math.isfinite(rate) and rate >= 0:
                     io.total += rate * step / 1000
             io.ts_ms, io.cycle = ts_ms, self._cycles
-        point = field(0x0A, p.attributes + b"\x11" + io.start + b"\x19"
-                      + _FIXED64.pack(ts_ms * 1_000_000) + b"\x21" + _DOUBLE.pack(io.total))
+        point = length_delimited(SUM_DATA_POINTS, p.attributes
+                                 + NUMBER_POINT_START_TIME_UNIX_NANO + io.start
+                                 + NUMBER_POINT_TIME_UNIX_NANO + FIXED64.pack(ts_ms * 1_000_000)
+                                 + NUMBER_POINT_AS_DOUBLE + DOUBLE.pack(io.total))
         return _Point(p.resource, metrics.GPU_IO.name, p.source, p.attributes, True, True), point
 
     def _drop(self, samples: int) -> None:
@@ -224,8 +276,8 @@ class Encoder:
                 attributes[metrics.POINT_LABELS.get(k, k)] = v
         if any(k == "gpu_uuid" for k, _ in labels):
             attributes.update(metrics.GPU_ATTRIBUTES)
-        tag = 0x4A if part else 0x3A
-        encoded = b"".join(key_value(k, v, tag) for k, v in sorted(attributes.items()))
+        attributes_tag = HISTOGRAM_POINT_ATTRIBUTES if part else NUMBER_POINT_ATTRIBUTES
+        encoded = b"".join(key_value(k, v, attributes_tag) for k, v in sorted(attributes.items()))
         return _Point(tuple(sorted(resource)), otel.name if otel else name, source, encoded,
                       otel is not None and otel.instrument != "gauge",
                       otel is not None and otel.instrument in ("counter", "histogram"), part,
@@ -236,13 +288,13 @@ class Encoder:
         head = self._headers.get(p.metric)
         if head is None:
             spec, otel = metrics.BY_NAME.get(p.source), _otel_of(p)
-            head = field(0x0A, p.metric.encode())
+            head = string(METRIC_NAME, p.metric)
             if spec is not None and otel is not None:
                 if otel is metrics.GPU_IO:
-                    head += field(0x12, metrics.GPU_IO_HELP.encode())
+                    head += string(METRIC_DESCRIPTION, metrics.GPU_IO_HELP)
                 elif p.metric not in _SHARED:
-                    head += field(0x12, spec.help.encode())
-                head += field(0x1A, otel.unit.encode())
+                    head += string(METRIC_DESCRIPTION, spec.help)
+                head += string(METRIC_UNIT, otel.unit)
             head = self._headers[p.metric] = head
         return head
 
@@ -265,9 +317,10 @@ class Encoder:
                     continue
                 body = p.attributes
                 if p.cumulative:
-                    body += b"\x11" + self._start(p, s.value, s.timestamp_ms)
-                point = field(0x0A, body + b"\x19" + _FIXED64.pack(s.timestamp_ms * 1_000_000)
-                              + b"\x21" + _DOUBLE.pack(s.value))
+                    body += NUMBER_POINT_START_TIME_UNIX_NANO + self._start(p, s.value, s.timestamp_ms)
+                point = length_delimited(NUMBER_DATA_POINTS, body + NUMBER_POINT_TIME_UNIX_NANO
+                                         + FIXED64.pack(s.timestamp_ms * 1_000_000)
+                                         + NUMBER_POINT_AS_DOUBLE + DOUBLE.pack(s.value))
             except _ENCODING_ERRORS:
                 self._drop(1)
                 continue
@@ -297,12 +350,12 @@ class Encoder:
         non-negative integer within 64 bits (not NaN, infinite, negative or huge)."""
         counts = [h.count, *(c for _, c in h.buckets)]
         if not all(isinstance(c, (int, float)) and not isinstance(c, bool) and math.isfinite(c)
-                   and 0 <= c <= _UINT64_MAX for c in counts):
+                   and 0 <= c <= UINT64_MAX for c in counts):
             return None
         try:
             h.start = self._start(_Point(resource, metric, "", h.attributes, True, True),
                                   h.count, h.ts)
-            return field(0x0A, h.encode())
+            return length_delimited(HISTOGRAM_DATA_POINTS, h.encode())
         except _ENCODING_ERRORS:  # a timestamp or sum the wire cannot carry
             return None
 
@@ -325,21 +378,26 @@ class Encoder:
     def _resource_metrics(self, resource: Labels,
                           by_metric: dict[str, tuple[_Point, list[bytes | _Histogram]]]) -> bytes:
         attrs = self._resource_attributes(resource)
-        encoded = b"".join(field(0x12, self._metric(first, points))
+        encoded = b"".join(length_delimited(SCOPE_METRICS_METRICS, self._metric(first, points))
                            for first, points in by_metric.values())
-        return field(0x0A, field(0x0A, attrs) + field(0x12, field(0x0A, self.scope) + encoded))
+        scope_metrics = length_delimited(SCOPE_METRICS_SCOPE, self.scope) + encoded
+        return length_delimited(REQUEST_RESOURCE_METRICS,
+                                length_delimited(RESOURCE_METRICS_RESOURCE, attrs)
+                                + length_delimited(RESOURCE_METRICS_SCOPE_METRICS, scope_metrics))
 
     def _metric(self, first: _Point, points: list[bytes | _Histogram]) -> bytes:
         otel = _otel_of(first)
         data = b"".join(p for p in points if isinstance(p, bytes))  # histograms encoded by now
         instrument = otel.instrument if otel is not None else "gauge"
         if instrument == "gauge":
-            body = field(0x2A, data)
+            body = length_delimited(METRIC_GAUGE, data)
         elif instrument == "histogram":
-            body = field(0x4A, data + b"\x10" + varint(CUMULATIVE))
+            body = length_delimited(METRIC_HISTOGRAM, data + HISTOGRAM_AGGREGATION_TEMPORALITY
+                                    + varint(CUMULATIVE))
         else:
-            monotonic = b"\x01" if instrument == "counter" else b"\x00"
-            body = field(0x3A, data + b"\x10" + varint(CUMULATIVE) + b"\x18" + monotonic)
+            monotonic = _TRUE if instrument == "counter" else _FALSE
+            body = length_delimited(METRIC_SUM, data + SUM_AGGREGATION_TEMPORALITY + varint(CUMULATIVE)
+                                    + SUM_IS_MONOTONIC + monotonic)
         return self._header(first) + body
 
 
@@ -376,10 +434,15 @@ class _Histogram:
             counts.append(int(cumulative) - previous)
             previous = int(cumulative)
         counts.append(int(self.count) - previous)
-        return (self.attributes + b"\x11" + self.start + b"\x19" + _FIXED64.pack(self.ts * 1_000_000)
-                + b"\x21" + _FIXED64.pack(int(self.count)) + b"\x29" + _DOUBLE.pack(self.sum)
-                + field(0x32, b"".join(_FIXED64.pack(max(0, c)) for c in counts))
-                + field(0x3A, b"".join(_DOUBLE.pack(le) for le, _ in finite)))
+        return (self.attributes
+                + HISTOGRAM_POINT_START_TIME_UNIX_NANO + self.start
+                + HISTOGRAM_POINT_TIME_UNIX_NANO + FIXED64.pack(self.ts * 1_000_000)
+                + HISTOGRAM_POINT_COUNT + FIXED64.pack(int(self.count))
+                + HISTOGRAM_POINT_SUM + DOUBLE.pack(self.sum)
+                + length_delimited(HISTOGRAM_POINT_BUCKET_COUNTS,
+                                   b"".join(FIXED64.pack(max(0, c)) for c in counts))
+                + length_delimited(HISTOGRAM_POINT_EXPLICIT_BOUNDS,
+                                   b"".join(DOUBLE.pack(le) for le, _ in finite)))
 
 
 def compress(payload: bytes) -> bytes:
@@ -395,47 +458,6 @@ def decompress(body: bytes) -> bytes:
 # -- answers -----------------------------------------------------------------------------------
 
 
-_FIXED_SIZES = {1: 8, 5: 4}  # wire types fixed64 and fixed32
-
-
-def _fields(data: bytes) -> Iterator[tuple[int, int | bytes]]:
-    """(field number, value) of a protobuf message's varint and length-delimited fields; fixed32
-    and fixed64 fields (none that we read) are skipped; raises ValueError on groups, anything
-    else, or a truncated message."""
-    i = 0
-    while i < len(data):
-        tag, i = _read_varint(data, i)
-        number, wire = tag >> 3, tag & 7
-        if wire == 0:
-            value, i = _read_varint(data, i)
-            yield number, value
-        elif wire == 2:
-            length, i = _read_varint(data, i)
-            if i + length > len(data):
-                raise ValueError("truncated")
-            yield number, data[i:i + length]
-            i += length
-        elif wire in _FIXED_SIZES:
-            i += _FIXED_SIZES[wire]
-            if i > len(data):
-                raise ValueError("truncated")
-        else:
-            raise ValueError(f"wire type {wire}")
-
-
-def _read_varint(data: bytes, i: int) -> tuple[int, int]:
-    value = shift = 0
-    while True:
-        if i >= len(data) or shift > 63:
-            raise ValueError("bad varint")
-        byte = data[i]
-        i += 1
-        value |= (byte & 0x7F) << shift
-        if not byte & 0x80:
-            return value, i
-        shift += 7
-
-
 @dataclass(frozen=True, slots=True)
 class PartialSuccess:
     rejected: int
@@ -447,13 +469,13 @@ def partial_success(body: bytes) -> PartialSuccess | None:
     (points rejected, or a warning in the message); None for a full success or an answer that
     is not such a response."""
     try:
-        for number, value in _fields(body):
-            if number == 1 and isinstance(value, bytes):
+        for number, value in fields(body):
+            if number == RESPONSE_PARTIAL_SUCCESS and isinstance(value, bytes):
                 rejected, message = 0, ""
-                for n, v in _fields(value):
-                    if n == 1 and isinstance(v, int):
-                        rejected = v - (1 << 64) if v >= 1 << 63 else v
-                    elif n == 2 and isinstance(v, bytes):
+                for n, v in fields(value):
+                    if n == PARTIAL_SUCCESS_REJECTED_DATA_POINTS and isinstance(v, int):
+                        rejected = int64(v)
+                    elif n == PARTIAL_SUCCESS_ERROR_MESSAGE and isinstance(v, bytes):
                         message = v.decode("utf-8", "replace")
                 if rejected or message:
                     return PartialSuccess(rejected, message)
@@ -467,10 +489,10 @@ def status_message(body: bytes) -> str:
     its code; never the binary body as text."""
     code, message = 0, ""
     try:
-        for number, value in _fields(body):
-            if number == 1 and isinstance(value, int):
-                code = value - (1 << 64) if value >= 1 << 63 else value
-            elif number == 2 and isinstance(value, bytes):
+        for number, value in fields(body):
+            if number == STATUS_CODE and isinstance(value, int):
+                code = int64(value)
+            elif number == STATUS_MESSAGE and isinstance(value, bytes):
                 message = value.decode("utf-8", "replace")
     except ValueError:
         return f"({len(body)} bytes of protobuf that are not a google.rpc.Status)"

@@ -15,45 +15,45 @@ timestamps in milliseconds.
 
 from __future__ import annotations
 
-import struct
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 import cramjam
 
 from sidecar.samples import Labels, Series
+from sidecar.wire.protobuf import DOUBLE, WireType, length_delimited, string, tag, varint
 
-_DOUBLE = struct.Struct("<d")
 CONTENT_HEADERS = {
     "Content-Encoding": "snappy",
     "Content-Type": "application/x-protobuf",
     "X-Prometheus-Remote-Write-Version": "0.1.0",
 }
 
+# The tag of each field written, named after it (prometheus/prompb remote.proto, types.proto)
+WRITE_REQUEST_TIMESERIES = tag(1, WireType.LEN)  # WriteRequest: repeated TimeSeries timeseries = 1
+TIMESERIES_LABELS = tag(1, WireType.LEN)  # TimeSeries: repeated Label labels = 1
+TIMESERIES_SAMPLES = tag(2, WireType.LEN)  # TimeSeries: repeated Sample samples = 2
+LABEL_NAME = tag(1, WireType.LEN)  # Label: string name = 1
+LABEL_VALUE = tag(2, WireType.LEN)  # Label: string value = 2
+SAMPLE_VALUE = tag(1, WireType.I64)  # Sample: double value = 1
+SAMPLE_TIMESTAMP = tag(2, WireType.VARINT)  # Sample: int64 timestamp = 2 (milliseconds)
 
-def varint(value: int) -> bytes:
-    if value < 0:
-        value += 1 << 64  # int64 in two's complement, as protobuf does
-    out = bytearray()
-    while value > 0x7F:
-        out.append((value & 0x7F) | 0x80)
-        value >>= 7
-    out.append(value)
-    return bytes(out)
-
-
-def _field(tag: int, payload: bytes) -> bytes:
-    return bytes((tag,)) + varint(len(payload)) + payload
-
-
-def _string(tag: int, text: str) -> bytes:
-    return _field(tag, text.encode())
+# A Sample's value is its tag and 8 bytes: with the timestamp (tag and at most 10 bytes) the whole
+# Sample is under 128 bytes, so its length always takes one byte
+_SAMPLE_VALUE_SIZE = len(SAMPLE_VALUE) + DOUBLE.size
 
 
 def encode_labels(name: str, labels: Labels) -> bytes:
     """The repeated ``labels`` fields of one TimeSeries, ``__name__`` included, sorted."""
     pairs = sorted((("__name__", name), *labels))
-    return b"".join(_field(0x0A, _string(0x0A, k) + _string(0x12, v)) for k, v in pairs)
+    return b"".join(length_delimited(TIMESERIES_LABELS, string(LABEL_NAME, k) + string(LABEL_VALUE, v))
+                    for k, v in pairs)
+
+
+def _sample_head(tail: bytes) -> bytes:
+    """What comes before a Sample's value: the TimeSeries.samples tag, the Sample's length (its
+    value and ``tail``, the encoded timestamp) and the value's tag."""
+    return TIMESERIES_SAMPLES + bytes((_SAMPLE_VALUE_SIZE + len(tail),)) + SAMPLE_VALUE
 
 
 SeriesKey = tuple[str, Labels]
@@ -91,21 +91,22 @@ class Encoder:
         kept from cycle to cycle, so a cycle costs a lookup, a pack and a join per series."""
         if len(self._prefixes) > self._max:
             self._prefixes.clear()
-        pack = _DOUBLE.pack
+        pack = DOUBLE.pack
         prefixes = self._prefixes
         tails: dict[int, bytes] = {}
         out: list[bytes] = []
         for s in series:
             tail = tails.get(s.timestamp_ms)
             if tail is None:
-                tail = tails[s.timestamp_ms] = b"\x10" + varint(s.timestamp_ms)
+                tail = tails[s.timestamp_ms] = SAMPLE_TIMESTAMP + varint(s.timestamp_ms)
             key = (s.name, s.labels, len(tail))
             prefix = prefixes.get(key)
             if prefix is None:
                 labels = encode_labels(s.name, s.labels)
-                sample = 9 + len(tail)  # Sample = 0x09 double (9 bytes) + 0x10 varint
-                prefix = prefixes[key] = (b"\x0a" + varint(len(labels) + 2 + sample) + labels
-                                          + b"\x12" + bytes((sample,)) + b"\x09")
+                sample = _sample_head(tail)
+                # the TimeSeries: its tag and length, then its labels and its one sample
+                size = len(labels) + len(sample) + DOUBLE.size + len(tail)
+                prefix = prefixes[key] = WRITE_REQUEST_TIMESERIES + varint(size) + labels + sample
             out.append(prefix + pack(s.value) + tail)
         return b"".join(out)
 
@@ -114,7 +115,7 @@ class Encoder:
         compact form, for bodies built in one go (tests, the encoding benchmark)."""
         if len(self._labels) > self._max:
             self._labels.clear()
-        pack = _DOUBLE.pack
+        pack = DOUBLE.pack
         # every series of a cycle shares its timestamp: encode the parts around the value once
         framing: dict[int, tuple[bytes, bytes]] = {}
         parts: list[bytes] = []
@@ -128,12 +129,10 @@ class Encoder:
             for ts, value in points:
                 frame = framing.get(ts)
                 if frame is None:
-                    tail = b"\x10" + varint(ts)
-                    # Sample = 0x09 double (9 bytes) + 0x10 varint; one length byte suffices
-                    frame = framing[ts] = (b"\x12" + bytes((9 + len(tail),)) + b"\x09", tail)
+                    tail = SAMPLE_TIMESTAMP + varint(ts)
+                    frame = framing[ts] = (_sample_head(tail), tail)
                 chunks.append(frame[0] + pack(value) + frame[1])
-            body = b"".join(chunks)
-            parts.append(b"\x0a" + varint(len(body)) + body)
+            parts.append(length_delimited(WRITE_REQUEST_TIMESERIES, b"".join(chunks)))
         return b"".join(parts)
 
 

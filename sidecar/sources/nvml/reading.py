@@ -1,0 +1,272 @@
+"""One cycle's reading of one GPU, through pynvml's public functions.
+
+The read follows the choices detection made (``capabilities.py``): it asks only for what the GPU
+can give. Rates need two readings, so each GPU keeps the previous counters and GPM sample in a
+``ReadState``; the first reading after start or after a lost GPU comes back gives no rate
+(absent, not zero). A read that fails for a passing reason costs only its figures this cycle; a
+lost GPU raises ``GpuLost``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import pynvml
+
+from sidecar.samples import ComputeLayer, IoLayer, MemoryLayer, layer_figures
+from sidecar.sources.nvml.capabilities import (
+    FI_NVL_RX,
+    FI_NVL_TX,
+    FI_REPLAY,
+    FI_RX,
+    FI_TX,
+    Capabilities,
+    CounterValue,
+    FieldId,
+    GpmFigure,
+    field_value,
+)
+from sidecar.sources.nvml.errors import Failures, GpuLost
+from sidecar.sources.pcie import counter_rate
+
+GPM_MIN_INTERVAL_S = 0.1  # NVML's minimum between two GPM samples
+NVLINK_LINK_CEILING_BYTES_PER_SECOND = 4 * 50e9  # per link and direction; beyond: a reset
+KIB = 1024
+
+
+@dataclass(frozen=True, slots=True)
+class NvmlReading:
+    """What NVML said about one GPU in one cycle; None in a field: absent."""
+
+    compute: ComputeLayer
+    memory: MemoryLayer
+    io: IoLayer
+
+
+@dataclass(frozen=True, slots=True)
+class Handles:
+    """How to address a GPU: its handle, and for a MIG instance the parent GPU's handle and the
+    GPU instance id (GPM samples a MIG instance through its parent)."""
+
+    device: Any
+    parent: Any = None
+    gpu_instance_id: int | None = None
+
+    @property
+    def is_mig(self) -> bool:
+        return self.parent is not None
+
+
+@dataclass(frozen=True, slots=True)
+class Totals:
+    """Two cumulative counters (TX, RX) at one time, for the next cycle's rate."""
+
+    t: float
+    tx: int
+    rx: int
+
+
+@dataclass(slots=True)
+class ReadState:
+    """What one GPU's next reading needs from this one.
+
+    GPM averages between two samples: the two buffers alternate, so each cycle's sample is the
+    next cycle's starting point without a copy."""
+
+    gpm_samples: tuple[Any, ...] = ()
+    gpm_next: int = 1  # which buffer the next sample goes into
+    gpm_prev_t: float | None = None
+    pcie: Totals | None = None  # bytes
+    nvlink: Totals | None = None  # KiB, summed over links
+
+    def forget(self) -> None:
+        """The GPU was lost: counters and samples from before are no base for a rate."""
+        self.pcie = self.nvlink = None
+        self.gpm_prev_t = None
+        self.gpm_next = 1
+
+
+def read_gpu(handles: Handles, caps: Capabilities, state: ReadState, failures: Failures,
+             now: float) -> NvmlReading:
+    """One GPU's reading, less the PCIe throughput calls (``pcie == "throughput"``), which the
+    source runs concurrently for every GPU and adds afterwards."""
+    device = handles.device
+    mem = failures.call("memory", _memory_info, device, caps.memory) if caps.memory else None
+    util = (failures.call("utilization", pynvml.nvmlDeviceGetUtilizationRates, device)
+            if caps.utilization else None)
+    values = _field_values(device, caps.field_ids, failures)
+    gpm = _gpm_figures(handles, caps, state, failures, now)
+
+    pcie_tx = pcie_rx = None
+    if caps.pcie == "counters":
+        pcie_tx, pcie_rx = _pcie_rates(values, caps, state, now)
+    elif caps.pcie == "gpm":
+        pcie_tx, pcie_rx = gpm.get("pcie_tx_bytes_per_second"), gpm.get("pcie_rx_bytes_per_second")
+    nvlink_tx = nvlink_rx = None
+    if caps.nvlink == "counters":
+        nvlink_tx, nvlink_rx = _nvlink_rates(values, caps, state, now)
+    elif caps.nvlink == "gpm":
+        nvlink_tx = gpm.get("nvlink_tx_bytes_per_second")
+        nvlink_rx = gpm.get("nvlink_rx_bytes_per_second")
+    replay = None
+    if caps.replay == "field":
+        replay = _value(values.get((FI_REPLAY, 0)))
+    elif caps.replay == "call":
+        replay = failures.call("replay", pynvml.nvmlDeviceGetPcieReplayCounter, device)
+
+    reading = NvmlReading(
+        compute=ComputeLayer(
+            sm_occupancy_ratio=gpm.get("sm_occupancy_ratio"),
+            tensor_core_util_ratio=gpm.get("tensor_core_util_ratio"),
+            sm_active_ratio=gpm.get("sm_active_ratio"),
+            utilization_ratio=None if util is None else util.gpu / 100.0,
+        ),
+        memory=MemoryLayer(
+            bandwidth_util_ratio=gpm.get("bandwidth_util_ratio"),
+            controller_busy_ratio=None if util is None else util.memory / 100.0,
+            used_bytes=None if mem is None else mem.used,
+            total_bytes=None if mem is None else mem.total,
+            reserved_bytes=mem.reserved if mem is not None and caps.memory == "v2" else None,
+        ),
+        io=IoLayer(
+            pcie_tx_bytes_per_second=pcie_tx,
+            pcie_rx_bytes_per_second=pcie_rx,
+            pcie_link_max_bytes_per_second=caps.link.max_bytes_per_second,
+            pcie_link_generation=caps.link.generation,
+            pcie_link_width=caps.link.width,
+            pcie_replay_errors=replay,
+            nvlink_tx_bytes_per_second=nvlink_tx,
+            nvlink_rx_bytes_per_second=nvlink_rx,
+        ),
+    )
+    if len(failures.failing) >= 2 and _nothing_read(reading):
+        # the driver went away or NVML was unloaded: report the GPU unavailable and re-open it
+        # later, rather than a reading of nothing but its static link figures
+        raise GpuLost("no reading succeeded: " + ", ".join(sorted(failures.failing)))
+    return reading
+
+
+def _nothing_read(reading: NvmlReading) -> bool:
+    """No figure that NVML is asked for each cycle came back (the link figures are static)."""
+    io = reading.io
+    return (next(layer_figures(reading.compute), None) is None
+            and next(layer_figures(reading.memory), None) is None
+            and io.pcie_tx_bytes_per_second is None and io.pcie_replay_errors is None)
+
+
+def _memory_info(device: Any, version: str) -> Any:
+    if version == "v2":
+        return pynvml.nvmlDeviceGetMemoryInfo(device, version=pynvml.nvmlMemory_v2)
+    return pynvml.nvmlDeviceGetMemoryInfo(device)
+
+
+def _field_values(device: Any, ids: tuple[FieldId, ...],
+                  failures: Failures) -> dict[FieldId, CounterValue | None]:
+    """This cycle's field values by (field id, scope); empty when none were asked for or the
+    call failed."""
+    if not ids:
+        return {}
+    values = failures.call("field_values", pynvml.nvmlDeviceGetFieldValues, device, list(ids))
+    if values is None:
+        return {}
+    return {(fv.fieldId, fv.scopeId): field_value(fv) for fv in values}
+
+
+def _value(counter: CounterValue | None) -> int | None:
+    return None if counter is None else counter.value
+
+
+def _pcie_rates(values: dict[FieldId, CounterValue | None], caps: Capabilities,
+                state: ReadState, now: float) -> tuple[float | None, float | None]:
+    """(TX, RX) bytes/s from the cumulative byte counters, across at most one wrap."""
+    tx, rx = values.get((FI_TX, 0)), values.get((FI_RX, 0))
+    if tx is None or rx is None:
+        return None, None  # the previous reading stays the base for the next rate
+    prev, state.pcie = state.pcie, Totals(t=now, tx=tx.value, rx=rx.value)
+    if prev is None:
+        return None, None
+    dt = now - prev.t
+    if not dt < caps.pcie_max_dt:
+        return None, None  # the counters may have wrapped twice
+    # above four times the link: a counter reset, not traffic
+    link = caps.link.max_bytes_per_second
+    ceiling = 4 * link if link else None
+    return (counter_rate(prev.tx, tx.value, dt, tx.bits, ceiling),
+            counter_rate(prev.rx, rx.value, dt, rx.bits, ceiling))
+
+
+def _nvlink_rates(values: dict[FieldId, CounterValue | None], caps: Capabilities,
+                  state: ReadState, now: float) -> tuple[float | None, float | None]:
+    """(TX, RX) bytes/s from the per-link KiB counters, summed over the links."""
+    links = range(caps.nvlink_links)
+    tx = [values.get((FI_NVL_TX, link)) for link in links]
+    rx = [values.get((FI_NVL_RX, link)) for link in links]
+    if any(v is None for v in (*tx, *rx)):
+        return None, None  # a link that did not answer: no NVLink figure this cycle
+    prev = state.nvlink
+    state.nvlink = Totals(t=now, tx=sum(v.value for v in tx if v is not None),
+                          rx=sum(v.value for v in rx if v is not None))
+    if prev is None:
+        return None, None
+    dt = now - prev.t
+    # above four times NVLink 5's 50 GB/s per link and direction: a reset
+    ceiling = caps.nvlink_links * NVLINK_LINK_CEILING_BYTES_PER_SECOND / KIB
+    tx_rate = counter_rate(prev.tx, state.nvlink.tx, dt, 64, ceiling)
+    rx_rate = counter_rate(prev.rx, state.nvlink.rx, dt, 64, ceiling)
+    return (None if tx_rate is None else tx_rate * KIB, None if rx_rate is None else rx_rate * KIB)
+
+
+def _gpm_figures(handles: Handles, caps: Capabilities, state: ReadState, failures: Failures,
+                 now: float) -> dict[str, float]:
+    """Layer field -> GPM's average of it between the previous cycle's sample and this one's;
+    empty on the first sample, when the sample failed, or when too soon after the last one."""
+    if not caps.gpm:
+        return {}
+    prev_t = state.gpm_prev_t
+    if prev_t is not None and now - prev_t < GPM_MIN_INTERVAL_S:
+        failures.warn_once("gpm_interval", "gpm_interval_too_short",
+                           interval_s=round(now - prev_t, 4), minimum_s=GPM_MIN_INTERVAL_S,
+                           effect="GPM figures skipped for this cycle; raise --interval")
+        return {}
+    newer = state.gpm_samples[state.gpm_next]
+    older = state.gpm_samples[1 - state.gpm_next]
+    if failures.call("gpm_sample", _take_sample, handles, newer) is None:
+        state.gpm_prev_t = None
+        return {}
+    state.gpm_next = 1 - state.gpm_next
+    state.gpm_prev_t = now
+    if prev_t is None:
+        return {}
+    request = _metrics_request(older, newer, caps.gpm_figures)
+    got = failures.call("gpm_metrics", pynvml.nvmlGpmMetricsGet, request)
+    if got is None:
+        return {}
+    metrics = got.metrics
+    return {figure.field: metrics[i].value * figure.scale
+            for i, figure in enumerate(caps.gpm_figures)
+            if metrics[i].nvmlReturn == pynvml.NVML_SUCCESS}
+
+
+def _take_sample(handles: Handles, sample: Any) -> Any:
+    if handles.is_mig:
+        return pynvml.nvmlGpmMigSampleGet(handles.parent, handles.gpu_instance_id, sample)
+    return pynvml.nvmlGpmSampleGet(handles.device, sample)
+
+
+def _metrics_request(older: Any, newer: Any, figures: tuple[GpmFigure, ...]) -> Any:
+    request = pynvml.c_nvmlGpmMetricsGet_t()
+    request.version = pynvml.NVML_GPM_METRICS_GET_VERSION
+    request.numMetrics = len(figures)
+    request.sample1, request.sample2 = older, newer
+    for i, figure in enumerate(figures):
+        request.metrics[i].metricId = figure.metric_id
+    return request
+
+
+def alloc_gpm_samples(caps: Capabilities) -> tuple[Any, ...]:
+    """The two GPM sample buffers a GPU with GPM alternates between."""
+    if not caps.gpm:
+        return ()
+    return (pynvml.nvmlGpmSampleAlloc(), pynvml.nvmlGpmSampleAlloc())
+

@@ -1,0 +1,228 @@
+"""The NVML source: one reading per selected GPU per cycle, and the GPUs' life cycle.
+
+Capabilities are detected once per GPU when it is opened (``capabilities.py``). At run time only
+two things can go wrong: the GPU is lost (it is set aside and re-opened later by UUID, the others
+carry on) or a call fails for a passing reason (that figure is absent this cycle, logged once
+until it recovers).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import time
+from collections import Counter
+from collections.abc import Callable, Iterable
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+import pynvml
+import structlog
+
+from sidecar.config import Config
+from sidecar.samples import GpuIdentity
+from sidecar.sources.nvml.devices import Device, open_gpu, reopen
+from sidecar.sources.nvml.errors import GpuLost, NvmlUnavailable, error_name, init_advice, is_lost
+from sidecar.sources.nvml.reading import GPM_MIN_INTERVAL_S, KIB, NvmlReading, read_gpu
+
+log = structlog.get_logger("sidecar.nvml")
+
+
+class NvmlSource:
+    def __init__(
+        self,
+        *,
+        pcie_peak_bytes_per_second: float | None = None,
+        lost_retry_s: float = Config.gpu_retry_interval,
+        interval_s: float = Config.interval,
+        clock: Callable[[], float] = time.monotonic,
+        sleep: Callable[[float], None] = time.sleep,
+    ) -> None:
+        self.pcie_peak = pcie_peak_bytes_per_second
+        self.lost_retry_s = lost_retry_s
+        self.interval_s = interval_s
+        self.clock = clock
+        self.sleep = sleep
+        self.driver_version = ""
+        self.errors: Counter[str] = Counter()
+        self.unreadable_at_start: list[int] = []  # indexes NVML lists but could not open
+        self._devices: dict[str, Device] = {}
+        self._throughput = ThroughputCalls()
+
+    # -- life cycle ----------------------------------------------------------------------------
+
+    def open(self) -> None:
+        try:
+            pynvml.nvmlInit()
+        except pynvml.NVMLError as exc:
+            raise NvmlUnavailable(init_advice(exc)) from exc
+        try:
+            self.driver_version = pynvml.nvmlSystemGetDriverVersion()
+        except pynvml.NVMLError:
+            self.driver_version = "unknown"
+        for index in range(pynvml.nvmlDeviceGetCount()):
+            try:
+                handle = pynvml.nvmlDeviceGetHandleByIndex(index)
+                for dev in open_gpu(handle, index, pcie_peak=self.pcie_peak,
+                                    interval_s=self.interval_s, errors=self.errors):
+                    self._devices[dev.identity.uuid] = dev
+            except pynvml.NVMLError as exc:
+                self.unreadable_at_start.append(index)
+                log.warning("gpu_unreadable_at_start", gpu_index=index, error=str(exc),
+                            hint=f"it is left out; check `nvidia-smi -i {index}`")
+        # which GPUs this container sees: what a DRA claim or NVIDIA_VISIBLE_DEVICES gave it
+        log.info("nvml_opened", driver=self.driver_version, gpus=len(self._devices),
+                 visible=[f"{d.identity.uuid} ({d.identity.name})"
+                          for d in self._devices.values()])
+
+    def close(self) -> None:
+        self._throughput.close()
+        for dev in self._devices.values():
+            dev.free()
+        self._devices.clear()
+        with contextlib.suppress(pynvml.NVMLError):
+            pynvml.nvmlShutdown()
+
+    def devices(self) -> list[GpuIdentity]:
+        return [d.identity for d in self._devices.values()]
+
+    def absent(self, uuid: str) -> dict[str, str]:
+        """Metrics this GPU cannot give, with the reason (for ``probe`` and the start-up log)."""
+        return dict(self._devices[uuid].caps.absent)
+
+    def capabilities(self, uuid: str) -> dict[str, Any]:
+        return self._devices[uuid].caps.summary()
+
+    def is_lost(self, uuid: str) -> bool:
+        dev = self._devices.get(uuid)
+        return dev is not None and dev.lost_since is not None
+
+    # -- reading -------------------------------------------------------------------------------
+
+    def read(self, uuids: Iterable[str]) -> dict[str, NvmlReading | None]:
+        """One reading per requested GPU; None for a GPU that is lost or unknown.
+
+        A reading closer than GPM's minimum to the previous one (the last sample taken at
+        shutdown, just after a cycle) first waits out the rest of that minimum, at most 0.1 s,
+        rather than dropping the GPM figures."""
+        uuids = list(uuids)
+        now = self._after_gpm_minimum([self._devices[u] for u in uuids if u in self._devices])
+        live = [dev for u in uuids if (dev := self._live(u, now)) is not None]
+        slow = [d for d in live if d.caps.pcie == "throughput"]
+        pending = self._throughput.start(slow)
+        result: dict[str, NvmlReading | None] = dict.fromkeys(uuids)
+        for dev in live:
+            try:
+                result[dev.identity.uuid] = read_gpu(dev.handles, dev.caps, dev.state,
+                                                     dev.failures, now)
+            except GpuLost as exc:
+                self._mark_lost(dev, now, str(exc.__cause__ or exc))
+        for dev in slow:
+            result[dev.identity.uuid] = self._add_throughput(
+                dev, result[dev.identity.uuid], pending[dev.identity.uuid], now)
+        return result
+
+    def _after_gpm_minimum(self, devices: list[Device]) -> float:
+        """Now, once at least GPM's minimum has passed since any of ``devices``' last sample."""
+        now = self.clock()
+        last = max((d.state.gpm_prev_t for d in devices
+                    if d.caps.gpm and d.state.gpm_prev_t is not None), default=None)
+        if last is not None and 0 <= now - last < GPM_MIN_INTERVAL_S:
+            self.sleep(GPM_MIN_INTERVAL_S - (now - last))
+            now = self.clock()
+        return now
+
+    def _live(self, uuid: str, now: float) -> Device | None:
+        """The GPU to read, re-opened first if it was lost and its retry is due; None if it is
+        unknown or still lost."""
+        dev = self._devices.get(uuid)
+        if dev is None or (dev.lost_since is not None and not self._recover(dev, now)):
+            return None
+        return dev
+
+    def _add_throughput(self, dev: Device, reading: NvmlReading | None,
+                        calls: tuple[Future[int], Future[int]], now: float) -> NvmlReading | None:
+        """``reading`` with the PCIe rates of its throughput calls (KB/s over 20 ms)."""
+        try:
+            tx, rx = calls[0].result(), calls[1].result()
+        except pynvml.NVMLError as exc:
+            if not is_lost(exc):
+                dev.failures.failed("pcie_throughput", exc)
+                return reading
+            if reading is not None:
+                self._mark_lost(dev, now, error_name(exc))
+            return None
+        dev.failures.recovered("pcie_throughput")
+        if reading is None:
+            return None
+        io = dataclasses.replace(reading.io, pcie_tx_bytes_per_second=float(tx * KIB),
+                                 pcie_rx_bytes_per_second=float(rx * KIB))
+        return dataclasses.replace(reading, io=io)
+
+    # -- lost GPUs -----------------------------------------------------------------------------
+
+    def _mark_lost(self, dev: Device, now: float, why: str = "GPU is lost") -> None:
+        if dev.lost_since is None:
+            dev.lost_since = now
+            self.errors["gpu_lost"] += 1
+            log.error("gpu_lost", gpu_uuid=dev.identity.uuid, gpu_name=dev.identity.name,
+                      error=why, retry_in_s=self.lost_retry_s,
+                      effect="its series stop; the other GPUs keep reporting")
+            dev.failures.clear()
+        dev.retry_at = now + self.lost_retry_s
+        dev.state.forget()
+
+    def _recover(self, dev: Device, now: float) -> bool:
+        if now < dev.retry_at:
+            return False
+        try:
+            dev.handles = reopen(dev)
+        except pynvml.NVMLError:
+            dev.retry_at = now + self.lost_retry_s
+            return False
+        dev.failures.clear()
+        log.info("gpu_recovered", gpu_uuid=dev.identity.uuid,
+                 lost_for_s=round(now - (dev.lost_since or now), 3))
+        dev.lost_since = None
+        return True
+
+
+class ThroughputCalls:
+    """``nvmlDeviceGetPcieThroughput`` for GPUs without byte counters or GPM (before Hopper),
+    run concurrently on a small thread pool.
+
+    The pool is there because the call blocks for its 20 ms sampling window: two calls (TX, RX)
+    per GPU, one after the other, would cost 40 ms per GPU per cycle, 320 ms on an 8-GPU node,
+    while all of them at once cost one window, overlapped with the other GPUs' reads. pynvml
+    releases the GIL during the C call, so the threads wait in parallel. No pool exists on a GPU
+    with counters or GPM (Hopper and newer), where no such call is made."""
+
+    def __init__(self) -> None:
+        self._pool: ThreadPoolExecutor | None = None
+        self._size = 0
+
+    def start(self, devices: list[Device]) -> dict[str, tuple[Future[int], Future[int]]]:
+        """uuid -> the (TX, RX) calls of each of ``devices``, running."""
+        if not devices:
+            return {}
+        pool = self._executor(2 * len(devices))
+        return {dev.identity.uuid: (
+            pool.submit(pynvml.nvmlDeviceGetPcieThroughput, dev.handles.device,
+                        pynvml.NVML_PCIE_UTIL_TX_BYTES),
+            pool.submit(pynvml.nvmlDeviceGetPcieThroughput, dev.handles.device,
+                        pynvml.NVML_PCIE_UTIL_RX_BYTES),
+        ) for dev in devices}
+
+    def _executor(self, calls: int) -> ThreadPoolExecutor:
+        """A pool wide enough for every throughput call of a cycle to run at once."""
+        if self._pool is None or self._size < calls:
+            if self._pool is not None:
+                self._pool.shutdown(wait=False)
+            self._size = calls
+            self._pool = ThreadPoolExecutor(max_workers=calls, thread_name_prefix="pcie")
+        return self._pool
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=False, cancel_futures=True)
+            self._pool = None
