@@ -32,6 +32,11 @@ def configure(fmt: str = "auto", level: str = "info") -> None:
         logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
         cache_logger_on_first_use=False,
     )
+    # the HTTP library's own log lines quote URLs (query values included) and receivers'
+    # malformed headers: the agent says what matters itself, through structlog, masked
+    urllib3_log = logging.getLogger("urllib3")
+    urllib3_log.addHandler(logging.NullHandler())
+    urllib3_log.propagate = False
 
 
 _log = structlog.get_logger("sidecar")

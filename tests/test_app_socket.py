@@ -12,8 +12,9 @@ from pathlib import Path
 import pytest
 
 from sidecar import protocol
+from sidecar.config import Config
 from sidecar.simulate.fake_nvml import ManualClock
-from sidecar.sources.app_socket import MAX_PROCESSES_PER_GPU, AppSocket, AppState, SocketInUse, bind_datagram
+from sidecar.sources.app_socket import AppSocket, AppState, SocketInUse, bind_datagram
 from tests.conftest import send_datagram
 from tests.waiting import until
 
@@ -195,7 +196,7 @@ def test_a_uuid_with_anything_around_it_never_reaches_a_label(uuid):
 def test_per_process_state_is_bounded():
     clock = ManualClock()
     state = AppState(clock=clock, stale_after_s=30)
-    for pid in range(1, MAX_PROCESSES_PER_GPU + 1):
+    for pid in range(1, Config.app_max_processes + 1):
         state.feed(raw(alloc(pid=pid)))
     assert state.feed(raw(alloc(pid=99_999))) is None
     assert state.rejected == {"too_many_processes": 1}

@@ -17,7 +17,6 @@ from sidecar.sinks.http import HttpOptions
 from sidecar.sinks.pushgateway import PushgatewaySink
 from sidecar.sinks.remote_write import RemoteWriteSink
 from sidecar.sinks.spooled import SpooledSink
-from sidecar.sources import app_socket
 from sidecar.sources.app_socket import AppState
 from sidecar.sources.nvml.source import NvmlSource
 from tests.conftest import ROOT
@@ -51,11 +50,6 @@ def test_a_constructor_default_is_the_config_s(cls, param, field):
     assert default == getattr(Config, field) == config.DEFAULTS[field], (
         f"{cls.__name__}({param}={default!r}) differs from Config.{field}")
     assert type(default) is type(getattr(Config, field))
-
-
-def test_the_app_limits_named_by_the_source_are_the_config_s():
-    assert Config.app_max_processes == app_socket.MAX_PROCESSES_PER_GPU
-    assert Config.app_max_gpus == app_socket.MAX_APP_GPUS
 
 
 def test_the_retry_after_cap_is_one_constant_the_help_shows():

@@ -31,6 +31,7 @@ from sidecar.sinks.http import Http, HttpOptions
 from sidecar.urls import redact_url as redact
 from tests.conftest import ROOT, run_cli
 from tests.receivers import FaultProxy
+from tests.waiting import until
 
 
 def response(status: int, text: str = "", headers: dict | None = None) -> Response:
@@ -436,7 +437,7 @@ def test_push_timeout_bounds_a_trickled_answer(headers_first):
     finally:
         server.shutdown()
         server.server_close()
-    assert 1.4 < took < 2.5, took
+    assert 1.4 < took < 6.0, took  # at the deadline, not at the trickle's end (40 s)
 
 
 def test_push_timeout_bounds_name_resolution(monkeypatch):
@@ -452,11 +453,11 @@ def test_push_timeout_bounds_name_resolution(monkeypatch):
     started = time.monotonic()
     with pytest.raises(Retryable) as err:
         client.request("POST", "http://receiver.example:9/api/v1/write", data=b"x")
-    assert time.monotonic() - started < 1.0
+    assert time.monotonic() - started < 2.5  # the lookup takes 3 s
     assert err.value.reason == "network" and "name resolution" in str(err.value)
 
 
-def test_a_2xx_whose_body_never_ends_is_final_and_said_once(tmp_path):
+def test_a_2xx_whose_body_never_ends_is_final_and_said_once_not_per_push(tmp_path):
     """The batch leaves the spool on the 2xx; the body timing out is logged, never a resend."""
     import structlog
 
@@ -475,16 +476,16 @@ def test_a_2xx_whose_body_never_ends_is_final_and_said_once(tmp_path):
         with structlog.testing.capture_logs() as logs:
             sink.start()
             sink.emit([Series("x", (), 1.0, 1_700_000_000_000)])
-            deadline = time.monotonic() + 5
-            while time.monotonic() < deadline and sink.samples_pushed == 0:
-                time.sleep(0.05)
-            time.sleep(1.0)  # time for a resend, were there one
+            until(lambda: sink.samples_pushed == 1, 30, what="the first batch's 2xx")
+            # a second batch sent shows the sender moved past the first: it was not resent
+            sink.emit([Series("x", (), 2.0, 1_700_000_001_000)])
+            until(lambda: sink.samples_pushed == 2, 30, what="the second batch's 2xx")
             assert sink.close(time.monotonic() + 2)
     finally:
         server.shutdown()
         server.server_close()
-    assert Trickling.requests == 1 and sink.samples_pushed == 1 and len(spool) == 0
-    assert sink.failures["internal"] == 1
+    assert Trickling.requests == 2 and sink.samples_pushed == 2 and len(spool) == 0
+    assert sink.failures["internal"] == 2
     assert [e["event"] for e in logs if e["log_level"] == "error"] == ["answer_unreadable"]
 
 

@@ -6,13 +6,16 @@ from __future__ import annotations
 
 import http.server
 import itertools
+import json
 import os
 import resource
+import signal
 import socket
 import ssl
 import stat
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Callable
@@ -50,7 +53,8 @@ class TlsReceiver:
     """A real local HTTPS remote-write endpoint with a certificate from a private CA (plain
     HTTP with ``tls=False``)."""
 
-    def __init__(self, cert: Path, key: Path, *, tls: bool = True) -> None:
+    def __init__(self, cert: Path, key: Path, *, tls: bool = True,
+                 client_ca: Path | None = None) -> None:
         self.requests = 0
         receiver = self
 
@@ -68,6 +72,9 @@ class TlsReceiver:
         if tls:
             context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
             context.load_cert_chain(cert, key)
+            if client_ca is not None:  # mutual TLS: only a client with a certificate of this CA
+                context.verify_mode = ssl.CERT_REQUIRED
+                context.load_verify_locations(client_ca)
             self.server.socket = context.wrap_socket(self.server.socket, server_side=True)
         scheme = "https" if tls else "http"
         self.url = f"{scheme}://127.0.0.1:{self.server.server_address[1]}/api/v1/write"
@@ -115,6 +122,91 @@ def test_tls_is_verified_by_default_and_a_private_ca_must_be_given(tmp_path):
         warned = [e for e in insecure.events() if e.get("event") == "tls_verification_disabled"]
         assert len(warned) == 1 and "--ca-file" in warned[0]["hint"]  # said once, by us
         assert "InsecureRequestWarning" not in "".join(insecure.err)  # not urllib3 per request
+
+
+def make_client_cert(tmp: Path) -> tuple[Path, Path]:
+    """A client certificate signed by the CA of ``make_ca_and_server_cert`` (call that first)."""
+    def openssl(*args: str) -> None:
+        subprocess.run(["openssl", *args], check=True, capture_output=True, cwd=tmp, timeout=60)
+
+    openssl("req", "-newkey", "rsa:2048", "-nodes", "-keyout", "client.key", "-out", "client.csr",
+            "-subj", "/CN=gpu-sidecar test client")
+    openssl("x509", "-req", "-in", "client.csr", "-CA", "ca.pem", "-CAkey", "ca.key",
+            "-CAcreateserial", "-out", "client.pem", "-days", "2")
+    return tmp / "client.pem", tmp / "client.key"
+
+
+def test_a_receiver_requiring_a_client_certificate_gets_the_one_configured(tmp_path):
+    """Mutual TLS: without --cert-file/--key-file the handshake is refused and nothing is
+    stored; with them every push is taken."""
+    ca, cert, key = make_ca_and_server_cert(tmp_path)
+    client_cert, client_key = make_client_cert(tmp_path)
+    receiver = TlsReceiver(cert, key, client_ca=ca)
+    with running(receiver):
+        refused = brief_run(receiver.url, tmp_path / "a", "--ca-file", str(ca),
+                            until_=lambda agent: agent.logged("push_failing"),
+                            what="the push without a client certificate to fail")
+        assert receiver.requests == 0
+        assert refused.logged("push_failing")[0]["reason"] in ("tls", "network")
+        brief_run(receiver.url, tmp_path / "b", "--ca-file", str(ca),
+                  "--cert-file", str(client_cert), "--key-file", str(client_key),
+                  until_=lambda agent: receiver.requests > 0, what="a push with the certificate")
+        assert receiver.requests > 0
+
+
+def test_the_http_library_logs_nothing_of_its_own_whatever_a_receiver_answers(tmp_path):
+    """A receiver answering a malformed header line: urllib3 logs a warning quoting the URL
+    (query values included) and the header text. Even in a process whose root logger prints
+    (an embedding program's ``logging.basicConfig()``), stderr has only the agent's own JSON
+    lines, and no secret of the URL."""
+    secret = "licence-key-5ecret"
+
+    class Malformed(http.server.BaseHTTPRequestHandler):
+        def do_POST(self) -> None:
+            self.rfile.read(int(self.headers.get("Content-Length", 0)))
+            self.wfile.write(b"HTTP/1.1 204 No Content\r\nX-Ok: 1\r\nbroken header line "
+                             + secret.encode() + b"\r\nContent-Length: 0\r\n\r\n")
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    answered = []
+    Malformed.do_POST = _counting(Malformed.do_POST, answered)
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Malformed)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{server.server_address[1]}/api/v1/write?key={secret}"
+    code = ("import logging, sys; logging.basicConfig(); from sidecar import cli; "
+            "sys.exit(cli.main(sys.argv[1:]))")
+    with tempfile.TemporaryFile("w+") as err:
+        proc = subprocess.Popen(
+            [sys.executable, "-c", code, "run", "--simulate", "healthy", "--interval", "0.2",
+             "--push-interval", "0.3", "--remote-write-url", url,
+             "--spool-dir", str(tmp_path / "spool"), "--log-format", "json"],
+            stdout=subprocess.DEVNULL, stderr=err, text=True, cwd=ROOT)
+        try:
+            until(lambda: len(answered) >= 3 or proc.poll() is not None,
+                  what=lambda: f"3 malformed answers sent (at {len(answered)})")
+            proc.send_signal(signal.SIGTERM)
+            assert proc.wait(timeout=30) == 0
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+            server.shutdown()
+            server.server_close()
+        err.seek(0)
+        stderr = err.read()
+    assert len(answered) >= 3
+    assert secret not in stderr
+    events = [json.loads(line) for line in stderr.splitlines()]  # all the agent's own
+    assert next(e for e in events if e["event"] == "stopped")["all_delivered"] is True
+
+
+def _counting(handler: Callable[..., None], seen: list) -> Callable[..., None]:
+    def counted(self: http.server.BaseHTTPRequestHandler) -> None:
+        handler(self)
+        seen.append(1)
+    return counted
 
 
 @pytest.mark.parametrize("tls", [False, True], ids=["http", "https"])

@@ -46,7 +46,7 @@ from sidecar.config import Config
 from sidecar.durability import journal
 from sidecar.log import Episodes, log_count
 
-log = structlog.get_logger("sidecar.durability.spool")
+log = structlog.get_logger("sidecar.spool")
 
 MAGIC = b"GSB1"
 HEADER = struct.Struct("<4sIII")

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import base64
 import contextlib
+import errno
 import http.cookiejar
 import ipaddress
 import os
@@ -87,8 +88,11 @@ class SecretFile:
         st = os.stat(self.path)
         stamp = (st.st_mtime, st.st_size)
         if stamp != self._stamp:
-            with open(self.path, encoding="utf-8") as f:
-                self._value = f.read().strip()
+            try:
+                with open(self.path, encoding="utf-8") as f:
+                    self._value = f.read().strip()
+            except UnicodeDecodeError:  # its repr would quote the file's bytes: the secret
+                raise OSError(errno.EINVAL, "not UTF-8 text", self.path) from None
             self._stamp = stamp
         return self._value
 
@@ -145,32 +149,31 @@ def _watch_socket(conn: HTTPConnection) -> None:
         watch.add(conn.sock)
 
 
-class _Connection(HTTPConnection):
-    """urllib3's connection, with its socket handed to the request's watchdog."""
+class _Watched:
+    """Mixed into urllib3's connections: the socket goes to the request's watchdog as soon as
+    it is connected, before a TLS handshake (which a receiver could trickle too), and again at
+    each request on a kept-alive connection (``connect`` is not called then)."""
 
-    def connect(self) -> None:
+    def _new_conn(self) -> socket.socket:
         watch: _Watch | None = getattr(_current, "watch", None)
         if watch is not None:
             watch.connected = True
-        super().connect()
-        _watch_socket(self)
-
-    def request(self, *args: Any, **kwargs: Any) -> None:  # type: ignore[override]
-        _watch_socket(self)  # a kept-alive connection: connect() is not called again
-        super().request(*args, **kwargs)
-
-
-class _TlsConnection(HTTPSConnection):
-    def connect(self) -> None:
-        watch: _Watch | None = getattr(_current, "watch", None)
+        sock = super()._new_conn()  # type: ignore[misc]
         if watch is not None:
-            watch.connected = True
-        super().connect()
-        _watch_socket(self)
+            watch.add(sock)
+        return sock
 
-    def request(self, *args: Any, **kwargs: Any) -> None:  # type: ignore[override]
-        _watch_socket(self)
-        super().request(*args, **kwargs)
+    def request(self, *args: Any, **kwargs: Any) -> None:
+        _watch_socket(self)  # type: ignore[arg-type]
+        super().request(*args, **kwargs)  # type: ignore[misc]
+
+
+class _Connection(_Watched, HTTPConnection):
+    pass
+
+
+class _TlsConnection(_Watched, HTTPSConnection):
+    pass
 
 
 class _Pool(HTTPConnectionPool):
@@ -273,6 +276,15 @@ class _Lookup:
 # -- the client ---------------------------------------------------------------------------------
 
 
+class _Session(requests.Session):
+    """A ``Session`` for which no answer is a redirect: with ``allow_redirects=False``
+    ``requests`` still reads a 3xx answer's whole body (uncapped) to prepare the next request;
+    here the 3xx is an answer like any other, read by ``Http._read``."""
+
+    def get_redirect_target(self, resp: requests.Response) -> None:
+        return None
+
+
 class Http:
     """HTTP/1.1 to one receiver with the configured TLS and credentials: one ``requests.Session``
     and its kept-alive connection, one request at a time (each sink has one sender; at shutdown
@@ -286,11 +298,13 @@ class Http:
         self._tls: ssl.SSLContext | None = None
         self._resolver = _Resolver()
         self._adapter = _Adapter(self._tls_context)
-        self.session = requests.Session()
+        self.session = _Session()
         self.session.trust_env = False  # no proxy, .netrc or CA bundle from the environment
         # no cookies: a receiver's Set-Cookie is not sent back, as a push needs none
         self.session.cookies.set_policy(http.cookiejar.DefaultCookiePolicy(allowed_domains=[]))
-        self.session.headers = CaseInsensitiveDict({"User-Agent": USER_AGENT})
+        # answers uncompressed: the body is read as sent, under its size cap
+        self.session.headers = CaseInsensitiveDict({"User-Agent": USER_AGENT,
+                                                    "Accept-Encoding": "identity"})
         self.session.mount("http://", self._adapter)
         self.session.mount("https://", self._adapter)
         self._lock = threading.Lock()
@@ -334,14 +348,23 @@ class Http:
 
     def check(self, response: Response, policy: Policy = REMOTE_WRITE) -> None:
         """Raise ``Retryable`` or ``Refused`` unless the receiver accepted the request; what the
-        receiver said is shortened and has every configured secret masked."""
+        receiver said is shortened and has every configured secret masked. A 2xx returns
+        before the secrets are read: nothing may turn an accepted request into a failure."""
+        if 200 <= response.status_code < 300:
+            return
         policy.check(response, self.secrets(response.url))
+
+    def close(self) -> None:
+        """Close the kept-alive connection (the sink is done with this receiver)."""
+        self.session.close()
 
     def request(self, method: str, url: str, *, data: bytes | None = None,
                 headers: dict[str, str] | None = None) -> Response:
         """One request, within ``--push-timeout`` (cut to the shutdown deadline); redirects are
         never followed. Raises ``Retryable`` when no answer came."""
         parts = urlsplit(url)
+        # here and below: the failure is raised after the ``except`` block, so that the original
+        # exception (whose text may quote a header, a token or the URL) is not its context
         failure: Retryable | None = None
         try:
             sent = self._headers(parts, headers)
@@ -442,7 +465,7 @@ class Http:
         size = 0
         unread: str | None = None
         try:
-            for chunk in answer.iter_content(CHUNK_BYTES):
+            for chunk in answer.raw.stream(CHUNK_BYTES, decode_content=False):
                 chunks.append(chunk)
                 size += len(chunk)
                 if size > ANSWER_MAX_BYTES:

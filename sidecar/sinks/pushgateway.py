@@ -224,6 +224,8 @@ class PushgatewaySink:
         assert self._final is not None
         self._final.join(timeout=max(0.0, deadline - time.monotonic()))
         self._stop.set()
+        if self._done.is_set():  # nothing left on the wire
+            self.http.close()
         return self._done.is_set()
 
     def _delete(self, deadline: float) -> None:

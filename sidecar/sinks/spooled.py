@@ -96,6 +96,7 @@ class SpooledSink:
             {reason: 0 for reason in codec.policy.failure_reasons()})
         self.points_rejected = 0  # what receivers said they dropped from accepted requests
         self._partial_answers = 0
+        self._unreadable_answers = 0  # 2xx answers whose body could not be read whole
         self._partial_condition: tuple[bool, str] | None = None  # the last one logged
         self._refused: tuple[int, float, int] | None = None  # status, since, attempts
         self.last_push_seconds = 0.0
@@ -197,6 +198,8 @@ class SpooledSink:
         self._thread.join(timeout=max(0.0, deadline - time.monotonic()))
         self._stop.set()
         self._wake.set()
+        if not self._thread.is_alive():  # a request still on the wire keeps its connection
+            self.http.close()
         self._journal.discard()
         self.spool.release_held()
         left = len(self.spool)
@@ -255,7 +258,7 @@ class SpooledSink:
     def _sleep(self, seconds: float) -> None:
         """tenacity's sleep: one that shutdown cuts short (the wait itself is the policy's)."""
         if self._draining.is_set():
-            self._stop.wait(min(seconds, 0.25))
+            self._stop.wait(min(seconds, self.policy.closing_retry_s))
         else:
             self._draining.wait(seconds)
 
@@ -334,12 +337,15 @@ class SpooledSink:
         """A 2xx may still say that part of the request was dropped, or warn (OTLP's
         partial_success): the rejected points are counted, and each condition is logged once
         (points rejected, or a warning only; a new message is a new condition), not once per
-        batch. A 2xx whose body could not be read whole is delivered all the same: said once
-        per answer, counted as ``internal``."""
+        batch. A 2xx whose body could not be read whole is delivered all the same: counted as
+        ``internal``, logged at the 1st, 10th, 100th ... such answer (a receiver that always
+        trickles its answers must not log one line per push)."""
         if response.unread is not None:
             self.failures["internal"] += 1
-            self.log.error("answer_unreadable", sink=self.name, error=response.unread,
-                           effect="the batch was accepted (2xx) and is not sent again")
+            self._unreadable_answers += 1
+            log_count("answer_unreadable", self._unreadable_answers, sink=self.name,
+                      error=response.unread,
+                      effect="the batch was accepted (2xx) and is not sent again")
             return
         partial = self.codec.partial(response)
         if partial is None:

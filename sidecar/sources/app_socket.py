@@ -28,8 +28,6 @@ from sidecar.samples import AllocatorFigures, AppFigures, LatencyHistogram
 
 log = structlog.get_logger("sidecar.app")
 
-MAX_PROCESSES_PER_GPU = Config.app_max_processes
-MAX_APP_GPUS = Config.app_max_gpus
 REJECT_LOG_EVERY_S = 60.0
 
 
@@ -57,8 +55,8 @@ class AppState:
         stale_after_s: float = Config.app_stale_after,
         known_gpu: Callable[[str], bool] | None = None,
         clock: Callable[[], float] = time.monotonic,
-        max_processes: int = MAX_PROCESSES_PER_GPU,
-        max_gpus: int = MAX_APP_GPUS,
+        max_processes: int = Config.app_max_processes,
+        max_gpus: int = Config.app_max_gpus,
         max_buckets: int = Config.app_max_buckets,
         max_message_bytes: int = Config.app_max_message_bytes,
     ) -> None:

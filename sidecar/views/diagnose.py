@@ -26,7 +26,7 @@ if TYPE_CHECKING:
     from sidecar.agent import Agent
     from sidecar.config import Config
 
-log = structlog.get_logger("sidecar.views.diagnose")
+log = structlog.get_logger("sidecar.diagnose")
 
 
 def report(verdicts: Mapping[str, Verdict], *, seconds: float, samples: int, label: str,

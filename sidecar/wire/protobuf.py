@@ -9,8 +9,8 @@ bytes made once at import, so a name costs nothing over the literal it replaces.
 
 The reader (``fields``) is the small part the OTLP sink uses to read a receiver's answers.
 
-Stdlib only: importing this loads neither snappy nor protobuf (the agent's RSS budget,
-tests/test_otlp.py).
+Stdlib only: importing this loads neither snappy nor protobuf, which the agent does not depend
+on (tests/test_otlp.py).
 """
 
 from __future__ import annotations

@@ -242,10 +242,10 @@ def _gpm_figures(handles: Handles, caps: Capabilities, state: ReadState, failure
     got = failures.call("gpm_metrics", pynvml.nvmlGpmMetricsGet, request)
     if got is None:
         return {}
-    metrics = got.metrics
-    return {figure.field: metrics[i].value * figure.scale
-            for i, figure in enumerate(caps.gpm_figures)
-            if metrics[i].nvmlReturn == pynvml.NVML_SUCCESS}
+    # the request holds NVML_GPM_METRIC_MAX entries; only the first len(gpm_figures) were asked
+    return {figure.field: metric.value * figure.scale
+            for figure, metric in zip(caps.gpm_figures, got.metrics, strict=False)
+            if metric.nvmlReturn == pynvml.NVML_SUCCESS}
 
 
 def _take_sample(handles: Handles, sample: Any) -> Any:
