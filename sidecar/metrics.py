@@ -163,6 +163,11 @@ METRICS: tuple[MetricSpec, ...] = (
        "write succeeds again."),
     _m("gpu_sidecar_spool_batches", "gauge", "batches", "self", "agent",
        "Batches waiting to be sent (on disk or in memory), per remote-write or OTLP sink."),
+    _m("gpu_sidecar_journal_records_damaged_total", "counter", "records", "self", "agent",
+       "Crash-journal records that failed their check at start-up and were skipped, per "
+       "remote-write or OTLP sink: each is one cycle lost (the intact records after it are "
+       "replayed; a record cut short at the end by the crash is not counted). Logged as "
+       "journal_record_damaged."),
     # run: a batch Job's summary (--batch-job), sent once with the last cycle, labelled job_name
     # (and job_index for an Indexed Job's pod)
     _m("gpu_run_start_timestamp_seconds", "gauge", "seconds", "run", "agent: first cycle",
@@ -237,7 +242,7 @@ _UCUM = {"ratio": "1", "bytes": "By", "bytes/s": "By/s", "seconds": "s", "boolea
          "info": "1", "retries": "{retry}", "errors": "{error}", "processes": "{process}",
          "generation": "{generation}", "lanes": "{lane}", "samples": "{sample}",
          "cycles": "{cycle}", "messages": "{message}", "requests": "{request}",
-         "batches": "{batch}"}
+         "batches": "{batch}", "records": "{record}"}
 _TX, _RX = (("network.io.direction", "transmit"),), (("network.io.direction", "receive"),)
 # Prometheus name -> (OTel name, fixed attributes, instrument if not the Prometheus kind's)
 _OTEL_NAMES: dict[str, tuple[str, tuple[tuple[str, str], ...], Instrument | None]] = {
@@ -292,6 +297,8 @@ _OTEL_NAMES: dict[str, tuple[str, tuple[tuple[str, str], ...], Instrument | None
     "gpu_sidecar_spool_bytes": ("gpu.sidecar.spool.usage", (), None),
     "gpu_sidecar_spool_batches": ("gpu.sidecar.spool.batches", (), None),
     "gpu_sidecar_spool_write_failing": ("gpu.sidecar.spool.write_failing", (), None),
+    "gpu_sidecar_journal_records_damaged_total": ("gpu.sidecar.journal.records_damaged", (),
+                                                  None),
     "gpu_run_start_timestamp_seconds": ("gpu.run.start", (), None),
     "gpu_run_end_timestamp_seconds": ("gpu.run.end", (), None),
     "gpu_run_duration_seconds": ("gpu.run.duration", (), None),

@@ -1,7 +1,8 @@
-"""What the journal and the spool promise a crash: a damaged journal record is never replayed,
-nor anything after it (``journal.read_records``: "the intact records ... up to the first torn or
-damaged one"), and a replayed batch keeps its sequence number, so it is sent in its place:
-after the batches sealed before it, before every batch of the new run."""
+"""What the journal and the spool promise a crash: a damaged journal record costs only itself (it
+is never replayed, every intact record after it is, in order, and the damage is counted:
+``journal.parse``), a record torn by the crash is the cycle in progress, and a replayed batch
+keeps its sequence number, so it is sent in its place: after the batches sealed before it,
+before every batch of the new run."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from sidecar.durability import journal
-from sidecar.durability.journal import RECORD, Journal, read_records
+from sidecar.durability.journal import RECORD, Journal, read, read_records
 from sidecar.durability.spool import Spool
 
 CYCLES = [(b"cycle-0 " * 5, 3), (b"cycle-1 " * 7, 4), (b"cycle-2 " * 6, 5)]
@@ -29,15 +30,27 @@ def record_offset(n: int) -> int:
 
 @pytest.mark.parametrize("damaged", [0, 1, 2])
 @pytest.mark.parametrize("where", ["crc field", "body byte"])
-def test_a_journal_record_whose_checksum_is_wrong_is_not_replayed_nor_any_record_after_it(
-        tmp_path, damaged, where):
+def test_a_journal_record_whose_checksum_is_wrong_costs_only_itself(tmp_path, damaged, where):
     j = written(tmp_path)
     assert list(read_records(j.path)) == CYCLES  # intact: every cycle comes back, in order
     data = bytearray(j.path.read_bytes())
     at = record_offset(damaged) + (8 if where == "crc field" else RECORD.size + 3)
     data[at] ^= 0x5A
     j.path.write_bytes(bytes(data))
-    assert list(read_records(j.path)) == CYCLES[:damaged]
+    # the damaged record is not replayed; every intact one after it is, in order; counted
+    assert list(read_records(j.path)) == CYCLES[:damaged] + CYCLES[damaged + 1:]
+    replay = read(j.path)
+    assert (replay.damaged, replay.torn) == (1, False)
+
+
+@pytest.mark.parametrize("damaged", [0, 1])
+def test_a_journal_record_whose_length_is_damaged_costs_only_itself(tmp_path, damaged):
+    j = written(tmp_path)
+    data = bytearray(j.path.read_bytes())
+    data[record_offset(damaged) + 1] ^= 0x01  # its length, by 256 bytes: the frame is lost
+    j.path.write_bytes(bytes(data))
+    assert list(read_records(j.path)) == CYCLES[:damaged] + CYCLES[damaged + 1:]
+    assert read(j.path).damaged == 1
 
 
 def test_a_torn_last_record_is_not_replayed_and_the_whole_ones_before_it_are(tmp_path):
@@ -45,6 +58,8 @@ def test_a_torn_last_record_is_not_replayed_and_the_whole_ones_before_it_are(tmp
     data = j.path.read_bytes()
     j.path.write_bytes(data[:-4])  # power lost mid-write of the last cycle
     assert list(read_records(j.path)) == CYCLES[:2]
+    replay = read(j.path)
+    assert (replay.damaged, replay.torn) == (0, True)  # the cycle in progress, not damage
 
 
 def replay(spool: Spool) -> list[int]:

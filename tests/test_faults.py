@@ -328,6 +328,39 @@ def test_an_unreadable_spool_entry_is_set_aside_and_the_sender_goes_on(tmp_path)
     assert len(set(before) & set(stored)) > 0  # the readable batches around it were sent
 
 
+def test_a_fifo_and_a_link_named_like_batches_neither_hang_the_agent_nor_send_from_outside(
+        tmp_path):
+    spool = tmp_path / "spool"
+    vm = VictoriaMetrics(tmp_path)  # down: batches pile up in the spool
+    first = Agent(args(vm.write_url, spool, "--shutdown-timeout", "0.5")).start()
+    until(lambda: len(list(spool.rglob("*.batch"))) >= 4, what="4 batches in the spool")
+    assert first.stop() == 0
+    batches = sorted(spool.rglob("*.batch"))
+    outside = Spool(tmp_path / "outside", max_bytes=1 << 20)  # a valid batch, not this spool's
+    left = Batch()
+    left.add([Series("from_outside_the_spool", (), 1.0, 1_700_000_000_000)])
+    foreign = outside.put(compress(Encoder().write_request(left.series)), samples=1)
+    outside.close()
+    before = (os.lstat(foreign.path).st_ino, foreign.path.read_bytes())
+    batches[1].unlink()
+    os.mkfifo(batches[1])
+    batches[2].unlink()
+    batches[2].symlink_to(foreign.path)
+    vm.start()
+    with running(vm):
+        second = Agent(args(vm.write_url, spool)).start()
+        until(lambda: set(keyed(second.sampled())) & stored_keys(vm),
+              what="the second agent's own cycles stored: start-up did not hang")
+        assert second.stop() == 0
+        stored = keyed(vm.settled())
+    assert not [k for k in stored if k[0] == "from_outside_the_spool"], "sent from outside"
+    assert (os.lstat(foreign.path).st_ino, foreign.path.read_bytes()) == before
+    assert sorted(e["kind"] for e in events(second, "spool_batch_unreadable")) == ["fifo", "symlink"]
+    assert os.path.islink(batches[2].parent / "corrupt" / batches[2].name)
+    real = [b for i, b in enumerate(batches) if i not in (1, 2)]
+    assert not any(b.exists() for b in real), "every real batch was delivered"
+
+
 # -- receiver ----------------------------------------------------------------------------------
 
 

@@ -2,11 +2,21 @@
 
 from __future__ import annotations
 
+import hashlib
 import os
+import socket
+import stat
+import threading
+import time
 
 import pytest
+import structlog
 
+from sidecar.durability import journal
+from sidecar.durability.journal import RECORD, Journal, read_records
 from sidecar.durability.spool import HEADER, Spool, SpoolError, SpoolLocked
+from sidecar.sinks.http import HttpOptions
+from sidecar.sinks.remote_write import RemoteWriteSink
 
 
 def test_batches_come_back_oldest_first_and_survive_a_restart(tmp_path):
@@ -231,3 +241,173 @@ def test_a_kept_copy_interrupted_by_a_crash_is_cleaned_up_at_start(tmp_path):
     spool = Spool(tmp_path, max_bytes=1 << 20)
     assert spool.bytes("rejected") == 0
     assert not list((tmp_path / "rejected").iterdir())
+
+
+# -- entries that are not regular files of the agent's own (issue 23) ---------------------------
+
+
+def _bounded(fn, seconds: float = 20.0):
+    """Run ``fn`` in a thread and fail, rather than hang, if it does not return in time."""
+    result: list = []
+    thread = threading.Thread(target=lambda: result.append(fn()), daemon=True)
+    thread.start()
+    thread.join(seconds)
+    assert not thread.is_alive(), f"still blocked after {seconds} s (a FIFO opened?)"
+    return result[0]
+
+
+def _drain(spool: Spool) -> list[tuple[int, bytes]]:
+    out = []
+    while (batch := spool.oldest()) is not None:
+        out.append((batch.seq, batch.body))
+        spool.remove(batch)
+    return out
+
+
+def _fingerprint(path) -> tuple[int, int, bytes]:
+    st = os.lstat(path)
+    return st.st_ino, st.st_size, hashlib.sha256(path.read_bytes()).digest()
+
+
+def test_links_fifos_sockets_and_directories_named_like_batches_are_never_opened_nor_followed(
+        tmp_path, monkeypatch):
+    outside, directory = tmp_path / "outside", tmp_path / "spool"
+    other = Spool(outside, max_bytes=1 << 20)  # a valid batch, but not this spool's
+    foreign = other.put(b"outside the spool: never to be sent", samples=99)
+    other.close()
+    foreign_journal = outside / f"{50:020d}.journal"
+    Journal(outside, 50).append(b"a journal outside the spool", 7)
+    big = outside / "big"
+    with big.open("wb") as f:
+        f.truncate(300 << 20)  # 300 MB, sparse
+    before = {p: _fingerprint(p) for p in (foreign.path, foreign_journal)}
+    big_ino = os.lstat(big).st_ino
+
+    body = b"r" * 1000
+    size = HEADER.size + len(body) + 1  # each body is ``body`` and one byte more
+    spool = Spool(directory, max_bytes=1 << 20)
+    real = [spool.put(body + bytes([i]), samples=10 + i) for i in range(8)]
+    spool.close()
+    name = {seq: f"{seq:020d}.batch" for seq in range(1, 9)}
+    for seq in (2, 3, 4, 5, 6):
+        (directory / name[seq]).unlink()
+    os.mkfifo(directory / name[2])
+    (directory / name[3]).symlink_to(big)
+    (directory / name[4]).symlink_to(foreign.path)
+    (directory / name[5]).mkdir()
+    monkeypatch.chdir(directory)  # a short relative path: AF_UNIX paths are short
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    listener.bind(name[6])
+    os.mkfifo(directory / f"{20:020d}.journal")
+    (directory / f"{21:020d}.journal").symlink_to(foreign_journal)
+    odd = [name[s] for s in (2, 3, 4, 5, 6)] + [f"{20:020d}.journal", f"{21:020d}.journal"]
+    kept = 0  # bytes moved aside: only a regular file counts, by its own size
+    if os.geteuid() == 0:  # a regular file of another user, where one can be made
+        stranger = directory / f"{9:020d}.batch"
+        stranger.write_bytes((directory / name[1]).read_bytes())
+        os.chown(stranger, 12345, 12345)
+        odd.append(stranger.name)
+        kept = size
+
+    try:
+        with structlog.testing.capture_logs() as logs:
+            # a link sized by its target would flood this bound
+            reopened = _bounded(lambda: Spool(directory, max_bytes=4 * size))
+            sent = _bounded(lambda: _drain(reopened))
+            assert journal.leftovers(directory) == []
+    finally:
+        listener.close()
+    # the real batches, all of them, in order; nothing from outside; none dropped for room
+    assert sent == [(b.seq, b.body) for b in real if b.seq in (1, 7, 8)]
+    assert reopened.dropped_samples["spool_full"] == 0
+    assert reopened.dropped_batches["unreadable"] == len(odd)
+    assert reopened.bytes("corrupt") == kept  # nothing sized by what it points to
+    # each odd entry moved aside as itself: the links still links, to the same targets
+    for entry in odd:
+        assert os.path.lexists(directory / "corrupt" / entry), entry
+        assert not os.path.lexists(directory / entry), entry
+    assert os.readlink(directory / "corrupt" / name[3]) == str(big)
+    assert os.readlink(directory / "corrupt" / name[4]) == str(foreign.path)
+    assert stat.S_ISFIFO(os.lstat(directory / "corrupt" / name[2]).st_mode)
+    # nothing outside the spool was read into a batch, moved, changed or deleted
+    assert {p: _fingerprint(p) for p in before} == before
+    assert os.lstat(big).st_ino == big_ino and big.stat().st_size == 300 << 20
+    kinds = [e["kind"] for e in logs if e["event"] == "spool_batch_unreadable"]
+    assert sorted(kinds) == sorted(set(kinds))  # logged once per kind
+    assert {"fifo", "symlink", "directory", "socket"} <= set(kinds)
+    reopened.close()
+    again = _bounded(lambda: Spool(directory, max_bytes=4 * size))  # the next start
+    assert again.bytes("corrupt") == kept and len(again) == 0
+
+
+def test_a_waiting_batch_swapped_for_a_fifo_or_a_link_is_set_aside_without_blocking(tmp_path):
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    target = outside / "target.batch"
+    spool = Spool(tmp_path / "spool", max_bytes=1 << 20)
+    batches = [spool.put(f"body-{i}".encode(), samples=1 + i) for i in range(4)]
+    target.write_bytes(batches[2].path.read_bytes())  # a valid batch, outside the spool
+    before = _fingerprint(target)
+    batches[1].path.unlink()
+    os.mkfifo(batches[1].path)  # swapped after the start: the sender meets it
+    batches[2].path.unlink()
+    batches[2].path.symlink_to(target)
+    sent = _bounded(lambda: _drain(spool))
+    assert sent == [(batches[0].seq, b"body-0"), (batches[3].seq, b"body-3")]
+    assert spool.dropped_batches["unreadable"] == 2
+    assert spool.dropped_samples["unreadable"] == 2 + 3  # their counts were known from the start
+    assert _fingerprint(target) == before
+    assert os.path.islink(tmp_path / "spool" / "corrupt" / batches[2].path.name)
+
+
+# -- the crash journal: a damaged record costs only itself (issue 23) ---------------------------
+
+
+N = 14
+
+
+def _journal(directory, seq: int = 3) -> Journal:
+    j = Journal(directory, seq)
+    for k in range(N):
+        j.append(f"cycle-{k:02d}|".encode() * (3 + k % 4), k + 1)
+    return j
+
+
+def _offset(j: Journal, k: int) -> int:
+    return sum(RECORD.size + len(body) for body, _ in list(read_records(j.path))[:k])
+
+
+@pytest.mark.parametrize("k", [0, 2, 7, N - 2])
+@pytest.mark.parametrize("where", ["crc", "body", "length"])
+def test_one_damaged_journal_record_of_many_costs_only_its_cycle(tmp_path, k, where):
+    j = _journal(tmp_path)
+    intact = list(read_records(j.path))
+    data = bytearray(j.path.read_bytes())
+    at = _offset(j, k) + {"crc": 8, "body": RECORD.size + 5, "length": 0}[where]
+    data[at] ^= {"crc": 0x01, "body": 0x20, "length": 0x40}[where]
+    j.path.write_bytes(bytes(data))
+    replay = journal.read(j.path)
+    assert replay.records == intact[:k] + intact[k + 1:]
+    assert (replay.damaged, replay.torn) == (1, False)
+
+
+def test_the_sink_replays_every_intact_record_logs_and_counts_the_damage(tmp_path):
+    directory = tmp_path / "spool"
+    Spool(directory, max_bytes=1 << 20).close()
+    j = _journal(directory)
+    data = bytearray(j.path.read_bytes())
+    data[_offset(j, 2) + RECORD.size + 1] ^= 0xFF  # one flipped byte in record 3 of 14
+    j.path.write_bytes(bytes(data))
+    spool = Spool(directory, max_bytes=1 << 20)
+    sink = RemoteWriteSink("http://127.0.0.1:9/api/v1/write", spool,
+                           HttpOptions(timeout_s=1, initial_backoff_s=5, max_backoff_s=5),
+                           push_interval_s=60.0)
+    with structlog.testing.capture_logs() as logs:
+        sink.start()
+        sink.close(time.monotonic() + 0.2)
+    assert spool.oldest().samples == N * (N + 1) // 2 - 3  # all but record 3's cycle
+    damaged = [e for e in logs if e["event"] == "journal_record_damaged"]
+    assert [(e["cycles_lost"], e["cycles_replayed"]) for e in damaged] == [(1, N - 1)]
+    assert sink.journal_records_damaged == 1
+    series = {s.name: s.value for s in sink.telemetry(0, ())}
+    assert series["gpu_sidecar_journal_records_damaged_total"] == 1

@@ -18,6 +18,12 @@ the disk takes writes again; only what is still held in memory when the agent st
 overflows that bound) is lost, and counted (``spool_write_failed``). What cannot be read is moved
 aside or skipped and counted, and each condition is logged when it starts.
 
+The spool reads only regular files of its own (``journal.read_own``): an entry named like a batch
+or a journal that is a link, a FIFO, a socket, a device, a directory or another user's file is
+never opened nor followed, nor sized by what it points to; it is moved to ``corrupt/`` itself
+(a link as a link, never its target), counted as an unreadable batch and logged once per kind.
+Nothing outside the spool directory is ever read, sent or deleted.
+
 The directory is locked (``flock`` on ``.lock``, which holds the owner's pid): two agents on one
 spool would send each other's batches twice and delete them under each other.
 
@@ -33,6 +39,7 @@ import errno
 import fcntl
 import os
 import re
+import stat
 import struct
 import threading
 import zlib
@@ -118,21 +125,33 @@ class Spool:
             ) from exc
         for leftover in self.dir.glob("*.tmp"):
             with contextlib.suppress(OSError):
-                leftover.unlink()  # a write interrupted by a crash: never renamed
+                leftover.unlink()  # a write interrupted by a crash (a link: the link itself)
         self._index: dict[int, _Entry] = {}  # waiting batches by sequence number
         self._aside: dict[str, dict[Path, int]] = {where: {} for where in ASIDE}  # oldest first
-        for entry in sorted(self.dir.iterdir()):
-            m = NAME.match(entry.name)
-            if m:
-                self._index[int(m.group(1))] = _Entry(entry, _size(entry), self._samples(entry))
+        self._odd_kinds: set[str] = set()  # kinds of entry set aside, each logged once
         for where in ASIDE:
-            with contextlib.suppress(OSError):
-                for entry in sorted((self.dir / where).iterdir()):
-                    if entry.suffix == ".tmp":  # a copy a crash interrupted
-                        with contextlib.suppress(OSError):
-                            entry.unlink()
-                        continue
-                    self._aside[where][entry] = _size(entry)
+            for found in _entries(self.dir / where, own_directory=True):
+                if found.name.endswith(".tmp"):  # a copy a crash interrupted
+                    with contextlib.suppress(OSError):
+                        os.unlink(found.path)
+                    continue
+                self._aside[where][Path(found.path)] = _lsize(found)
+        for found in _entries(self.dir):
+            m = NAME.match(found.name)
+            if not m and not _journal_name(found.name):
+                continue
+            path = Path(found.path)
+            try:
+                kind = journal.not_own_file(found.stat(follow_symlinks=False))
+                if kind is not None:
+                    raise journal.NotOwnFile(kind, path)
+                if m:  # sized by the entry itself (lstat), never by what it points to
+                    self._index[int(m.group(1))] = _Entry(path, _lsize(found),
+                                                          self._samples(path))
+            except journal.NotOwnFile as exc:
+                self._set_aside_odd(path, exc.kind)
+            except OSError:
+                continue  # gone meanwhile
         # a journal left by a crash keeps its number: new batches come after it, and after the
         # kept copies too, so that a new copy never replaces an older one of the same number
         unsealed = [seq for seq, _ in journal.leftovers(self.dir)]
@@ -172,14 +191,56 @@ class Spool:
 
     @staticmethod
     def _samples(path: Path) -> int:
+        """The sample count in a batch's header; raises ``NotOwnFile`` for anything but a
+        regular file of the agent's own, 0 when it cannot be read."""
         try:
-            with path.open("rb") as f:
-                head = f.read(HEADER.size)
-            if len(head) == HEADER.size and head[:4] == MAGIC:
-                return HEADER.unpack(head)[2]
+            head = journal.read_own(path, HEADER.size)
+        except journal.NotOwnFile:
+            raise
         except OSError:
-            pass
+            return 0
+        if len(head) == HEADER.size and head[:4] == MAGIC:
+            return HEADER.unpack(head)[2]
         return 0
+
+    def _set_aside_odd(self, path: Path, kind: str, seq: int | None = None,
+                       samples: int = 0) -> None:
+        """An entry named like a batch or a journal that is not a regular file of ours: the entry
+        itself is renamed into ``corrupt/`` (a link as a link: its target is never opened,
+        sized, moved or deleted), counted as an unreadable batch, logged once per kind."""
+        target = self.dir / "corrupt" / path.name
+        with self._lock:
+            if seq is not None and self._index.pop(seq, None) is None:
+                return  # already gone (and counted) some other way
+            self._count_drop("unreadable", samples)
+            count = self.dropped_batches["unreadable"]
+        moved = False
+        try:
+            self._aside_dir("corrupt")
+            os.replace(path, target)
+            moved = True
+        except OSError:
+            pass  # left where it is, never read: the next start meets it again
+        if moved:
+            with self._lock:
+                self._aside["corrupt"][target] = _lsize_path(target)
+        if kind not in self._odd_kinds:
+            self._odd_kinds.add(kind)
+            log.error("spool_batch_unreadable", batch=path.name, kind=kind, count=count,
+                      moved_to=str(target.parent) if moved else None, directory=str(self.dir),
+                      effect="not a regular file of the agent's own: never opened nor followed; "
+                             "skipped, later batches flow (logged once per kind, counted as "
+                             "reason=\"unreadable\")")
+
+    def _aside_dir(self, where: str) -> Path:
+        """``rejected/`` or ``corrupt/``, created when missing; refused (OSError) when it is not
+        a directory of the spool's own, such as a link to elsewhere."""
+        directory = self.dir / where
+        with contextlib.suppress(FileExistsError):
+            directory.mkdir(mode=0o700)
+        if not stat.S_ISDIR(os.lstat(directory).st_mode):
+            raise OSError(errno.ENOTDIR, "not a directory of the spool's own", str(directory))
+        return directory
 
     def bytes(self, state: str = "pending") -> int:
         with self._lock:
@@ -253,7 +314,8 @@ class Spool:
         """Write beside ``path`` under a temporary name and fsync it: the rename that follows
         publishes the whole file or nothing, whenever the process dies."""
         tmp = path.with_suffix(".tmp")
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)  # private to the agent
+        # private to the agent; never through a link (a link there must not truncate its target)
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
         with os.fdopen(fd, "wb") as f:
             f.write(data)
             f.flush()
@@ -430,12 +492,15 @@ class Spool:
                 entry = self._index[seq]
             path, samples = entry.path, entry.samples
             try:
-                data = path.read_bytes() if entry.held is None else entry.held
+                data = journal.read_own(path) if entry.held is None else entry.held
             except FileNotFoundError:
                 with self._lock:
                     self._index.pop(seq, None)
                 continue
-            except OSError as exc:  # another owner's file, a directory, an I/O error
+            except journal.NotOwnFile as exc:  # swapped in since the start: never opened
+                self._set_aside_odd(path, exc.kind, seq, samples)
+                continue
+            except OSError as exc:  # a file the agent may not read, an I/O error
                 self._move(seq, "corrupt", samples, reason="unreadable")
                 log_count("spool_batch_unreadable", self.dropped_batches["unreadable"],
                           batch=path.name, error=exc.strerror, moved_to=str(self.dir / "corrupt"),
@@ -465,7 +530,7 @@ class Spool:
             if total + samples > max_samples:
                 break
             try:
-                data = path.read_bytes() if entry.held is None else entry.held
+                data = journal.read_own(path) if entry.held is None else entry.held
             except OSError:
                 break  # oldest() deals with it when it reaches that batch
             if _verify(data) is not None:
@@ -510,7 +575,7 @@ class Spool:
                 return target  # already gone (and counted) some other way
             self._count_drop(reason or where, samples)
         try:
-            target.parent.mkdir(exist_ok=True, mode=0o700)
+            self._aside_dir(where)
             if entry.held is None:
                 os.replace(entry.path, target)
             else:  # the copy for a person to look at is written if the disk takes it now
@@ -526,11 +591,39 @@ class Spool:
         return target
 
 
-def _size(path: Path) -> int:
+def _entries(directory: Path, own_directory: bool = False) -> list[os.DirEntry[str]]:
+    """The entries of a directory, by name; none when it cannot be listed or (``own_directory``)
+    is not a directory itself, such as a link to elsewhere."""
     try:
-        return path.stat().st_size
+        if own_directory and not stat.S_ISDIR(os.lstat(directory).st_mode):
+            return []
+        with os.scandir(directory) as entries:
+            return sorted(entries, key=lambda e: e.name)
+    except OSError:
+        return []
+
+
+def _journal_name(name: str) -> bool:
+    stem = name.removesuffix(journal.SUFFIX)
+    return name.endswith(journal.SUFFIX) and stem.isdigit() and len(stem) == 20
+
+
+def _lsize(entry: os.DirEntry[str]) -> int:
+    """The bytes a spool entry itself holds: a regular file's size, 0 for anything else (never
+    the size of what a link points to)."""
+    try:
+        st = entry.stat(follow_symlinks=False)
     except OSError:
         return 0
+    return st.st_size if stat.S_ISREG(st.st_mode) else 0
+
+
+def _lsize_path(path: Path) -> int:
+    try:
+        st = os.lstat(path)
+    except OSError:
+        return 0
+    return st.st_size if stat.S_ISREG(st.st_mode) else 0
 
 
 def _verify(data: bytes) -> str | None:

@@ -97,6 +97,7 @@ class SpooledSink:
         self.points_rejected = 0  # what receivers said they dropped from accepted requests
         self._partial_answers = 0
         self._unreadable_answers = 0  # 2xx answers whose body could not be read whole
+        self.journal_records_damaged = 0  # journal records skipped at replay (cycles lost)
         self._partial_condition: tuple[bool, str] | None = None  # the last one logged
         self._refused: tuple[int, float, int] | None = None  # status, since, attempts
         self.last_push_seconds = 0.0
@@ -126,12 +127,19 @@ class SpooledSink:
             if self.spool.holds(seq):  # sealed, but the crash came before the journal went
                 journal.remove(path)
                 continue
-            records: list[tuple[bytes, int]] = []
+            replay = journal.Replay()
             try:
-                records = list(journal.read_records(path))
+                replay = journal.read(path)
             except OSError as exc:
                 self.log.error("journal_unreadable", journal=path.name, error=exc.strerror,
                           effect="the samples it held are lost")
+            records = replay.records
+            if replay.damaged:
+                self.journal_records_damaged += replay.damaged
+                self.log.error("journal_record_damaged", sink=self.name, journal=path.name,
+                               cycles_lost=replay.damaged, cycles_replayed=len(records),
+                               effect="the damaged records' cycles are lost; the intact records "
+                                      "around them are replayed")
             samples = sum(n for _, n in records)
             if samples:
                 body = self.codec.compress(b"".join(body for body, _ in records))
@@ -440,6 +448,7 @@ class SpooledSink:
             s("gpu_sidecar_spool_batches", len(self.spool)),
             s("gpu_sidecar_spool_write_failing", float(self.spool.write_failing)),
             s("gpu_sidecar_push_duration_seconds", self.last_push_seconds),
+            s("gpu_sidecar_journal_records_damaged_total", self.journal_records_damaged),
         ]
         if self.last_success_time:
             out.append(s("gpu_sidecar_last_push_success_timestamp_seconds", self.last_success_time))
