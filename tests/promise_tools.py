@@ -1,5 +1,6 @@
 """Small black-box tools for the ``test_*_promises.py`` files: the command line as a subprocess,
-a local HTTP receiver that records every request and answers by plan, and a bounded wait.
+a local HTTP receiver that records every request and answers by plan; waits are
+``tests.waiting.until``, re-exported here.
 
 Kept apart from ``tests/receivers.py`` and ``tests/conftest.py`` on purpose: these tests go
 through the command line and real sockets only, so they keep meaning the same thing while the
@@ -19,27 +20,13 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TypeVar
 
-import pytest
+from tests.waiting import until
+
+__all__ = ["Agent", "Receiver", "cli", "until"]
 
 ROOT = Path(__file__).resolve().parent.parent
 LOCAL = "127.0.0.1"
-T = TypeVar("T")
-
-
-def until(condition: Callable[[], T], timeout: float = 60.0, *, interval: float = 0.05,
-          what: str | Callable[[], str] = "the condition") -> T:
-    """Poll ``condition`` until it is truthy (returned) or fail after ``timeout`` seconds."""
-    deadline = time.monotonic() + timeout
-    while True:
-        value = condition()
-        if value:
-            return value
-        if time.monotonic() >= deadline:
-            awaited = what() if callable(what) else what
-            pytest.fail(f"waited {timeout:g} s for {awaited}; last seen: {value!r}"[:2000])
-        time.sleep(interval)
 
 
 def clean_env(extra: dict[str, str] | None = None) -> dict[str, str]:
