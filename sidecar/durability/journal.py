@@ -193,29 +193,30 @@ def parse(data: bytes) -> Replay:
     length; one whose length is damaged is skipped by scanning forward for the next offset where
     an intact record starts. A record cut short at the end, with nothing intact after it, is
     torn (a crash mid-write): the cycle in progress, not damage."""
-    out = Replay()
+    records: list[tuple[bytes, int]] = []
+    damaged = 0
     offset = 0
     while offset + RECORD.size <= len(data):
         end = _intact_end(data, offset)
         if end is not None:
             samples = RECORD.unpack_from(data, offset)[1]
-            out.records.append((data[offset + RECORD.size:end], samples))
+            records.append((data[offset + RECORD.size:end], samples))
             offset = end
             continue
         framed = offset + RECORD.size + RECORD.unpack_from(data, offset)[0]
         if framed == len(data) or (framed < len(data) and _intact_end(data, framed) is not None):
             offset = framed  # its frame holds: only its body or checksum is damaged
-            out = Replay(out.records, out.damaged + 1)
+            damaged += 1
             continue
         resync = next((at for at in range(offset + 1, len(data) - RECORD.size + 1)
                        if _intact_end(data, at, strict=True) is not None), None)
         if resync is None:  # nothing intact after it: the last record
             if framed > len(data):
-                return Replay(out.records, out.damaged, torn=True)
-            return Replay(out.records, out.damaged + 1)
-        out = Replay(out.records, out.damaged + _records_between(data, offset, resync))
+                return Replay(records=records, damaged=damaged, torn=True)
+            return Replay(records=records, damaged=damaged + 1)
+        damaged += _records_between(data, offset, resync)
         offset = resync
-    return Replay(out.records, out.damaged, torn=offset < len(data))
+    return Replay(records=records, damaged=damaged, torn=offset < len(data))
 
 
 def read(path: Path) -> Replay:
@@ -230,6 +231,12 @@ def read_records(path: Path) -> Iterator[tuple[bytes, int]]:
     yield from read(path).records
 
 
+def is_journal_name(name: str) -> bool:
+    """A journal's file name: the batch's 20-digit sequence number and ``SUFFIX``."""
+    stem = name.removesuffix(SUFFIX)
+    return name.endswith(SUFFIX) and stem.isdigit() and len(stem) == 20
+
+
 def leftovers(directory: Path) -> list[tuple[int, Path]]:
     """Journals of batches that were never sealed (the agent died), oldest first: regular files
     only, by ``lstat`` (the spool moves anything else named like a journal aside at start)."""
@@ -237,10 +244,8 @@ def leftovers(directory: Path) -> list[tuple[int, Path]]:
     try:
         with os.scandir(directory) as entries:
             for entry in entries:
-                stem = entry.name.removesuffix(SUFFIX)
-                if (entry.name.endswith(SUFFIX) and stem.isdigit() and len(stem) == 20
-                        and entry.is_file(follow_symlinks=False)):
-                    found.append((int(stem), Path(entry.path)))
+                if is_journal_name(entry.name) and entry.is_file(follow_symlinks=False):
+                    found.append((int(entry.name.removesuffix(SUFFIX)), Path(entry.path)))
     except OSError:
         return []
     return sorted(found)

@@ -138,7 +138,7 @@ class Spool:
                 self._aside[where][Path(found.path)] = _lsize(found)
         for found in _entries(self.dir):
             m = NAME.match(found.name)
-            if not m and not _journal_name(found.name):
+            if not m and not journal.is_journal_name(found.name):
                 continue
             path = Path(found.path)
             try:
@@ -603,9 +603,6 @@ def _entries(directory: Path, own_directory: bool = False) -> list[os.DirEntry[s
         return []
 
 
-def _journal_name(name: str) -> bool:
-    stem = name.removesuffix(journal.SUFFIX)
-    return name.endswith(journal.SUFFIX) and stem.isdigit() and len(stem) == 20
 
 
 def _lsize(entry: os.DirEntry[str]) -> int:
