@@ -21,7 +21,7 @@ import structlog
 
 from sidecar import __version__, config, protocol, signals
 from sidecar.agent import PRIME_WINDOW_S, Agent
-from sidecar.durability.spool import SpoolError
+from sidecar.durability.spool import Spool, SpoolError
 from sidecar.sinks import Sink
 from sidecar.sources.app_socket import AppSocket, AppState
 from sidecar.sources.nvml import NvmlSource
@@ -78,28 +78,20 @@ def build_sinks(cfg: config.Config, spool_root: str) -> list[Sink]:
         max_backoff_s=cfg.retry_max_backoff)
     sinks: list[Sink] = []
     if cfg.remote_write_url:
-        from sidecar.durability.spool import Spool
         from sidecar.sinks.remote_write import RemoteWriteSink, sink_name
 
         _private_root(spool_root)
-        per_host = Counter(_old_spool_dir(u) for u in cfg.remote_write_url)
-        for url, name in _named(cfg.remote_write_url, sink_name):
-            directory = os.path.join(spool_root, _spool_dir(name, url))
-            if per_host[_old_spool_dir(url)] == 1:
-                _adopt_old_spool(os.path.join(spool_root, _old_spool_dir(url)), directory)
-            spool = Spool(directory, cfg.spool_max_bytes, cfg.spool_memory_max_bytes)
+        for url, name, spool in _spools(spool_root, "remote_write", cfg.remote_write_url,
+                                        sink_name, cfg):
             sinks.append(RemoteWriteSink(url, spool, http,
                                          name=name, push_interval_s=cfg.push_interval,
                                          max_batch_samples=cfg.batch_max_samples))
     if cfg.otlp_url:
-        from sidecar.durability.spool import Spool
         from sidecar.sinks.otlp import otlp_sink
         from sidecar.sinks.otlp import sink_name as otlp_name
 
         _private_root(spool_root)
-        for url, name in _named(cfg.otlp_url, otlp_name):
-            spool = Spool(os.path.join(spool_root, _spool_dir(name, url)), cfg.spool_max_bytes,
-                          cfg.spool_memory_max_bytes)
+        for url, name, spool in _spools(spool_root, "otlp", cfg.otlp_url, otlp_name, cfg):
             sinks.append(otlp_sink(url, spool, http, name=name,
                                    extra_labels=tuple(k for k, _ in cfg.extra_label),
                                    push_interval_s=cfg.push_interval,
@@ -133,9 +125,9 @@ def _spool_dir(name: str, url: str) -> str:
     return f"{_safe_dir(name)}-{digest}"
 
 
-def _old_spool_dir(url: str) -> str:
+def _old_spool_dir(kind: str, url: str) -> str:
     """Where earlier releases kept a URL's spool: one directory per host and port."""
-    return _safe_dir(f"remote_write:{host_port(url)}")
+    return _safe_dir(f"{kind}:{host_port(url)}")
 
 
 def _named(urls: Sequence[str], sink_name: Callable[[str], str]) -> list[tuple[str, str]]:
@@ -150,16 +142,51 @@ def _named(urls: Sequence[str], sink_name: Callable[[str], str]) -> list[tuple[s
     return out
 
 
-def _adopt_old_spool(old: str, new: str) -> None:
-    """An upgrade must not orphan a backlog: the old directory becomes the URL's new one."""
-    if os.path.isdir(old) and not os.path.exists(new):
-        try:
-            os.rename(old, new)
-        except OSError as exc:
-            log.error("spool_not_adopted", old=old, new=new, error=exc.strerror,
-                      effect="batches of the earlier release stay unsent in the old directory")
-            return
-        log.info("spool_adopted", old=old, new=new, note="spool of an earlier release")
+def _spools(root: str, kind: str, urls: Sequence[str], sink_name: Callable[[str], str],
+            cfg: config.Config) -> list[tuple[str, str, Spool]]:
+    """Each URL of one kind with its name and its spool, opened; the spools of this kind that no
+    configured URL uses any more (a URL fixed or changed, a directory of an earlier release)
+    adopted by the URL they most likely belong to, so that nothing they hold is orphaned."""
+    named = _named(urls, sink_name)
+    opened = [(url, name, Spool(os.path.join(root, _spool_dir(name, url)), cfg.spool_max_bytes,
+                                cfg.spool_memory_max_bytes)) for url, name in named]
+    in_use = {spool.dir.name for _, _, spool in opened}
+    per_host = Counter(_old_spool_dir(kind, url) for url in urls)
+    for directory in _spool_dirs(root, kind):
+        if directory.name in in_use:
+            continue
+        heirs = [spool for url, _, spool in opened
+                 if directory.name == _old_spool_dir(kind, url)
+                 and per_host[directory.name] == 1] or [spool for _, _, spool in opened]
+        if len(heirs) != 1:
+            log.error("spool_orphaned", directory=str(directory), kind=kind,
+                      effect="its batches are not sent: several configured URLs of this kind "
+                             "could be its receiver",
+                      hint="configure its URL again, or start once with only the URL it "
+                           "should go to: that sink adopts it")
+            continue
+        taken = heirs[0].adopt(directory)
+        if taken is None:
+            log.warning("spool_not_adopted", directory=str(directory), kind=kind,
+                        effect="another gpu-sidecar holds it: left alone")
+        elif taken != (0, 0) or directory.exists():
+            log.info("spool_adopted", old=str(directory), new=str(heirs[0].dir),
+                     batches=taken[0], samples=taken[1], left_behind=directory.exists(),
+                     note="the spool of a URL no longer configured: its batches are sent to "
+                          "this receiver, in their order; what is not the agent's own file "
+                          "stays in the old directory")
+    return opened
+
+
+def _spool_dirs(root: str, kind: str) -> list[Path]:
+    """The spool directories of one kind of sink under ``root``, by name (never a link)."""
+    prefix = _safe_dir(f"{kind}:")
+    try:
+        with os.scandir(root) as entries:
+            return sorted(Path(e.path) for e in entries
+                          if e.name.startswith(prefix) and e.is_dir(follow_symlinks=False))
+    except OSError:
+        return []
 
 
 def _private_root(root: str) -> None:

@@ -387,8 +387,10 @@ def test_a_redirect_is_never_followed_nor_counted_as_delivered(tmp_path, status)
     assert len(events(agent, "receiver_recovered")) == 1
 
 
-def test_a_receiver_that_refuses_everything_keeps_the_spool_within_its_bound(tmp_path):
-    proxy = FaultProxy("http://127.0.0.1:9/unused", lambda n, body: (400, {}, b"never"))
+def test_a_receiver_that_refuses_every_batch_keeps_the_spool_within_its_bound(tmp_path):
+    # the first request is taken (the URL is right), then every batch is refused for its data
+    proxy = FaultProxy("http://127.0.0.1:9/unused",
+                       lambda n, body: (204, {}, b"") if n == 0 else (400, {}, b"never"))
     bound = 40_000
     with running(proxy):
         agent = Agent(args(proxy.url, tmp_path / "spool", "--push-interval", "0.2",

@@ -164,6 +164,70 @@ class Spool:
             log.info("spool_replay", directory=str(self.dir), batches=len(self._index),
                      bytes=self.bytes())
 
+    def adopt(self, other: Path) -> tuple[int, int] | None:
+        """Take over the spool of a receiver no longer configured (a typo in the URL fixed, a
+        receiver moved): its waiting batches, the journals a crash left and the copies kept aside
+        are renamed into this spool, in their order, after what this one already holds, so that
+        the next send delivers them and the bound counts them. A crash midway leaves each file in
+        one spool or the other, never both: the next start finishes the move. Only regular files
+        of the agent's own move; anything else stays where it is, never opened. Returns (batches,
+        samples) taken, or None when another agent holds the other spool's lock."""
+        try:
+            fd = os.open(other / ".lock", os.O_RDONLY | os.O_CREAT, 0o600)
+        except OSError:
+            return None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            os.close(fd)
+            return None
+        batches = samples = 0
+        try:
+            for where in ("", *ASIDE):
+                for path in _own_batches_and_journals(other / where, journals=not where):
+                    taken = self._take(path, where)
+                    if taken is not None:
+                        batches += 1
+                        samples += taken
+        finally:
+            with self._lock:
+                self._trim()
+            for name in (".lock", ".write-test", *(p.name for p in other.glob("*.tmp"))):
+                with contextlib.suppress(OSError):
+                    (other / name).unlink()  # a link itself, never its target
+            for directory in (*(other / where for where in ASIDE), other):
+                with contextlib.suppress(OSError):
+                    directory.rmdir()  # only when empty: what was not ours stays
+            os.close(fd)
+        return batches, samples
+
+    def _take(self, path: Path, where: str) -> int | None:
+        """Rename one adopted file under this spool's next number; the samples of a waiting
+        batch so taken, else None."""
+        with self._lock:
+            seq = self._next
+            self._next += 1
+        suffix = path.name[path.name.index("."):]
+        target = (self.dir / where if where else self.dir) / f"{seq:020d}{suffix}"
+        try:
+            if where:
+                self._aside_dir(where)
+            os.rename(path, target)
+        except OSError:
+            return None
+        if NAME.match(target.name) is None:
+            return None  # a journal: sealed by the sink's replay at start
+        with self._lock:
+            if where:
+                self._aside[where][target] = _lsize_path(target)
+                return None
+            try:
+                samples = self._samples(target)
+            except journal.NotOwnFile:
+                samples = 0
+            self._index[seq] = _Entry(target, _lsize_path(target), samples)
+            return samples
+
     def _take_lock(self) -> None:
         path = self.dir / ".lock"
         # locked through a read-only descriptor: nothing stays open for writing, so the volume
@@ -603,6 +667,29 @@ def _entries(directory: Path, own_directory: bool = False) -> list[os.DirEntry[s
         return []
 
 
+
+
+def _own_batches_and_journals(directory: Path, *, journals: bool) -> list[Path]:
+    """The batches (and ``journals``) of a directory that are regular files of the agent's own,
+    in their order. A journal whose batch was sealed before a crash is deleted on the way, as
+    the replay would: renumbered apart from its batch, it would be sent a second time."""
+    entries = _entries(directory, own_directory=True)
+    sealed = {m.group(1) for e in entries if (m := NAME.match(e.name))}
+    out = []
+    for found in entries:
+        is_journal = journals and journal.is_journal_name(found.name)
+        if not NAME.match(found.name) and not is_journal:
+            continue
+        try:
+            if journal.not_own_file(found.stat(follow_symlinks=False)) is not None:
+                continue
+            if is_journal and found.name.removesuffix(journal.SUFFIX) in sealed:
+                os.unlink(found.path)
+                continue
+        except OSError:
+            continue
+        out.append(Path(found.path))
+    return out
 
 
 def _lsize(entry: os.DirEntry[str]) -> int:

@@ -5,6 +5,12 @@ history and no spool: each push replaces the group with the newest cycle. For hi
 nothing lost during an outage) use remote-write. It never forgets a group by itself, so
 ``--pushgateway-delete-on-exit`` deletes this pod's group at shutdown; a batch Job's group is
 kept, holding only the run summary after the Job's last push.
+
+A Job's run summary is pushed once, at the end, when nothing comes after it: a Pushgateway that
+is out during the few seconds of the Job's shutdown must not lose it without a word. The final
+push is therefore retried with the same policy as every push (``answers.REMOTE_WRITE``, waits cut
+short while closing) until the shutdown deadline, and its fate is logged once: delivered after
+retries (info), or lost for this sink (an error naming the Job), with ``close`` returning False.
 """
 
 from __future__ import annotations
@@ -14,9 +20,11 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import structlog
+import tenacity
 from prometheus_client import CollectorRegistry, delete_from_gateway, push_to_gateway
 from prometheus_client.metrics_core import Metric
 
@@ -25,7 +33,7 @@ from sidecar.metrics import BY_NAME, histogram_of
 from sidecar.samples import Labels, Series
 from sidecar.sinks import IDLE_WAIT_S
 from sidecar.sinks.answers import FAILURE_REASONS, REMOTE_WRITE, Refused, Retryable
-from sidecar.sinks.http import Http, HttpOptions
+from sidecar.sinks.http import MIN_REQUEST_S, Http, HttpOptions
 from sidecar.summary import is_summary
 from sidecar.urls import redact_url as redact
 
@@ -61,6 +69,17 @@ class _Latest:
                 metric = families[family] = Metric(family, spec.help if spec else s.name, kind)
             metric.add_sample(s.name, dict(s.labels), s.value)
         return iter(families.values())
+
+
+@dataclass
+class _Outcome:
+    """How a push of the latest values went: kept up to date while it is being retried, so that
+    ``close`` can tell what it knows even of a push still on the wire at the deadline."""
+
+    delivered: bool = False
+    attempts: int = 0
+    reason: str | None = None  # the last failure's reason (``failures`` label), when one failed
+    detail: str | None = None  # what the network or the Pushgateway said, masked
 
 
 class PushgatewaySink:
@@ -103,6 +122,10 @@ class PushgatewaySink:
         self._thread = threading.Thread(target=self._run, name="sender-pushgateway", daemon=True)
         self._final: threading.Thread | None = None
         self._done = threading.Event()
+        self._closed = threading.Event()  # close() waits no longer: the final push stops too
+        self._final_push = _Outcome()
+        self._summary_pushed = False  # a push that carried the run summary was accepted
+        self._reported = False
 
     def start(self) -> None:
         self._thread.start()
@@ -124,29 +147,40 @@ class PushgatewaySink:
             self.http.check(response)
         return send
 
-    def _retrying(self, *, stop: Callable[[Any], bool],
-                  sleep: Callable[[float], object]) -> Any:
+    def _retrying(self, *, stop: Callable[[Any], bool], sleep: Callable[[float], object],
+                  closing: Callable[[], bool] = lambda: False) -> Any:
         """The Pushgateway answers as remote-write receivers do (``answers.REMOTE_WRITE``)."""
         return REMOTE_WRITE.retrying(initial_s=self.options.initial_backoff_s,
-                                     max_s=self.options.max_backoff_s, stop=stop, sleep=sleep)
+                                     max_s=self.options.max_backoff_s, stop=stop, sleep=sleep,
+                                     closing=closing)
 
-    def _push_latest(self, stop: Callable[[Any], bool]) -> None:
+    def _push_latest(self, stop: Callable[[Any], bool], *,
+                     sleep: Callable[[float], object] | None = None,
+                     closing: Callable[[], bool] = lambda: False,
+                     outcome: _Outcome | None = None) -> _Outcome:
+        """Push the newest values, retried until ``stop``; how it went (``outcome``, when given,
+        is the one kept up to date)."""
+        outcome = outcome if outcome is not None else _Outcome()
         with self._lock:
             series, self._pending = self._pending, None
         if series is not None:
             self._latest.series = series
             self._unpushed = True
         if not self._unpushed:  # also values a retry took in and then gave up on
-            return
+            outcome.delivered = True
+            return outcome
         started = time.monotonic()
         try:
-            for attempt in self._retrying(stop=stop, sleep=self._stop.wait):
+            for attempt in self._retrying(stop=stop, sleep=sleep or self._stop.wait,
+                                          closing=closing):
                 with attempt:
+                    outcome.attempts = attempt.retry_state.attempt_number
                     try:
                         push_to_gateway(self.url, job=self.job, registry=self._registry,
                                         grouping_key=self.grouping, handler=self._handler)
                     except Retryable as exc:
                         self.failures[exc.reason] += 1
+                        outcome.reason, outcome.detail = exc.reason, str(exc)
                         if not self._failing:
                             self._failing = True
                             log.warning("pushgateway_failing", url=redact(self.url),
@@ -158,19 +192,24 @@ class PushgatewaySink:
         except Refused as exc:
             self._unpushed = False  # these values are refused: not again
             self.failures[f"http_{exc.status}"] += 1
+            outcome.reason, outcome.detail = f"http_{exc.status}", str(exc)
             log.error("pushgateway_refused", url=redact(self.url), receiver_said=str(exc),
                       hint="a label may clash with the grouping key, or the body is invalid")
-            return
+            return outcome
         except Retryable:
-            return
+            return outcome
         finally:
             self.last_push_seconds = time.monotonic() - started
         self._unpushed = False
         self.pushes += 1
         self.last_success_time = time.time()
+        if self.summary_at_exit and any(is_summary(s.name) for s in self._latest.series):
+            self._summary_pushed = True
         if self._failing:
             self._failing = False
             log.info("pushgateway_recovered", url=redact(self.url))
+        outcome.delivered = True
+        return outcome
 
     def _run(self) -> None:
         while not self._stop.is_set():
@@ -200,16 +239,36 @@ class PushgatewaySink:
 
         def final() -> None:
             self._thread.join(timeout=max(0.0, deadline - time.monotonic()))
-            self._stop.clear()
             if self.summary_at_exit:
                 self._keep_summary_only()
-            self._push_latest(lambda _s: time.monotonic() >= deadline)
+            with self._lock:
+                idle = self._pending is None and not self._unpushed
+            # past the deadline no request could be answered (and a push of the sender may
+            # still hold the connection): nothing is tried then, and close() says so
+            if idle or deadline - time.monotonic() >= MIN_REQUEST_S:
+                self._push_latest(self._until(deadline), sleep=self._sleep_until(deadline),
+                                  closing=lambda: True, outcome=self._final_push)
             if self.delete_on_exit:
                 self._delete(deadline)
             self._done.set()
 
         self._final = threading.Thread(target=final, name="pushgateway-final", daemon=True)
         self._final.start()
+
+    def _until(self, deadline: float) -> Callable[[tenacity.RetryCallState], bool]:
+        """tenacity's stop for the final push: once ``close`` stopped waiting, or when no request
+        could get an answer before the deadline any more."""
+        def stop(_state: tenacity.RetryCallState) -> bool:
+            return self._closed.is_set() or deadline - time.monotonic() < MIN_REQUEST_S
+        return stop
+
+    def _sleep_until(self, deadline: float) -> Callable[[float], object]:
+        """tenacity's sleep for the final push: the policy's wait (short while closing), ended
+        early so that the next attempt still has time for an answer, and by ``close``."""
+        def sleep(seconds: float) -> None:
+            left = deadline - time.monotonic() - MIN_REQUEST_S
+            self._closed.wait(max(0.0, min(seconds, left)))
+        return sleep
 
     def _keep_summary_only(self) -> None:
         """A finished Job's group keeps its run summary alone: its last live values would read as
@@ -219,14 +278,49 @@ class PushgatewaySink:
             self._pending = [s for s in last if is_summary(s.name)]
 
     def close(self, deadline: float) -> bool:
+        """True when the final values (a Job's: its run summary) reached the Pushgateway. A
+        request begun just before the deadline still gets ``MIN_REQUEST_S``: waited for, so that
+        the log says what became of a Job's summary before the agent exits."""
         if self._final is None:
             self.begin_close(deadline)
         assert self._final is not None
-        self._final.join(timeout=max(0.0, deadline - time.monotonic()))
+        self._final.join(timeout=max(0.0, deadline - time.monotonic()) + MIN_REQUEST_S)
+        self._closed.set()
         self._stop.set()
         if self._done.is_set():  # nothing left on the wire
             self.http.close()
-        return self._done.is_set()
+        final = self._final_push
+        if self.summary_at_exit:
+            self._report_summary(final)
+            return final.delivered or self._summary_pushed
+        return final.delivered and self._done.is_set()
+
+    def _report_summary(self, final: _Outcome) -> None:
+        """One line on what became of the Job's run summary at this Pushgateway: it is pushed
+        once, with nothing after it, so a loss must be said where the Job's owner will look."""
+        if self._reported:
+            return
+        self._reported = True
+        named = {k: self.grouping[k] for k in ("job_name", "job_index") if k in self.grouping}
+        where = {"job": self.job, **named, "grouping": self.grouping, "url": redact(self.url)}
+        if final.delivered:
+            if final.attempts > 1:
+                log.info("run_summary_delivered", **where, attempts=final.attempts,
+                         effect="the Pushgateway took the run summary after retries")
+            return
+        if self._summary_pushed:  # with the last live values, before the summary-only push
+            log.warning("run_summary_with_last_values", **where, attempts=final.attempts,
+                        reason=final.reason or "deadline", detail=final.detail,
+                        effect="the group holds the run summary, and beside it the run's last "
+                               "live values, which read as current until the Job runs again")
+            return
+        log.error("run_summary_lost", **where, attempts=final.attempts,
+                  reason=final.reason or "deadline",
+                  detail=final.detail or "the shutdown deadline passed before an answer",
+                  effect="the Job's run summary is lost for this Pushgateway; any other "
+                         "configured sink was given it with the same last cycle",
+                  hint="raise --shutdown-timeout (and the pod's terminationGracePeriodSeconds) "
+                       "or keep the Pushgateway reachable while Jobs end")
 
     def _delete(self, deadline: float) -> None:
         try:

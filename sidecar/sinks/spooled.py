@@ -98,8 +98,11 @@ class SpooledSink:
         self._partial_answers = 0
         self._unreadable_answers = 0  # 2xx answers whose body could not be read whole
         self.journal_records_damaged = 0  # journal records skipped at replay (cycles lost)
+        self.set_aside_this_run = 0  # batches refused for their data (in rejected/)
+        self.samples_set_aside_this_run = 0
         self._partial_condition: tuple[bool, str] | None = None  # the last one logged
         self._refused: tuple[int, float, int] | None = None  # status, since, attempts
+        self._url_confirmed = False  # a request was accepted in this run: a 400 is about data
         self.last_push_seconds = 0.0
         self.last_success_time = 0.0
         self._lock = threading.Lock()
@@ -214,7 +217,16 @@ class SpooledSink:
         if left:
             self.log.warning("shutdown_left_in_spool", sink=self.name, batches=left,
                         bytes=self.spool.bytes(), effect="sent by the next start on this spool")
-        return left == 0
+        if self.set_aside_this_run:
+            self.log.warning("shutdown_with_batches_set_aside", sink=self.name,
+                             batches=self.set_aside_this_run,
+                             samples=self.samples_set_aside_this_run,
+                             directory=str(self.spool.dir / "rejected"),
+                             effect="refused by the receiver for their data in this run: not "
+                                    "delivered, kept for a person to look at",
+                             hint="once the cause is fixed, `gpu-sidecar resend-rejected` with "
+                                  "the same configuration sends them again")
+        return left == 0 and not self.set_aside_this_run
 
     # -- sender thread ---------------------------------------------------------------------
 
@@ -314,6 +326,8 @@ class SpooledSink:
                 return
             self.failures[f"http_{exc.status}"] += 1
             aside = self.spool.set_aside(head)
+            self.set_aside_this_run += 1
+            self.samples_set_aside_this_run += head.samples
             log_count("batch_refused", self.failures[f"http_{exc.status}"], sink=self.name,
                       url=redact(self.url), status=exc.status, receiver_said=str(exc),
                       hint=exc.hint, samples=head.samples, set_aside=str(aside),
@@ -396,6 +410,8 @@ class SpooledSink:
                             effect="retrying with backoff; samples wait in the spool")
             raise
         except Refused as exc:
+            if exc.about_data and exc.status == 400 and not self._url_confirmed:
+                exc = self._url_or_data(exc)
             if exc.about_data:
                 self._refusal_ended()
                 raise
@@ -403,8 +419,28 @@ class SpooledSink:
             raise Held(exc) from None
         finally:
             self.last_push_seconds = time.monotonic() - started
+        self._url_confirmed = True
         self._refusal_ended()
         return response
+
+    def _url_or_data(self, refused: Refused) -> Refused:
+        """A 400 before this run had any request accepted: the URL or the data? Some receivers
+        answer an unknown path with 400 (VictoriaMetrics: "unsupported path"), and setting the
+        whole backlog aside for a typo in the URL would lose it. So ask the receiver once more,
+        with an empty request of the same protocol (it stores nothing): accepted, the URL is
+        right and the 400 was about the data; refused too, the URL is wrong and every batch is
+        kept (``Held``). A network failure meanwhile is retried like any other."""
+        response = self.http.request("POST", self.url, data=self.codec.compress(b""),
+                                     headers=self.codec.headers)
+        try:
+            self.http.check(response, self.policy)
+        except Refused as again:
+            return Refused(refused.status, str(refused),
+                           "the receiver refuses even an empty request at this URL (HTTP "
+                           f"{again.status}), so it objects to the URL, not the data: "
+                           f"{self.policy.hints.get(404, 'check the URL')}", about_data=False)
+        self._url_confirmed = True
+        return refused
 
     def _hold(self, exc: Refused) -> None:
         """A refusal that is not about the data: counted per attempt, logged once when it starts

@@ -1,0 +1,110 @@
+"""Faults a real fleet meets, produced for real (DESIGN.md, "Reliability promises"; issue #23):
+
+- a wrong remote-write path that VictoriaMetrics answers with 400 "unsupported path" keeps every
+  batch (an empty request is refused as well: the URL is wrong, not the data); after the URL is
+  fixed, the agent restarted on the same volume adopts the old spool and delivers all of it;
+- batches set aside in this run make the exit line say so, and ``gpu-sidecar resend-rejected``
+  sends them once the receiver takes them;
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tests.receivers import Agent, FaultProxy, VictoriaMetrics, running
+from tests.waiting import until
+
+VM_REL = 1e-12  # VictoriaMetrics stores float64 exactly for these values
+
+
+def args(url: str, spool: Path, *extra: str) -> list[str]:
+    return ["--simulate", "healthy", "--interval", "0.2", "--push-interval", "0.4",
+            "--remote-write-url", url, "--spool-dir", str(spool), "--retry-max-backoff", "0.5",
+            "--shutdown-timeout", "3", *extra]
+
+
+def keyed(rows: list[tuple[str, tuple, int, float]]) -> dict[tuple[str, tuple, int], float]:
+    return {(n, labels, ts): v for n, labels, ts, v in rows}
+
+
+def missing_from(vm: VictoriaMetrics, *agents: Agent) -> set:
+    """What the agents sampled and VictoriaMetrics does not hold; everything it holds matches."""
+    sampled = keyed([row for agent in agents for row in agent.sampled()])
+    stored = keyed(vm.settled(len(sampled)))
+    for key in set(sampled) & set(stored):
+        assert stored[key] == pytest.approx(sampled[key], rel=VM_REL), key
+    assert not set(stored) - set(sampled), "stored what was never sampled"
+    return set(sampled) - set(stored)
+
+
+def stopped(agent: Agent) -> dict:
+    found = agent.logged("stopped")
+    assert len(found) == 1, "".join(agent.err)[-2000:]
+    return found[0]
+
+
+def batch_files(directory: Path) -> list[Path]:
+    return sorted(p for p in directory.rglob("*.batch") if p.is_file())
+
+
+# -- a wrong URL -------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("path", ["/api/v1/wirte", "/api/v1/push"])  # a typo; Mimir's path
+def test_a_wrong_path_loses_nothing_and_the_fixed_url_delivers_everything(tmp_path, path):
+    vm = VictoriaMetrics(tmp_path).start()
+    spool = tmp_path / "spool"
+    with running(vm):
+        wrong = Agent(args(vm.base + path, spool)).start()
+        refused = until(lambda: wrong.logged("push_refused"), 60,
+                        what=lambda: "push_refused\n" + "".join(wrong.err)[-2000:])
+        wrong.more_cycles(10, "while the URL is wrong")
+        assert wrong.stop() == 0, "".join(wrong.err)[-2000:]
+        assert vm.settled() == [], "the wrong path stored something"
+
+        assert len(refused) == 1, "one line for the condition, not one per attempt"
+        assert refused[0]["status"] == 400
+        assert "unsupported path" in refused[0]["receiver_said"]
+        assert "URL, not the data" in refused[0]["hint"] and "/api/v1/write" in refused[0]["hint"]
+        assert not wrong.logged("batch_refused"), "a wrong URL set batches aside as bad data"
+        assert not list(spool.rglob("rejected/*.batch"))
+        assert stopped(wrong)["all_delivered"] is False
+        assert wrong.logged("shutdown_left_in_spool")
+        assert wrong.total("gpu_sidecar_samples_dropped_total") == 0
+
+        fixed = Agent(args(vm.write_url, spool)).start()
+        until(lambda: fixed.logged("spool_adopted"), 60, what="the old spool adopted")
+        fixed.more_cycles(3, "after the fix")
+        assert fixed.stop() == 0, "".join(fixed.err)[-2000:]
+        assert missing_from(vm, wrong, fixed) == set(), "samples of the wrong-URL run were lost"
+    adopted = fixed.logged("spool_adopted")
+    assert len(adopted) == 1 and adopted[0]["batches"] > 0 and adopted[0]["samples"] > 0
+    assert stopped(fixed)["all_delivered"] is True
+    assert batch_files(spool) == []
+    assert sorted(p.name for p in spool.iterdir()) == [Path(adopted[0]["new"]).name], \
+        "the old spool directory was left behind"
+
+
+def test_a_400_about_the_data_still_sets_the_batch_aside_when_nothing_was_accepted_yet(tmp_path):
+    """The first request of the run refused for its data: the empty request that follows is
+    accepted, so the URL is right and only that batch goes to rejected/."""
+    vm = VictoriaMetrics(tmp_path).start()
+    proxy = FaultProxy(vm.write_url, lambda n, body: (400, {}, b"bad data") if n == 0 else None)
+    spool = tmp_path / "spool"
+    with running(vm, proxy):
+        agent = Agent(args(proxy.url, spool)).start()
+        until(lambda: agent.logged("batch_refused"), 60, what="batch_refused")
+        until(lambda: agent.total("gpu_sidecar_samples_pushed_total") > 0, 60,
+              what="later batches delivered")
+        assert agent.stop() == 0
+        rejected = batch_files(spool / next(spool.iterdir()).name / "rejected")
+        assert len(rejected) == 1
+        assert not agent.logged("push_refused")
+        assert stopped(agent)["all_delivered"] is False
+        aside = agent.logged("shutdown_with_batches_set_aside")
+        assert len(aside) == 1 and aside[0]["batches"] == 1
+        assert "resend-rejected" in aside[0]["hint"]
+    statuses = [status for _, status, _ in proxy.log]
+    assert statuses[:2] == [400, 204], "the empty request did not follow the first 400"
