@@ -1,4 +1,5 @@
-"""Command line (Contract 3): ``gpu-sidecar run`` and ``gpu-sidecar probe``."""
+"""Command line (Contract 3): ``gpu-sidecar run``, ``probe``, ``diagnose`` and
+``resend-rejected``."""
 
 from __future__ import annotations
 
@@ -44,6 +45,14 @@ app layer only.
 """ + OPTIONS_NOTE
 
 
+RESEND_EPILOG = """\
+Exit codes: 0 every kept batch was taken (or none was kept), 1 some were refused again, could
+not be read or were not tried (the receiver unreachable: they stay for the next round), 2
+configuration error.
+
+""" + OPTIONS_NOTE
+
+
 class _Parser(argparse.ArgumentParser):
     """argparse quotes what it could not parse, values included (``--heder X-Api-Key=secret``):
     its errors keep the option names and mask every value."""
@@ -68,7 +77,7 @@ def _parser() -> argparse.ArgumentParser:
         "this pod and writes timestamped series. With nothing configured: stdout.",
     )
     parser.add_argument("--version", action="version", version=config.version_line())
-    sub = parser.add_subparsers(dest="command", required=True, metavar="{run,diagnose,probe}",
+    sub = parser.add_subparsers(dest="command", required=True, metavar="{run,diagnose,probe,resend-rejected}",
                                 parser_class=_Parser)
     run = sub.add_parser("run", help="run the agent", epilog=EPILOG,
                          formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -87,6 +96,14 @@ def _parser() -> argparse.ArgumentParser:
         "verdict and what to do. Thresholds: those of the shipped alert rules "
         "(sidecar/thresholds.py).")
     config.add_arguments(diagnose, "diagnose")
+    resend = sub.add_parser(
+        "resend-rejected", help="send again the batches a receiver refused for their data",
+        epilog=RESEND_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="Send every batch kept in the spool's rejected/ (refused by a receiver for "
+        "its data: 400, 413, 422) to its receiver once more, oldest first; each is deleted only "
+        "once accepted. Give the configuration the agent runs with (in a pod: kubectl exec into "
+        "the sidecar container, whose environment has it). Runs beside a running agent.")
+    config.add_arguments(resend, "resend-rejected")
     return parser
 
 
@@ -108,6 +125,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             from sidecar.views.diagnose import diagnose
 
             return diagnose(cfg)
+        if args.command == "resend-rejected":
+            signals.restore_defaults()
+            return wiring.resend_rejected(cfg)
         return wiring.run(cfg)
     except config.ConfigError as exc:  # found once NVML was open
         return _fail(args.command, "configuration_error", f"configuration error: {exc}", 2)

@@ -475,10 +475,12 @@ OPTIONS: tuple[Option, ...] = (
            flag_only=True, commands=("run",)),
     Option("log_format", "Log format on stderr (default {default}): 'auto' (JSON unless stderr "
            "is a terminal), 'json' or 'console'.", _choice("auto", "json", "console"),
-           commands=("run", "probe", "diagnose")),
+           commands=("run", "probe", "diagnose", "resend-rejected")),
     Option("log_level", "Log level: debug, info, warning or error (default {default} for run; "
-           "warning for probe and diagnose, whose printed report says what info would).",
-           _choice("debug", "info", "warning", "error"), commands=("run", "probe", "diagnose")),
+           "warning for probe, diagnose and resend-rejected, whose printed report says what info "
+           "would).",
+           _choice("debug", "info", "warning", "error"),
+           commands=("run", "probe", "diagnose", "resend-rejected")),
     Option("pod_namespace", "Label 'namespace' on every series (downward API: "
            "metadata.namespace).", _label, commands=("run",)),
     Option("pod_name", "Label 'pod' on every series (downward API: metadata.name).", _label,
@@ -490,12 +492,12 @@ OPTIONS: tuple[Option, ...] = (
     Option("remote_write_url", "Prometheus remote-write receiver URL (VictoriaMetrics, vmagent, "
            "Prometheus with --web.enable-remote-write-receiver, Mimir, Thanos); repeat the flag "
            "or separate with commas for several. Without any receiver: stdout.", _urls,
-           commands=("run",), repeatable=True, show=_shown_urls),
+           commands=("run", "resend-rejected"), repeatable=True, show=_shown_urls),
     Option("otlp_url", "OpenTelemetry OTLP/HTTP metrics URL, the full path (an OpenTelemetry "
            "Collector: http://HOST:4318/v1/metrics; Prometheus 3: /api/v1/otlp/v1/metrics; "
            "VictoriaMetrics: /opentelemetry/v1/metrics); protobuf, gzip, with the same spool, "
            "credentials and TLS options as remote-write; repeat the flag or separate with commas "
-           "for several.", _urls, commands=("run",), repeatable=True, show=_shown_urls),
+           "for several.", _urls, commands=("run", "resend-rejected"), repeatable=True, show=_shown_urls),
     Option("pushgateway_url", "Pushgateway base URL. Latest values only, no timestamps and no "
            "history: prefer remote-write.", _url, commands=("run",), show=_shown_one_url),
     Option("pushgateway_job", "Pushgateway 'job' of the grouping key (default {default}); the "
@@ -518,7 +520,7 @@ OPTIONS: tuple[Option, ...] = (
            "(default {default}).", _positive_int(100, 10_000_000), commands=("run",)),
     Option("spool_dir", "Directory of the disk spool (an emptyDir in Kubernetes; default "
            "{default}; with --simulate and no path, a temporary one).",
-           _socket_path_like, commands=("run",)),
+           _socket_path_like, commands=("run", "resend-rejected")),
     Option("spool_max_bytes", "Bound of the spool in bytes per remote-write or OTLP receiver; beyond it "
            "the oldest batches are dropped and counted (default {default} = {default_mib}).",
            _positive_int(4096, 1 << 40), commands=("run",)),
@@ -532,31 +534,31 @@ OPTIONS: tuple[Option, ...] = (
            "(default {default}); what is not sent stays in the spool.", _seconds(0, 600),
            commands=("run",)),
     Option("push_timeout", "Seconds before one push request times out (default {default}).",
-           _seconds(0.1, 600), commands=("run",)),
+           _seconds(0.1, 600), commands=("run", "resend-rejected")),
     Option("retry_max_backoff", "Cap in seconds of the exponential backoff between retries "
            "(default {default}); Retry-After from the receiver is honoured up to "
            f"{RETRY_AFTER_CAP_S:g}.",
            _seconds(0.1, 3600), commands=("run",)),
     Option("bearer_token_file", "File holding a bearer token for the receivers; re-read when "
-           "it changes (rotated Secrets).", _secret_file, commands=("run",),
+           "it changes (rotated Secrets).", _secret_file, commands=("run", "resend-rejected"),
            show=_shown_secret_path),
     Option("basic_auth_user", "Basic-auth user name for the receivers.", _basic_auth_user,
-           commands=("run",), show=_hidden),
+           commands=("run", "resend-rejected"), show=_hidden),
     Option("basic_auth_password_file", "File holding the basic-auth password.", _secret_file,
-           commands=("run",), show=_shown_secret_path),
+           commands=("run", "resend-rejected"), show=_shown_secret_path),
     Option("ca_file", "PEM file of the CA that signed the receivers' certificates.",
-           _readable_file, commands=("run",)),
+           _readable_file, commands=("run", "resend-rejected")),
     Option("cert_file", "Client certificate (PEM) for mutual TLS.", _readable_file,
-           commands=("run",)),
+           commands=("run", "resend-rejected")),
     Option("key_file", "Private key (PEM) of the client certificate.", _secret_file,
-           commands=("run",), show=_shown_secret_path),
+           commands=("run", "resend-rejected"), show=_shown_secret_path),
     Option("insecure_skip_verify", "Do not verify the receivers' TLS certificates (testing "
-           "only).", _bool, flag_only=True, commands=("run",)),
+           "only).", _bool, flag_only=True, commands=("run", "resend-rejected")),
     Option("header", "Extra HTTP header NAME=VALUE on every push (e.g. X-Scope-OrgID=tenant for "
            "Mimir); repeatable, or comma-separated.",
            _pairs("header", "X-Scope-OrgID=tenant", "letters, digits and !#$%&'*+.^_`|~-",
                   lambda k: bool(_HEADER_NAME.match(k))),
-           commands=("run",), repeatable=True, show=_shown_pairs),
+           commands=("run", "resend-rejected"), repeatable=True, show=_shown_pairs),
     Option("extra_label", "Extra label NAME=VALUE on every pushed series (e.g. cluster=prod); "
            "repeatable, or comma-separated.",
            _pairs("label", "cluster=prod", "letters, digits and '_'; not starting with a digit or '__'",

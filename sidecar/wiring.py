@@ -30,6 +30,7 @@ from sidecar.urls import host_port, redact_url
 
 if TYPE_CHECKING:
     from sidecar.simulate.scenarios import Scenario
+    from sidecar.sinks.http import HttpOptions
 
 log = structlog.get_logger("sidecar.wiring")
 
@@ -68,14 +69,7 @@ def build_sinks(cfg: config.Config, spool_root: str) -> list[Sink]:
 
     if not cfg.has_receivers:
         return [StdoutSink(cfg.output)]
-    from sidecar.sinks.http import HttpOptions
-
-    http = HttpOptions(
-        timeout_s=cfg.push_timeout, bearer_token_file=cfg.bearer_token_file,
-        basic_auth_user=cfg.basic_auth_user, basic_auth_password_file=cfg.basic_auth_password_file,
-        ca_file=cfg.ca_file, cert_file=cfg.cert_file, key_file=cfg.key_file,
-        insecure_skip_verify=cfg.insecure_skip_verify, headers=cfg.header,
-        max_backoff_s=cfg.retry_max_backoff)
+    http = _http_options(cfg)
     sinks: list[Sink] = []
     if cfg.remote_write_url:
         from sidecar.sinks.remote_write import RemoteWriteSink, sink_name
@@ -116,6 +110,48 @@ def build_sinks(cfg: config.Config, spool_root: str) -> list[Sink]:
 
 def _safe_dir(name: str) -> str:
     return "".join(c if c.isalnum() or c in "-." else "_" for c in name)
+
+
+def resend_rejected(cfg: config.Config) -> int:
+    """``gpu-sidecar resend-rejected``: each configured remote-write and OTLP receiver is sent
+    the batches of its spool's ``rejected/`` once more (``sidecar.sinks.resend``). One line per
+    receiver on stdout; 0 when every batch was taken (or none was kept), 1 otherwise."""
+    from sidecar.sinks import otlp, remote_write
+    from sidecar.sinks.resend import resend_rejected as resend
+
+    if not (cfg.remote_write_url or cfg.otlp_url):
+        raise config.ConfigError("resend-rejected needs the receivers the batches were meant for: "
+                                 "--remote-write-url or --otlp-url (GPU_SIDECAR_REMOTE_WRITE_URL, "
+                                 "GPU_SIDECAR_OTLP_URL), as the agent was started with")
+    options = _http_options(cfg)
+    complete = True
+    for urls, codec, sink_name in ((cfg.remote_write_url, remote_write.RemoteWriteCodec,
+                                    remote_write.sink_name),
+                                   (cfg.otlp_url, otlp.OtlpCodec, otlp.sink_name)):
+        for url, name in _named(urls, sink_name):
+            directory = Path(cfg.spool_dir) / _spool_dir(name, url) / "rejected"
+            outcome = resend(url, directory, options, sink=name, headers=codec.headers,
+                             policy=codec.policy)
+            complete = complete and outcome.complete
+            line = (f"{name}: {outcome.sent} batches ({outcome.samples} samples) sent again, "
+                    f"{outcome.refused} refused again, {outcome.left} not tried, "
+                    f"{outcome.unreadable} unreadable ({directory})")
+            if outcome.stopped_by:
+                line += f"; stopped: {outcome.stopped_by}"
+            print(line, flush=True)
+    return 0 if complete else 1
+
+
+def _http_options(cfg: config.Config) -> HttpOptions:
+    """How the receivers are spoken to (imported here: a stdout-only agent loads no HTTP)."""
+    from sidecar.sinks.http import HttpOptions
+
+    return HttpOptions(
+        timeout_s=cfg.push_timeout, bearer_token_file=cfg.bearer_token_file,
+        basic_auth_user=cfg.basic_auth_user, basic_auth_password_file=cfg.basic_auth_password_file,
+        ca_file=cfg.ca_file, cert_file=cfg.cert_file, key_file=cfg.key_file,
+        insecure_skip_verify=cfg.insecure_skip_verify, headers=cfg.header,
+        max_backoff_s=cfg.retry_max_backoff)
 
 
 def _spool_dir(name: str, url: str) -> str:

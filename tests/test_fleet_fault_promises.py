@@ -9,11 +9,14 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
-from tests.receivers import Agent, FaultProxy, VictoriaMetrics, running
+from tests.receivers import ROOT, Agent, FaultProxy, VictoriaMetrics, running
 from tests.waiting import until
 
 VM_REL = 1e-12  # VictoriaMetrics stores float64 exactly for these values
@@ -108,3 +111,68 @@ def test_a_400_about_the_data_still_sets_the_batch_aside_when_nothing_was_accept
         assert "resend-rejected" in aside[0]["hint"]
     statuses = [status for _, status, _ in proxy.log]
     assert statuses[:2] == [400, 204], "the empty request did not follow the first 400"
+
+
+# -- rejected batches sent again ---------------------------------------------------------------
+
+
+def resend(*extra: str) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("GPU_SIDECAR_")}
+    return subprocess.run([sys.executable, "-m", "sidecar", "resend-rejected", *extra],
+                          capture_output=True, text=True, timeout=60, cwd=ROOT, env=env)
+
+
+def test_rejected_batches_are_sent_again_by_resend_rejected_beside_the_running_agent(tmp_path):
+    vm = VictoriaMetrics(tmp_path).start()
+    refusing = {"on": True}
+    refused: set[bytes] = set()
+
+    def plan(n: int, body: bytes) -> tuple[int, dict, bytes] | None:
+        if refusing["on"] and (n in (1, 2) or body in refused):  # the same batches, again
+            refused.add(body)
+            return 400, {}, b"sample limit exceeded"
+        return None
+
+    proxy = FaultProxy(vm.write_url, plan)
+    spool = tmp_path / "spool"
+    with running(vm, proxy):
+        agent = Agent(args(proxy.url, spool)).start()
+        until(lambda: len(list(spool.rglob("rejected/*.batch"))) == 2, 60,
+              what="two batches set aside")
+        agent.more_cycles(3, "after the refusals")
+
+        still = resend("--remote-write-url", proxy.url, "--spool-dir", str(spool))
+        assert still.returncode == 1, still.stdout + still.stderr
+        assert "0 batches (0 samples) sent again, 2 refused again" in still.stdout
+        assert len(list(spool.rglob("rejected/*.batch"))) == 2, "a refused batch was deleted"
+
+        refusing["on"] = False  # the receiver's limit raised
+        done = resend("--remote-write-url", proxy.url, "--spool-dir", str(spool))
+        assert done.returncode == 0, done.stdout + done.stderr
+        assert "2 batches" in done.stdout and "0 refused again" in done.stdout
+        assert list(spool.rglob("rejected/*.batch")) == []
+        agent.more_cycles(2, "after the resend")
+        assert agent.stop() == 0
+        assert missing_from(vm, agent) == set(), "a resent batch did not arrive whole"
+
+
+def test_resend_rejected_stops_at_an_unreachable_receiver_and_keeps_everything(tmp_path):
+    spool = tmp_path / "spool"
+    vm = VictoriaMetrics(tmp_path).start()
+    proxy = FaultProxy(vm.write_url, lambda n, body: (400, {}, b"bad") if n == 1 else None)
+    with running(vm, proxy):
+        agent = Agent(args(proxy.url, spool)).start()
+        until(lambda: list(spool.rglob("rejected/*.batch")), 60, what="a batch set aside")
+        assert agent.stop() == 0
+    unreachable = resend("--remote-write-url", proxy.url, "--spool-dir", str(spool),
+                         "--push-timeout", "2")
+    assert unreachable.returncode == 1
+    assert "0 batches" in unreachable.stdout and "1 not tried" in unreachable.stdout
+    assert "stopped:" in unreachable.stdout
+    assert len(list(spool.rglob("rejected/*.batch"))) == 1
+
+
+def test_resend_rejected_without_a_receiver_says_which_option_is_missing():
+    refused = resend()
+    assert refused.returncode == 2
+    assert "--remote-write-url or --otlp-url" in refused.stderr

@@ -16,6 +16,7 @@ from __future__ import annotations
 import signal
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from tests.receivers import Agent, FaultProxy, Pushgateway, VictoriaMetrics, running
@@ -33,6 +34,13 @@ def job_agent(pgw_url: str, shutdown_s: float, *extra: str) -> Agent:
     return Agent(["--simulate", "healthy", "--interval", "0.2", "--push-interval", "0.5",
                   "--batch-job", JOB, "--pod-namespace", "ml", "--pod-name", POD,
                   "--shutdown-timeout", f"{shutdown_s:g}", "--pushgateway-url", pgw_url, *extra])
+
+
+def running_until(agent: Agent, pushed: Callable[[], bool], what: str) -> None:
+    """Wait until the Job's agent sampled 3 cycles and ``pushed`` holds; it must still run."""
+    until(lambda: (agent.cycles() >= 3 and pushed()) or agent.proc.poll() is not None,
+          what=f"3 cycles and {what}")
+    assert agent.proc.poll() is None, "the agent exited:\n" + "".join(agent.err)[-2000:]
 
 
 def stopped(agent: Agent) -> dict:
@@ -89,9 +97,8 @@ def test_a_summary_met_by_a_pushgateway_outage_at_shutdown_is_retried_and_arrive
     with running(pgw, proxy):
         agent = job_agent(url, 10).start()
         with running(agent):
-            until(lambda: agent.cycles() >= 3 and any(s < 300 for _, s, _ in proxy.log)
-                  or agent.proc.poll() is not None,
-                  what="3 cycles and a push through the proxy")
+            running_until(agent, lambda: any(s < 300 for _, s, _ in proxy.log),
+                          "a push through the proxy")
             outage.begin()
             agent.signal(signal.SIGTERM)
             assert agent.wait() == 0, "".join(agent.err)[-2000:]
@@ -129,10 +136,9 @@ def test_a_summary_the_pushgateway_never_takes_is_an_error_naming_the_job_and_ot
                           "--remote-write-url", vm.write_url,
                           "--spool-dir", str(tmp_path / "spool")).start()
         with running(agent):
-            until(lambda: agent.cycles() >= 3 and any(
-                g["labels"].get("job_name") == JOB for g in pgw.groups())
-                or agent.proc.poll() is not None,
-                what="3 cycles and a push to the Pushgateway")
+            running_until(agent, lambda: any(g["labels"].get("job_name") == JOB
+                                             for g in pgw.groups()),
+                          "a push to the Pushgateway")
             pgw.stop()  # down for the whole shutdown: connections refused
             agent.signal(signal.SIGTERM)
             signalled = time.monotonic()

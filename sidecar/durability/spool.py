@@ -710,6 +710,17 @@ def _lsize_path(path: Path) -> int:
     return st.st_size if stat.S_ISREG(st.st_mode) else 0
 
 
+def read_batch(path: Path) -> tuple[int, bytes]:
+    """A batch file's samples and body (the request as sent), read only when it is a regular
+    file of the agent's own (``journal.NotOwnFile``, an OSError, otherwise); ValueError when it
+    fails its check."""
+    data = journal.read_own(path)
+    problem = _verify(data)
+    if problem is not None:
+        raise ValueError(problem)
+    return HEADER.unpack_from(data)[2], data[HEADER.size:]
+
+
 def _verify(data: bytes) -> str | None:
     if len(data) < HEADER.size:
         return f"truncated header ({len(data)} bytes)"
