@@ -260,6 +260,64 @@ def test_batches_still_in_memory_when_the_agent_stops_are_the_only_loss_and_coun
     assert all(stored[k] == pytest.approx(sampled[k], rel=VM_REL) for k in set(sampled) - lost)
 
 
+def test_samples_held_in_memory_when_the_agent_is_killed_are_counted_by_the_next_start(
+        tmp_path, tmpfs):
+    """SIGKILL (an OOM kill) while the volume refuses writes: what was only in memory is lost,
+    and the next start counts it from the ledger the first kept on the volume."""
+    spool = tmpfs / "spool"
+    vm = VictoriaMetrics(tmp_path)  # down: what the volume refuses can only wait in memory
+    first = Agent(args(vm.write_url, spool)).start()
+    until(lambda: list(spool.rglob("*.batch")), what="a batch spooled before the volume fills")
+    with kept_full(tmpfs):
+        until(lambda: (last(first, "gpu_sidecar_spool_bytes", state="memory") or 0) > 0,
+              what="batches held in memory while the volume is full")
+        first.more_cycles(3, "with the volume full")
+        first.signal(signal.SIGKILL)
+        first.wait()
+    vm.start()
+    with running(vm):
+        second = Agent(args(vm.write_url, spool)).start()
+        [counted] = until(lambda: events(second, "spool_write_failed_before_restart"),
+                          what="the loss of the killed run counted")
+        until(lambda: pushed(second) > 0
+              and delivered(vm, first.sampled(), lost=counted["samples"])(),
+              what="the first agent's spool delivered but what was counted lost")
+        until(lambda: last(second, "gpu_sidecar_samples_dropped_total",
+                           reason="spool_write_failed") == counted["samples"],
+              what="the count exported")
+        assert second.stop() == 0
+        stored = keyed(vm.settled())
+    sampled = keyed(first.sampled())
+    lost = set(sampled) - set(stored)
+    assert counted["samples"] > 0
+    assert len(lost) == counted["samples"], "every sample lost to the refusing volume is counted"
+    assert all(stored[k] == pytest.approx(sampled[k], rel=VM_REL) for k in set(sampled) - lost)
+
+
+def test_every_byte_the_spool_keeps_counts_against_its_bound_the_open_journal_included(
+        tmp_path):
+    """A long push interval on a small bound: the open batch's journal, uncompressed, is larger
+    than the batches; it counts against --spool-max-bytes like they do."""
+    bound = 400_000  # a 2 s journal of 10 cycles a second is about 330 kB uncompressed
+    vm = VictoriaMetrics(tmp_path)  # down: the spool fills to its bound
+    spool = tmp_path / "spool"
+    agent = Agent(args(vm.write_url, spool, "--interval", "0.1", "--push-interval", "2",
+                       "--spool-max-bytes", str(bound))).start()
+    until(lambda: events(agent, "spool_full_dropped_oldest"), what="the bound reached")
+    peaks = []
+    for _ in range(3):  # at three instants of the journal's growth
+        agent.more_cycles(7)
+        peaks.append(sum(p.stat().st_size for p in spool.rglob("*")
+                         if p.is_file() and not p.is_symlink()))
+    agent.signal(signal.SIGKILL)
+    agent.wait()
+    peaks.append(sum(p.stat().st_size for p in spool.rglob("*") if p.is_file()))
+    journals = [p.stat().st_size for p in spool.rglob("*.journal")]
+    assert journals and max(journals) > 0, "no journal open when killed: nothing was measured"
+    # 64 bytes of bookkeeping: the lock (a pid) and the ledger
+    assert max(peaks) <= bound + 64, f"the spool held {max(peaks)} bytes against {bound}"
+
+
 def test_held_batches_on_the_wire_when_the_agent_stops_are_counted_lost(tmp_path, tmpfs):
     """A request that outlives the shutdown deadline ends with the process: the held batches it
     carries are lost, and counted, not reported as left in the spool."""

@@ -50,6 +50,7 @@ class Journal:
         self.path = journal_path(directory, seq)
         self.records = 0
         self.samples = 0
+        self.bytes = 0  # on the volume: counted against the spool's bound
 
     def append(self, body: bytes, samples: int) -> None:
         """Raises OSError when the disk refuses; the caller counts that and goes on.
@@ -70,6 +71,7 @@ class Journal:
             os.close(fd)
         self.records += 1
         self.samples += samples
+        self.bytes += len(data)
 
     def discard(self) -> None:
         """The batch is sealed in the spool (or counted as lost): nothing left to recover."""

@@ -57,6 +57,9 @@ log = structlog.get_logger("sidecar.spool")
 
 MAGIC = b"GSB1"
 HEADER = struct.Struct("<4sIII")
+LEDGER = ".memory-ledger"  # samples held only in memory: what a kill would lose (``_note_held``)
+LEDGER_RECORD = struct.Struct("<4sQ")
+LEDGER_MAGIC = b"GSL1"
 NAME = re.compile(r"^(\d{20})\.batch$")
 ASIDE = ("rejected", "corrupt")
 STATES = ("pending", "memory", *ASIDE)
@@ -84,6 +87,7 @@ class _Entry:
     held: bytes | None = None
     journal: Path | None = None
     journaled: int = 0
+    journal_bytes: int = 0  # the journal's size on the volume, counted against the bound
 
 
 @dataclass(frozen=True, slots=True)
@@ -123,6 +127,8 @@ class Spool:
                 f"spool directory {self.dir} is not writable ({exc.strerror}); mount a writable "
                 "emptyDir there or set --spool-dir / GPU_SIDECAR_SPOOL_DIR"
             ) from exc
+        self._ledger_written = 0
+        self._lost_before_restart = _read_ledger(self.dir)
         for leftover in self.dir.glob("*.tmp"):
             with contextlib.suppress(OSError):
                 leftover.unlink()  # a write interrupted by a crash (a link: the link itself)
@@ -159,6 +165,11 @@ class Spool:
                 if (m := NAME.match(p.name))]
         self._next = max([*self._index, *unsealed, *kept], default=0) + 1
         self._in_flight: frozenset[int] = frozenset()
+        self._journal_bytes = 0  # the open batch's journal (``journal_grew``)
+        self._open_unjournaled = 0  # samples of the open batch its journal could not take
+        self._settled = 0  # bytes besides it, as of the last trim
+        self._count_lost_before_restart(self._lost_before_restart)
+        self._write_ledger(0, create=True)
         self._trim()
         if self._index:
             log.info("spool_replay", directory=str(self.dir), batches=len(self._index),
@@ -182,6 +193,8 @@ class Spool:
             os.close(fd)
             return None
         batches = samples = 0
+        with self._lock:
+            self._count_lost_before_restart(_read_ledger(other))
         try:
             for where in ("", *ASIDE):
                 for path in _own_batches_and_journals(other / where, journals=not where):
@@ -192,7 +205,7 @@ class Spool:
         finally:
             with self._lock:
                 self._trim()
-            for name in (".lock", ".write-test", *(p.name for p in other.glob("*.tmp"))):
+            for name in (".lock", ".write-test", LEDGER, *(p.name for p in other.glob("*.tmp"))):
                 with contextlib.suppress(OSError):
                     (other / name).unlink()  # a link itself, never its target
             for directory in (*(other / where for where in ASIDE), other):
@@ -227,6 +240,45 @@ class Spool:
                 samples = 0
             self._index[seq] = _Entry(target, _lsize_path(target), samples)
             return samples
+
+    def _count_lost_before_restart(self, samples: int) -> None:
+        """The previous run was killed while the volume refused writes: the samples it held only
+        in memory (``_note_held``) are lost; counted here, since that run could not."""
+        if not samples:
+            return
+        self.dropped_samples["spool_write_failed"] += samples
+        log.error("spool_write_failed_before_restart", directory=str(self.dir), samples=samples,
+                  effect="the previous run was killed while the spool volume refused writes: "
+                         "the samples it held only in memory are lost (counted as "
+                         "reason=\"spool_write_failed\")",
+                  hint="free space in the spool volume, or make it writable; raise the pod's "
+                       "memory limit if it was an OOM kill")
+
+    def _note_held(self) -> None:
+        """Keep the ledger true: the samples held only in memory (refused by the volume, not in
+        a journal), which a SIGKILL or an OOM kill would lose without a word. The next start
+        reads it and counts them. Lock held; written only when the figure changes."""
+        held = self._open_unjournaled + sum(e.samples - e.journaled
+                                            for e in self._index.values() if e.held is not None)
+        if held != self._ledger_written:
+            self._write_ledger(held)
+
+    def _write_ledger(self, samples: int, *, create: bool = False) -> None:
+        """Overwrite the ledger in place. Created (and synced) while the volume takes writes,
+        its bytes are already allocated, so a full volume still takes the overwrite; a read-only
+        one does not, and a kill then loses the count with the samples."""
+        flags = os.O_WRONLY | os.O_NOFOLLOW | (os.O_CREAT if create else 0)
+        try:
+            fd = os.open(self.dir / LEDGER, flags, 0o600)
+            try:
+                os.pwrite(fd, LEDGER_RECORD.pack(LEDGER_MAGIC, samples), 0)
+                if create:
+                    os.fsync(fd)
+            finally:
+                os.close(fd)
+        except OSError:
+            return
+        self._ledger_written = samples
 
     def _take_lock(self) -> None:
         path = self.dir / ".lock"
@@ -322,6 +374,23 @@ class Spool:
         """The last write to the volume failed: batches are being held in memory."""
         return self._write_failures.active
 
+    def journal_grew(self, size: int) -> None:
+        """The open batch's journal now holds ``size`` bytes on the volume: they count against
+        the bound like any batch (uncompressed, a journal can be larger than the batch it
+        becomes), so a long push interval on a small volume drops the oldest batch rather than
+        exceeding the bound. Cheap when within it: the sampling thread calls this every cycle."""
+        self._journal_bytes = size
+        if self._settled + size > self.max_bytes:
+            with self._lock:
+                self._trim()
+
+    def open_batch_unjournaled(self, samples: int) -> None:
+        """The samples of the batch being filled that its journal could not take (the volume
+        refused): in memory only until sealed, so they join the ledger (``_note_held``)."""
+        with self._lock:
+            self._open_unjournaled = samples
+            self._note_held()
+
     def reserve(self) -> int:
         """A sequence number for a batch still being filled (its journal is named after it)."""
         with self._lock:
@@ -360,7 +429,8 @@ class Spool:
                 path.with_suffix(".tmp").unlink()
             journal_path, journal_samples = journaled or (None, 0)
             return self._hold(seq, _Entry(path, len(data), samples, data, journal_path,
-                                          journal_samples), exc)
+                                          journal_samples,
+                                          _lsize_path(journal_path) if journal_path else 0), exc)
         if self._write_failures.ended():
             log.info("spool_write_recovered", directory=str(self.dir),
                      dropped_samples=self.dropped_samples["spool_write_failed"])
@@ -466,6 +536,8 @@ class Spool:
                 return  # still refused: they stay in memory
             with contextlib.suppress(OSError):
                 tmp.unlink()  # sent while it was being written
+        with self._lock:
+            self._note_held()
 
     def release_held(self) -> int:
         """The agent stops: write out what the disk takes now; of what is still only in memory,
@@ -485,6 +557,7 @@ class Spool:
                 if seq in self._in_flight:
                     on_the_wire += entry.samples - entry.journaled
             total = self.dropped_samples["spool_write_failed"]
+            self._note_held()  # counted now: the next start must not count them again
         if total:
             log.error("spool_write_failed_at_exit", directory=str(self.dir), samples=lost,
                       journaled_samples=replayed, on_the_wire_samples=on_the_wire,
@@ -512,8 +585,9 @@ class Spool:
                       samples=entry.samples, max_memory_bytes=self.max_memory_bytes,
                       effect="the disk refuses batches and the receiver is not taking them: the "
                              "oldest held in memory are lost")
-        total = (sum(e.size for e in self._index.values())
-                 + sum(sum(kept.values()) for kept in self._aside.values()))
+        total = (sum(e.size + e.journal_bytes for e in self._index.values())
+                 + sum(sum(kept.values()) for kept in self._aside.values())
+                 + self._journal_bytes)
         for where in ASIDE:
             kept = self._aside[where]
             while kept and total > self.max_bytes:
@@ -535,11 +609,13 @@ class Spool:
                 with contextlib.suppress(OSError):
                     entry.path.unlink()
             self._forget_journal(entry.journal)
-            total -= entry.size
+            total -= entry.size + entry.journal_bytes
             self._count_drop("spool_full", entry.samples)
             log_count("spool_full_dropped_oldest", self.dropped_batches["spool_full"],
                       batch=entry.path.name, samples=entry.samples, max_bytes=self.max_bytes,
                       effect="oldest samples lost; the receiver has been down too long")
+        self._settled = total - self._journal_bytes
+        self._note_held()
 
     def _count_drop(self, reason: str, samples: int) -> None:
         self.dropped_batches[reason] += 1
@@ -612,6 +688,8 @@ class Spool:
         """The receiver accepted ``batch``: forget it."""
         with self._lock:
             entry = self._index.pop(batch.seq, None)
+            if entry is not None and entry.held is not None:
+                self._note_held()
         if entry is not None:
             self._forget_journal(entry.journal)
         try:
@@ -638,6 +716,8 @@ class Spool:
             if entry is None:
                 return target  # already gone (and counted) some other way
             self._count_drop(reason or where, samples)
+            if entry.held is not None:
+                self._note_held()
         try:
             self._aside_dir(where)
             if entry.held is None:
@@ -690,6 +770,19 @@ def _own_batches_and_journals(directory: Path, *, journals: bool) -> list[Path]:
             continue
         out.append(Path(found.path))
     return out
+
+
+def _read_ledger(directory: Path) -> int:
+    """The samples a previous run held only in memory when it ended (0 when it ended cleanly,
+    or when there is no ledger to read)."""
+    try:
+        data = journal.read_own(directory / LEDGER, LEDGER_RECORD.size)
+    except OSError:
+        return 0
+    if len(data) != LEDGER_RECORD.size:
+        return 0
+    magic, samples = LEDGER_RECORD.unpack(data)
+    return samples if magic == LEDGER_MAGIC else 0
 
 
 def _lsize(entry: os.DirEntry[str]) -> int:

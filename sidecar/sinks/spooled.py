@@ -89,6 +89,7 @@ class SpooledSink:
         self.clock = clock
         self._cycles: list[bytes] = []  # the open batch: each cycle encoded once, as journaled
         self._open_samples = 0
+        self._unjournaled = 0  # samples of the open batch its journal could not take
         self.last_flush = clock()
         self.samples_pushed = 0
         self.batches_pushed = 0
@@ -166,7 +167,10 @@ class SpooledSink:
     def _append_journal(self, record: bytes, samples: int) -> None:
         try:
             self._journal.append(record, samples)
+            self.spool.journal_grew(self._journal.bytes)
         except OSError as exc:
+            self._unjournaled += samples
+            self.spool.open_batch_unjournaled(self._unjournaled)
             if self._journal_failures.started():
                 self.log.error("journal_write_failed", sink=self.name, error=exc.strerror,
                           directory=str(self.spool.dir), episodes=self._journal_failures.count,
@@ -181,9 +185,11 @@ class SpooledSink:
         with self._lock:
             cycles, samples = self._cycles, self._open_samples
             self._cycles, self._open_samples = [], 0
+            unjournaled, self._unjournaled = self._unjournaled, 0
             sealed, self._journal = self._journal, journal.Journal(self.spool.dir,
                                                                   self.spool.reserve())
             self.last_flush = self.clock()
+            self.spool.journal_grew(0)  # the sealed journal becomes the batch put below
         if not samples:
             sealed.discard()
             return
@@ -191,6 +197,8 @@ class SpooledSink:
         journaled = (sealed.path, sealed.samples) if sealed.records else None
         if self.spool.put(body, samples, seq=sealed.seq, journaled=journaled) is None:
             sealed.discard()  # counted as lost: it must not come back at the next start
+        if unjournaled:  # after the put: a kill in between counts them twice, never not at all
+            self.spool.open_batch_unjournaled(0)
         self._wake.set()
 
     def begin_close(self, deadline: float) -> None:
