@@ -480,7 +480,7 @@ def analyse(posts: list[Post], tl: Timeline, n: int, args: argparse.Namespace,
         "spreads their push phases); one outage length and one run, no repeats, so the "
         "spread figures carry the noise of one draw of the jitter; the 'without jitter' and "
         "'synchronized' columns are computed from the schedule, not run"
-        + (" ; in this mode the attempts during the outage are not seen by the receiver"
+        + ("; in this mode the attempts during the outage are not seen by the receiver"
            if args.mode == "refuse" else "")
         + ".",
         "",

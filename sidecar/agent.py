@@ -15,7 +15,7 @@ from collections.abc import Callable
 
 import structlog
 
-from sidecar import __version__
+from sidecar import __version__, signals
 from sidecar.config import Config
 from sidecar.samples import GpuIdentity, GpuSample, Labels, Series, gpu_labels, sample_series
 from sidecar.sinks import Sink
@@ -55,6 +55,9 @@ class Agent:
         self.collected = 0
         self.dropped: Counter[str] = Counter()
         self.overruns = 0
+        self.pauses = 0
+        self.paused_s = 0.0  # slots missed while the process did not run, in seconds
+        self.stopping = False  # the last cycle of a stopped run says gpu_sidecar_up 0
         self.last_cycle_s = 0.0
         self._identities: dict[str, GpuIdentity] = {}
         self._warned_missing: set[str] = set()
@@ -189,11 +192,12 @@ class Agent:
             return Series(name=name, labels=labels, value=float(value), timestamp_ms=ts)
 
         out = [
-            s("gpu_sidecar_up", 1),
+            s("gpu_sidecar_up", 0 if self.stopping else 1),
             s("gpu_sidecar_info", 1, ("version", __version__), ("mode", self.mode)),
             s("gpu_sidecar_nvml_available", 1 if self.source is not None else 0),
             s("gpu_sidecar_samples_collected_total", self.collected),
             s("gpu_sidecar_cycle_overruns_total", self.overruns),
+            s("gpu_sidecar_paused_seconds_total", self.paused_s),
             s("gpu_sidecar_cycle_duration_seconds", self.last_cycle_s),
             s("gpu_sidecar_app_messages_accepted_total", self.app.accepted),
         ]
@@ -220,18 +224,44 @@ class Agent:
         stop.wait(min(interval, PRIME_WINDOW_S))
         start = self.clock()
         slot = 0
+        resumed = len(signals.continued)
         while not stop.is_set():
+            began = self.clock()
             self.cycle()
             slot += 1
             now = self.clock()
             due = start + slot * interval
             if now > due:
                 late = int((now - due) // interval) + 1
-                self.overruns += 1
                 slot += late
-                if self.overruns == 1 or self.overruns % 100 == 0:
-                    log.warning("cycle_overrun", cycle_s=round(self.last_cycle_s, 4),
-                                interval_s=interval, skipped_slots=late, overruns=self.overruns,
-                                hint="raise --interval or select fewer GPUs")
+                if len(signals.continued) != resumed or now - began < interval:
+                    self._paused(late, interval, now - began, sigcont=len(signals.continued)
+                                 != resumed)
+                else:
+                    self._overrun(late, interval)
+                resumed = len(signals.continued)
                 due = start + slot * interval
             stop.wait(max(0.0, due - self.clock()))
+
+    def _overrun(self, late: int, interval: float) -> None:
+        """The cycle itself took longer than its slot: the work is too much for the interval."""
+        self.overruns += 1
+        if self.overruns == 1 or self.overruns % 100 == 0:
+            log.warning("cycle_overrun", cycle_s=round(self.last_cycle_s, 4),
+                        interval_s=interval, skipped_slots=late, overruns=self.overruns,
+                        hint="raise --interval or select fewer GPUs")
+
+    def _paused(self, late: int, interval: float, cycle_s: float, *, sigcont: bool) -> None:
+        """Slots were missed although the cycle itself was short, or the process was stopped
+        and continued (SIGSTOP, SIGTSTP, a debugger): the process did not run, which more
+        interval would not cure. Said once per pause, with how long it lasted; the missed slots
+        are skipped, never run back to back."""
+        self.pauses += 1
+        self.paused_s += late * interval
+        log.warning("process_paused", paused_about_s=round(late * interval, 1),
+                    skipped_slots=late, cycle_s=round(cycle_s, 4), interval_s=interval,
+                    cause=("stopped and continued (SIGSTOP or SIGTSTP, then SIGCONT)" if sigcont
+                           else "not scheduled: a frozen cgroup, a suspended node or VM, or "
+                                "CPU throttling by the pod's limit"),
+                    effect="no samples for that time; the schedule goes on from now",
+                    pauses=self.pauses)

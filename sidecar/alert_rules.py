@@ -157,12 +157,15 @@ groups:
           description: "{{ $value }} failed pushes ({{ $labels.reason }}) in 10 minutes."
 
       - alert: GPUSidecarSilent
-        # was reporting within the hour, nothing for 5 minutes: pushes failing, agent dead, or
-        # the pod ended (join with kube_pod_info to ignore ended pods where you have it)
+        # was reporting within the hour, nothing for 5 minutes: pushes failing, or the agent
+        # killed; an agent that stopped cleanly (its pod ended or was deleted) said so with a
+        # last gpu_sidecar_up of 0, and is not silent
         expr: |
           group by (namespace, pod) (max_over_time(gpu_sidecar_up[1h]))
           unless
           group by (namespace, pod) (max_over_time(gpu_sidecar_up[5m]))
+          unless
+          group by (namespace, pod) (last_over_time(gpu_sidecar_up[1h]) == 0)
         for: 0m
         labels:
           severity: warning

@@ -116,7 +116,8 @@ METRICS: tuple[MetricSpec, ...] = (
        "Request latency histogram, merged over the processes using the GPU."),
     # self
     _m("gpu_sidecar_up", "gauge", "boolean", "self", "agent",
-       "1 while the agent runs; pushed with every batch."),
+       "1 while the agent runs, 0 in the last cycle of a run stopped by a signal (the pod "
+       "ended): a receiver tells a clean stop from a killed agent; pushed with every batch."),
     _m("gpu_sidecar_info", "gauge", "info", "self", "agent",
        "Version and mode of the agent in labels (version, mode); value 1."),
     _m("gpu_sidecar_nvml_available", "gauge", "boolean", "self", "agent",
@@ -137,6 +138,10 @@ METRICS: tuple[MetricSpec, ...] = (
        "NVML reads that failed, by reason (gpu_lost, nvml_error)."),
     _m("gpu_sidecar_cycle_overruns_total", "counter", "cycles", "self", "agent",
        "Cycles that started late because the previous one ran past its slot."),
+    _m("gpu_sidecar_paused_seconds_total", "counter", "seconds", "self", "agent",
+       "Time the agent's schedule missed although its cycles were short: the process was "
+       "stopped (SIGSTOP) or not scheduled (a frozen cgroup, a suspended VM, CPU throttling); "
+       "each pause is logged as process_paused, never as cycle_overrun."),
     _m("gpu_sidecar_cycle_duration_seconds", "gauge", "seconds", "self", "agent",
        "Wall time of the last sampling cycle."),
     _m("gpu_sidecar_app_messages_accepted_total", "counter", "messages", "self", "agent",
@@ -286,6 +291,7 @@ _OTEL_NAMES: dict[str, tuple[str, tuple[tuple[str, str], ...], Instrument | None
     "gpu_sidecar_samples_dropped_total": ("gpu.sidecar.samples.dropped", (), None),
     "gpu_sidecar_collection_errors_total": ("gpu.sidecar.collection.errors", (), None),
     "gpu_sidecar_cycle_overruns_total": ("gpu.sidecar.cycle.overruns", (), None),
+    "gpu_sidecar_paused_seconds_total": ("gpu.sidecar.paused.time", (), None),
     "gpu_sidecar_cycle_duration_seconds": ("gpu.sidecar.cycle.duration", (), None),
     "gpu_sidecar_app_messages_accepted_total": ("gpu.sidecar.app.messages.accepted", (), None),
     "gpu_sidecar_app_messages_rejected_total": ("gpu.sidecar.app.messages.rejected", (), None),

@@ -1,4 +1,5 @@
-"""Stop signals, caught from the first instant of the process.
+"""Stop signals, caught from the first instant of the process; SIGCONT heard, so that a paused
+process is said as such.
 
 As PID 1 in a container, a signal without a handler is ignored by the kernel, and a SIGTERM that
 arrives while Python still imports the agent would be lost: the pod would then wait for its
@@ -19,11 +20,19 @@ import contextlib
 import os
 import signal
 import threading
+import time
 
 STOP = threading.Event()
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 received: list[int] = []
 _pipe: tuple[int, int] | None = None
+continued: list[float] = []  # monotonic instants of each SIGCONT: the process had been stopped
+
+
+def _continued(_signum: int, _frame: object) -> None:
+    # an append is all: a stopped process (SIGSTOP, SIGTSTP, a debugger) is being resumed, and
+    # the schedule must say it was paused rather than blame its own cycles
+    continued.append(time.monotonic())
 
 
 def _handler(signum: int, _frame: object) -> None:
@@ -55,6 +64,7 @@ def install() -> None:
         if sig == signal.SIGHUP and signal.getsignal(sig) == signal.SIG_IGN:
             continue
         signal.signal(sig, _handler)
+    signal.signal(signal.SIGCONT, _continued)  # resuming is the kernel's: a handler only hears it
 
 
 def restore_defaults() -> None:

@@ -341,12 +341,13 @@ def _run(cfg: config.Config) -> int:
         if not cfg.once:
             log.info("stopping", signals=_signal_names(), shutdown_timeout_s=cfg.shutdown_timeout)
         if not cfg.once:
+            agent.stopping = True  # its gpu_sidecar_up 0 tells a clean stop from a kill
             agent.cycle(last=True)
         for sink in sinks:
             sink.begin_close(deadline)
         delivered = all([sink.close(deadline) for sink in sinks])
         log.info("stopped", signals=_signal_names(), samples_collected=agent.collected,
-                 overruns=agent.overruns,
+                 overruns=agent.overruns, pauses=agent.pauses,
                  all_delivered=delivered, shutdown_s=round(time.monotonic() - deadline
                                                            + cfg.shutdown_timeout, 3))
     return 0

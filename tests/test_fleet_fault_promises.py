@@ -5,13 +5,19 @@
   fixed, the agent restarted on the same volume adopts the old spool and delivers all of it;
 - batches set aside in this run make the exit line say so, and ``gpu-sidecar resend-rejected``
   sends them once the receiver takes them;
+- a process stopped and continued (SIGSTOP, SIGCONT) is said to have been paused, not to have
+  overrun its cycles;
+- a clean stop pushes ``gpu_sidecar_up 0`` last (the alert GPUSidecarSilent then stays quiet,
+  deploy/alerts/gpu-sidecar.tests.yml), a killed agent's last value stays 1.
 """
 
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -176,3 +182,50 @@ def test_resend_rejected_without_a_receiver_says_which_option_is_missing():
     refused = resend()
     assert refused.returncode == 2
     assert "--remote-write-url or --otlp-url" in refused.stderr
+
+
+# -- a paused process; a clean stop ------------------------------------------------------------
+
+
+def test_a_stopped_and_continued_agent_says_it_was_paused_not_that_its_cycles_overran(tmp_path):
+    vm = VictoriaMetrics(tmp_path).start()
+    with running(vm):
+        agent = Agent(args(vm.write_url, tmp_path / "spool")).start()
+        agent.more_cycles(3, "before the pause")
+        agent.signal(signal.SIGSTOP)
+        try:
+            paused_at = time.monotonic()
+            while time.monotonic() - paused_at < 3.0:  # the pause itself: nothing to wait for
+                time.sleep(0.1)
+        finally:
+            agent.signal(signal.SIGCONT)
+        [paused] = until(lambda: agent.logged("process_paused"), 30, what="process_paused")
+        until(lambda: (agent.last("gpu_sidecar_paused_seconds_total") or 0) >= 2.5, 30,
+              what="the pause counted")
+        agent.more_cycles(3, "after the pause")
+        assert agent.stop() == 0
+    assert paused["cause"].startswith("stopped and continued")
+    assert 2.5 <= paused["paused_about_s"] <= 10
+    assert paused["cycle_s"] < 0.2
+    assert not agent.logged("cycle_overrun"), "a pause was reported as an overrun"
+    assert agent.last("gpu_sidecar_cycle_overruns_total") == 0
+    assert stopped(agent)["pauses"] == 1
+
+
+def test_a_clean_stop_pushes_gpu_sidecar_up_0_last_and_a_killed_agent_leaves_1(tmp_path):
+    vm = VictoriaMetrics(tmp_path).start()
+    with running(vm):
+        clean = Agent(args(vm.write_url, tmp_path / "clean", "--pod-name", "ended-0")).start()
+        killed = Agent(args(vm.write_url, tmp_path / "killed", "--pod-name", "gone-0")).start()
+        clean.more_cycles(4)
+        until(lambda: killed.total("gpu_sidecar_samples_pushed_total") > 0, 60,
+              what="the second agent delivering")
+        assert clean.stop() == 0
+        killed.signal(signal.SIGKILL)
+        killed.wait()
+        vm.settled(len(clean.sampled()) + len(killed.sampled()) // 2)
+        values = {pod: [v for _, _, _, v in sorted(
+                      vm.samples(f'{{__name__="gpu_sidecar_up",pod="{pod}"}}'),
+                      key=lambda row: row[2])] for pod in ("ended-0", "gone-0")}
+    assert values["ended-0"][-1] == 0.0 and set(values["ended-0"][:-1]) == {1.0}
+    assert values["gone-0"] and set(values["gone-0"]) == {1.0}
