@@ -9,6 +9,8 @@ promises") can be read in one place:
   errors are retried with exponential backoff, full jitter and a floor that ``Retry-After`` can
   lengthen (up to ``Policy.retry_after_cap_s``), never shorten;
 - an answer about the data itself (``Policy.data_refusals``: 400, 413, 422) sets a batch aside;
+  a 400 before the run had any request accepted is first checked with an empty request by the
+  spooled sender (``SpooledSink._url_or_data``): refused as well, the URL is wrong, not the data;
 - any other refusal (401, 403, 404, 405, 415, 501, ...) says that the URL, the credentials or
   the receiver are wrong, not the data: a spooled sink keeps every batch (``Held``) and tries
   the head again every ``--retry-max-backoff`` seconds.
