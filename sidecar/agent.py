@@ -133,7 +133,8 @@ class Agent:
                 continue
             samples.append(GpuSample(identity=self.identity(uuid), timestamp_ms=ts,
                                      compute=reading.compute, memory=reading.memory,
-                                     io=reading.io, app=app))
+                                     io=reading.io, health=reading.health, app=app,
+                                     xids=reading.xids))
         self.collected += len(samples)
         return samples, available
 

@@ -110,6 +110,122 @@ METRICS: tuple[MetricSpec, ...] = (
     _m("gpu_nvlink_rx_bytes_per_second", "gauge", "bytes/s", "io",
        "GPM NVLINK_TOTAL_RX, else NVML field 139 (KiB, per link) deltas summed",
        "NVLink data received, summed over links."),
+    _m("gpu_pcie_link_current_generation", "gauge", "generation", "io",
+       "nvmlDeviceGetCurrPcieLinkGeneration",
+       "PCIe generation the link runs at now (idle links train down to save power)."),
+    _m("gpu_pcie_link_current_width", "gauge", "lanes", "io", "nvmlDeviceGetCurrPcieLinkWidth",
+       "PCIe link width now."),
+    _m("gpu_pcie_link_current_bytes_per_second", "gauge", "bytes/s", "io",
+       "current link generation x current width (per direction)",
+       "Per-direction maximum of the link as trained now."),
+    _m("gpu_pcie_tx_current_link_util_ratio", "gauge", "ratio", "io",
+       "gpu_pcie_tx_bytes_per_second / gpu_pcie_link_current_bytes_per_second",
+       "Device-to-host rate over the link as trained now: near 1 on a saturated link that "
+       "trained below its maximum, where the maximum-link ratio reads low."),
+    _m("gpu_pcie_rx_current_link_util_ratio", "gauge", "ratio", "io",
+       "gpu_pcie_rx_bytes_per_second / gpu_pcie_link_current_bytes_per_second",
+       "Host-to-device rate over the link as trained now."),
+    _m("gpu_c2c_tx_bytes_per_second", "gauge", "bytes/s", "io", "GPM C2C_TOTAL_TX_PER_SEC",
+       "NVLink-C2C traffic from the GPU to the Grace CPU (Grace Hopper, Grace Blackwell)."),
+    _m("gpu_c2c_rx_bytes_per_second", "gauge", "bytes/s", "io", "GPM C2C_TOTAL_RX_PER_SEC",
+       "NVLink-C2C traffic from the Grace CPU to the GPU."),
+    _m("gpu_c2c_link_max_bytes_per_second", "gauge", "bytes/s", "io",
+       "NVML fields 170 (links) x 172 (per-link maximum)",
+       "Per-direction maximum of the GPU's C2C links together."),
+    _m("gpu_c2c_tx_bandwidth_util_ratio", "gauge", "ratio", "io",
+       "gpu_c2c_tx_bytes_per_second / gpu_c2c_link_max_bytes_per_second",
+       "GPU-to-CPU C2C rate over the links' maximum."),
+    _m("gpu_c2c_rx_bandwidth_util_ratio", "gauge", "ratio", "io",
+       "gpu_c2c_rx_bytes_per_second / gpu_c2c_link_max_bytes_per_second",
+       "CPU-to-GPU C2C rate over the links' maximum."),
+    # health
+    _m("gpu_sm_clock_hertz", "gauge", "hertz", "health", "nvmlDeviceGetClockInfo(SM) x 1e6",
+       "SM clock now."),
+    _m("gpu_sm_clock_max_hertz", "gauge", "hertz", "health",
+       "nvmlDeviceGetMaxClockInfo(SM) x 1e6", "Highest SM clock the GPU runs at."),
+    _m("gpu_memory_clock_hertz", "gauge", "hertz", "health", "nvmlDeviceGetClockInfo(MEM) x 1e6",
+       "Memory clock now."),
+    _m("gpu_memory_clock_max_hertz", "gauge", "hertz", "health",
+       "nvmlDeviceGetMaxClockInfo(MEM) x 1e6", "Highest memory clock."),
+    _m("gpu_clocks_event_power_cap_ratio", "gauge", "ratio", "health",
+       "NVML field 74 (ns) deltas / interval, else bit SwPowerCap of "
+       "nvmlDeviceGetCurrentClocksEventReasons",
+       "Share of the interval the clocks were held down to stay within the power limit."),
+    _m("gpu_clocks_event_hw_slowdown_ratio", "gauge", "ratio", "health",
+       "bit HwSlowdown of nvmlDeviceGetCurrentClocksEventReasons (no counter exists)",
+       "1 when the hardware slowed the clocks at the reading (heat, a power-supply signal, a "
+       "power brake), else 0."),
+    _m("gpu_clocks_event_hw_thermal_ratio", "gauge", "ratio", "health",
+       "NVML field 270 (ns) deltas / interval, else bit HwThermalSlowdown",
+       "Share of the interval the hardware held the clocks down for heat."),
+    _m("gpu_clocks_event_hw_power_brake_ratio", "gauge", "ratio", "health",
+       "NVML field 271 (ns) deltas / interval, else bit HwPowerBrakeSlowdown",
+       "Share of the interval an external power brake (the board, the PSU) held the clocks "
+       "down."),
+    _m("gpu_clocks_event_sw_thermal_ratio", "gauge", "ratio", "health",
+       "NVML field 269 (ns) deltas / interval, else bit SwThermalSlowdown",
+       "Share of the interval the driver held the clocks down for heat."),
+    _m("gpu_clocks_event_sync_boost_ratio", "gauge", "ratio", "health",
+       "NVML field 76 (ns) deltas / interval, else bit SyncBoost",
+       "Share of the interval the clocks were held to those of the GPUs in its sync-boost "
+       "group."),
+    _m("gpu_power_usage_watts", "gauge", "watts", "health",
+       "NVML field 186 (mW), else nvmlDeviceGetPowerUsage (mW) / 1000",
+       "Power drawn by the board now."),
+    _m("gpu_power_limit_watts", "gauge", "watts", "health",
+       "nvmlDeviceGetEnforcedPowerLimit (mW) / 1000", "Power limit the GPU is held to."),
+    _m("gpu_temperature_celsius", "gauge", "celsius", "health",
+       "nvmlDeviceGetTemperature(GPU)", "GPU die temperature."),
+    _m("gpu_memory_temperature_celsius", "gauge", "celsius", "health", "NVML field 82",
+       "HBM temperature."),
+    _m("gpu_pcie_l0_to_recovery_total", "counter", "events", "health", "NVML field 169",
+       "Times the PCIe link left L0 for recovery: a link that keeps retraining."),
+    _m("gpu_pcie_correctable_errors_total", "counter", "errors", "health", "NVML field 173",
+       "PCIe correctable errors."),
+    _m("gpu_pcie_naks_received_total", "counter", "errors", "health", "NVML field 174",
+       "PCIe NAKs received."),
+    _m("gpu_pcie_receiver_errors_total", "counter", "errors", "health", "NVML field 175",
+       "PCIe receiver errors."),
+    _m("gpu_pcie_bad_tlp_total", "counter", "errors", "health", "NVML field 176",
+       "PCIe transaction-layer packets received bad."),
+    _m("gpu_pcie_naks_sent_total", "counter", "errors", "health", "NVML field 177",
+       "PCIe NAKs sent."),
+    _m("gpu_pcie_bad_dllp_total", "counter", "errors", "health", "NVML field 178",
+       "PCIe data-link-layer packets received bad."),
+    _m("gpu_pcie_nonfatal_errors_total", "counter", "errors", "health", "NVML field 179",
+       "PCIe non-fatal errors."),
+    _m("gpu_pcie_fatal_errors_total", "counter", "errors", "health", "NVML field 180",
+       "PCIe fatal errors."),
+    _m("gpu_pcie_unsupported_requests_total", "counter", "errors", "health", "NVML field 181",
+       "PCIe unsupported requests."),
+    _m("gpu_pcie_lcrc_errors_total", "counter", "errors", "health", "NVML field 182",
+       "PCIe link CRC errors."),
+    _m("gpu_pcie_lane_errors_total", "counter", "errors", "health", "NVML field 183",
+       "PCIe lane errors."),
+    _m("gpu_ecc_corrected_volatile_total", "counter", "errors", "health", "NVML field 3",
+       "Corrected (single-bit) ECC errors since the driver loaded."),
+    _m("gpu_ecc_uncorrected_volatile_total", "counter", "errors", "health", "NVML field 4",
+       "Uncorrected (double-bit) ECC errors since the driver loaded: the app's data may be "
+       "wrong; drain the node."),
+    _m("gpu_ecc_corrected_aggregate_total", "counter", "errors", "health", "NVML field 5",
+       "Corrected ECC errors over the GPU's life."),
+    _m("gpu_ecc_uncorrected_aggregate_total", "counter", "errors", "health", "NVML field 6",
+       "Uncorrected ECC errors over the GPU's life."),
+    _m("gpu_remapped_rows_correctable", "gauge", "rows", "health", "NVML field 142",
+       "Memory rows remapped for correctable errors."),
+    _m("gpu_remapped_rows_uncorrectable", "gauge", "rows", "health", "NVML field 143",
+       "Memory rows remapped for uncorrectable errors."),
+    _m("gpu_row_remap_pending", "gauge", "boolean", "health", "NVML field 144",
+       "1 when a row remap waits for the GPU's next reset."),
+    _m("gpu_row_remap_failed", "gauge", "boolean", "health", "NVML field 145",
+       "1 when a row remap failed: the GPU should be replaced."),
+    _m("gpu_xid_errors_total", "counter", "errors", "health",
+       "Xid events (nvmlEventSetWait, a thread of its own), by label xid",
+       "Xid errors the driver reported since the agent started, one series per code (label "
+       "xid): 79 fallen off the bus, 48/63/64/94/95 ECC and row remapping, 13/31/43 the "
+       "app's faults."),
+    _m("gpu_last_xid", "gauge", "code", "health", "Xid events",
+       "Code of the last Xid the agent saw on the GPU (absent until one)."),
     # app
     _m("inference_request_duration_seconds", "histogram", "seconds", "app",
        "app: sidecar.client observe()",
@@ -213,6 +329,56 @@ METRICS: tuple[MetricSpec, ...] = (
 
 BY_NAME: dict[str, MetricSpec] = {m.name: m for m in METRICS}
 
+# the dcgm-exporter field of the same quantity, for users coming from it (its units differ:
+# MiB for memory, MHz for clocks, percent for utilization, ns for violation counters), as
+# DCGM 4.x's dcgm_fields.h and dcgm-exporter's default-counters.csv name them; * marks a field
+# in dcgm-exporter's default set
+DCGM_FIELDS: dict[str, str] = {
+    "gpu_utilization_ratio": "DCGM_FI_DEV_GPU_UTIL* (percent)",
+    "gpu_sm_occupancy_ratio": "DCGM_FI_PROF_SM_OCCUPANCY",
+    "gpu_tensor_core_util_ratio": "DCGM_FI_PROF_PIPE_TENSOR_ACTIVE*",
+    "gpu_sm_active_ratio": "DCGM_FI_PROF_SM_ACTIVE",
+    "gpu_mem_bandwidth_util_ratio": "DCGM_FI_PROF_DRAM_ACTIVE*",
+    "gpu_memory_controller_busy_ratio": "DCGM_FI_DEV_MEM_COPY_UTIL* (percent)",
+    "gpu_memory_used_bytes": "DCGM_FI_DEV_FB_USED* (MiB)",
+    "gpu_memory_total_bytes": "DCGM_FI_DEV_FB_TOTAL (MiB)",
+    "gpu_memory_reserved_bytes": "DCGM_FI_DEV_FB_RESERVED* (MiB)",
+    "gpu_pcie_tx_bytes_per_second": "DCGM_FI_PROF_PCIE_TX_BYTES*",
+    "gpu_pcie_rx_bytes_per_second": "DCGM_FI_PROF_PCIE_RX_BYTES*",
+    "gpu_pcie_link_generation": "DCGM_FI_DEV_PCIE_MAX_LINK_GEN",
+    "gpu_pcie_link_width": "DCGM_FI_DEV_PCIE_MAX_LINK_WIDTH",
+    "gpu_pcie_link_current_generation": "DCGM_FI_DEV_PCIE_LINK_GEN",
+    "gpu_pcie_link_current_width": "DCGM_FI_DEV_PCIE_LINK_WIDTH",
+    "gpu_pcie_replay_errors_total": "DCGM_FI_DEV_PCIE_REPLAY_COUNTER*",
+    "gpu_pcie_correctable_errors_total": "DCGM_FI_DEV_PCIE_COUNT_CORRECTABLE_ERRORS",
+    "gpu_nvlink_tx_bytes_per_second": "DCGM_FI_PROF_NVLINK_TX_BYTES",
+    "gpu_nvlink_rx_bytes_per_second": "DCGM_FI_PROF_NVLINK_RX_BYTES",
+    "gpu_c2c_tx_bytes_per_second": "DCGM_FI_PROF_C2C_TX_ALL_BYTES",
+    "gpu_c2c_rx_bytes_per_second": "DCGM_FI_PROF_C2C_RX_ALL_BYTES",
+    "gpu_c2c_link_max_bytes_per_second": "DCGM_FI_DEV_C2C_LINK_COUNT x DCGM_FI_DEV_C2C_MAX_BANDWIDTH "
+                                         "(MB/s)",
+    "gpu_sm_clock_hertz": "DCGM_FI_DEV_SM_CLOCK* (MHz)",
+    "gpu_memory_clock_hertz": "DCGM_FI_DEV_MEM_CLOCK* (MHz)",
+    "gpu_sm_clock_max_hertz": "DCGM_FI_DEV_MAX_SM_CLOCK (MHz)",
+    "gpu_memory_clock_max_hertz": "DCGM_FI_DEV_MAX_MEM_CLOCK (MHz)",
+    "gpu_clocks_event_power_cap_ratio": "DCGM_FI_DEV_POWER_VIOLATION (ns, cumulative)",
+    "gpu_clocks_event_sync_boost_ratio": "DCGM_FI_DEV_SYNC_BOOST_VIOLATION (ns, cumulative)",
+    "gpu_clocks_event_hw_slowdown_ratio": "DCGM_FI_DEV_CLOCKS_EVENT_REASONS (bitmask)",
+    "gpu_power_usage_watts": "DCGM_FI_DEV_POWER_USAGE*",
+    "gpu_power_limit_watts": "DCGM_FI_DEV_ENFORCED_POWER_LIMIT",
+    "gpu_temperature_celsius": "DCGM_FI_DEV_GPU_TEMP*",
+    "gpu_memory_temperature_celsius": "DCGM_FI_DEV_MEMORY_TEMP*",
+    "gpu_ecc_corrected_volatile_total": "DCGM_FI_DEV_ECC_SBE_VOL_TOTAL",
+    "gpu_ecc_uncorrected_volatile_total": "DCGM_FI_DEV_ECC_DBE_VOL_TOTAL",
+    "gpu_ecc_corrected_aggregate_total": "DCGM_FI_DEV_ECC_SBE_AGG_TOTAL",
+    "gpu_ecc_uncorrected_aggregate_total": "DCGM_FI_DEV_ECC_DBE_AGG_TOTAL",
+    "gpu_remapped_rows_correctable": "DCGM_FI_DEV_CORRECTABLE_REMAPPED_ROWS*",
+    "gpu_remapped_rows_uncorrectable": "DCGM_FI_DEV_UNCORRECTABLE_REMAPPED_ROWS*",
+    "gpu_row_remap_failed": "DCGM_FI_DEV_ROW_REMAP_FAILURE*",
+    "gpu_row_remap_pending": "DCGM_FI_DEV_ROW_REMAP_PENDING",
+    "gpu_last_xid": "DCGM_FI_DEV_XID_ERRORS* (last code)",
+}
+
 
 def histogram_of(name: str) -> tuple[str, str] | None:
     """(histogram, part) when ``name`` is the ``_bucket``, ``_sum`` or ``_count`` series of a
@@ -247,8 +413,21 @@ _UCUM = {"ratio": "1", "bytes": "By", "bytes/s": "By/s", "seconds": "s", "boolea
          "info": "1", "retries": "{retry}", "errors": "{error}", "processes": "{process}",
          "generation": "{generation}", "lanes": "{lane}", "samples": "{sample}",
          "cycles": "{cycle}", "messages": "{message}", "requests": "{request}",
-         "batches": "{batch}", "records": "{record}"}
+         "batches": "{batch}", "records": "{record}", "hertz": "Hz", "watts": "W",
+         "celsius": "Cel", "events": "{event}", "rows": "{row}", "code": "1"}
 _TX, _RX = (("network.io.direction", "transmit"),), (("network.io.direction", "receive"),)
+
+
+def _errors(kind: str) -> tuple[str, tuple[tuple[str, str], ...], None]:
+    """The conventions' ``hw.errors``, told apart by ``error.type``."""
+    return "hw.errors", (("error.type", kind),), None
+
+
+def _limited(reason: str) -> tuple[str, tuple[tuple[str, str], ...], None]:
+    return "gpu.clock.limited", (("gpu.clock.reason", reason),), None
+
+
+
 # Prometheus name -> (OTel name, fixed attributes, instrument if not the Prometheus kind's)
 _OTEL_NAMES: dict[str, tuple[str, tuple[tuple[str, str], ...], Instrument | None]] = {
     "gpu_sm_occupancy_ratio": ("gpu.sm.occupancy", (), None),
@@ -279,9 +458,57 @@ _OTEL_NAMES: dict[str, tuple[str, tuple[tuple[str, str], ...], Instrument | None
     "gpu_pcie_link_max_bytes_per_second": ("gpu.pcie.link.max_throughput", (), None),
     "gpu_pcie_link_generation": ("gpu.pcie.link.generation", (), None),
     "gpu_pcie_link_width": ("gpu.pcie.link.width", (), None),
-    "gpu_pcie_replay_errors_total": ("hw.errors", (("error.type", "pcie_replay"),), None),
+    "gpu_pcie_replay_errors_total": _errors("pcie_replay"),
     "gpu_nvlink_tx_bytes_per_second": ("gpu.nvlink.throughput", _TX, None),
     "gpu_nvlink_rx_bytes_per_second": ("gpu.nvlink.throughput", _RX, None),
+    "gpu_pcie_link_current_generation": ("gpu.pcie.link.current_generation", (), None),
+    "gpu_pcie_link_current_width": ("gpu.pcie.link.current_width", (), None),
+    "gpu_pcie_link_current_bytes_per_second": ("gpu.pcie.link.current_max", (), None),
+    "gpu_pcie_tx_current_link_util_ratio": ("gpu.pcie.current_link.utilization", _TX, None),
+    "gpu_pcie_rx_current_link_util_ratio": ("gpu.pcie.current_link.utilization", _RX, None),
+    "gpu_c2c_tx_bytes_per_second": ("gpu.c2c.throughput", _TX, None),
+    "gpu_c2c_rx_bytes_per_second": ("gpu.c2c.throughput", _RX, None),
+    "gpu_c2c_link_max_bytes_per_second": ("gpu.c2c.link.max", (), None),
+    "gpu_c2c_tx_bandwidth_util_ratio": ("gpu.c2c.utilization", _TX, None),
+    "gpu_c2c_rx_bandwidth_util_ratio": ("gpu.c2c.utilization", _RX, None),
+    "gpu_sm_clock_hertz": ("gpu.clock.frequency", (("gpu.clock", "sm"),), None),
+    "gpu_sm_clock_max_hertz": ("gpu.clock.frequency.max", (("gpu.clock", "sm"),), None),
+    "gpu_memory_clock_hertz": ("gpu.clock.frequency", (("gpu.clock", "memory"),), None),
+    "gpu_memory_clock_max_hertz": ("gpu.clock.frequency.max", (("gpu.clock", "memory"),), None),
+    "gpu_clocks_event_power_cap_ratio": _limited("power_cap"),
+    "gpu_clocks_event_hw_slowdown_ratio": _limited("hw_slowdown"),
+    "gpu_clocks_event_hw_thermal_ratio": _limited("hw_thermal"),
+    "gpu_clocks_event_hw_power_brake_ratio": _limited("hw_power_brake"),
+    "gpu_clocks_event_sw_thermal_ratio": _limited("sw_thermal"),
+    "gpu_clocks_event_sync_boost_ratio": _limited("sync_boost"),
+    "gpu_power_usage_watts": ("hw.power", (), None),
+    "gpu_power_limit_watts": ("gpu.power.limit", (), None),
+    "gpu_temperature_celsius": ("hw.temperature", (("hw.sensor_location", "gpu"),), None),
+    "gpu_memory_temperature_celsius": ("hw.temperature", (("hw.sensor_location", "memory"),), None),
+    "gpu_pcie_l0_to_recovery_total": _errors("pcie_l0_to_recovery"),
+    "gpu_pcie_correctable_errors_total": _errors("pcie_correctable"),
+    "gpu_pcie_naks_received_total": _errors("pcie_nak_received"),
+    "gpu_pcie_receiver_errors_total": _errors("pcie_receiver"),
+    "gpu_pcie_bad_tlp_total": _errors("pcie_bad_tlp"),
+    "gpu_pcie_naks_sent_total": _errors("pcie_nak_sent"),
+    "gpu_pcie_bad_dllp_total": _errors("pcie_bad_dllp"),
+    "gpu_pcie_nonfatal_errors_total": _errors("pcie_nonfatal"),
+    "gpu_pcie_fatal_errors_total": _errors("pcie_fatal"),
+    "gpu_pcie_unsupported_requests_total": _errors("pcie_unsupported_request"),
+    "gpu_pcie_lcrc_errors_total": _errors("pcie_lcrc"),
+    "gpu_pcie_lane_errors_total": _errors("pcie_lane"),
+    "gpu_ecc_corrected_volatile_total": _errors("ecc_corrected_volatile"),
+    "gpu_ecc_uncorrected_volatile_total": _errors("ecc_uncorrected_volatile"),
+    "gpu_ecc_corrected_aggregate_total": _errors("ecc_corrected_aggregate"),
+    "gpu_ecc_uncorrected_aggregate_total": _errors("ecc_uncorrected_aggregate"),
+    "gpu_remapped_rows_correctable": ("gpu.memory.remapped_rows",
+                                      (("gpu.remap.cause", "correctable"),), None),
+    "gpu_remapped_rows_uncorrectable": ("gpu.memory.remapped_rows",
+                                        (("gpu.remap.cause", "uncorrectable"),), None),
+    "gpu_row_remap_pending": ("gpu.memory.remap.pending", (), None),
+    "gpu_row_remap_failed": ("gpu.memory.remap.failed", (), None),
+    "gpu_xid_errors_total": _errors("xid"),
+    "gpu_last_xid": ("gpu.xid.last", (), None),
     "inference_request_duration_seconds": ("gpu.app.request.duration", (), None),
     "gpu_sidecar_up": ("gpu.sidecar.up", (), None),
     "gpu_sidecar_info": ("gpu.sidecar.info", (), None),
@@ -344,11 +571,18 @@ POINT_LABELS: dict[str, str] = {"gpu_uuid": "hw.id", "gpu_name": "hw.model", "gp
                                 "reason": "gpu.sidecar.reason", "state": "gpu.sidecar.state",
                                 "version": "gpu.sidecar.version", "mode": "gpu.sidecar.mode",
                                 "job_name": "k8s.job.name", "job_index": "gpu.job.index",
-                                "figure": "gpu.run.figure",
+                                "figure": "gpu.run.figure", "xid": "gpu.xid.code",
                                 "condition": "gpu.run.condition"}
 # added to every point of a GPU (one with a gpu_uuid label): the hardware conventions require
 # hw.type, and every GPU the agent reads is NVIDIA's (NVML)
 GPU_ATTRIBUTES: tuple[tuple[str, str], ...] = (("hw.type", "gpu"), ("hw.vendor", "NVIDIA"))
+
+
+def _nvml_series() -> int:
+    """How many series NVML can give one GPU in a cycle: every figure of the compute, memory,
+    IO and health layers, and the ratios derived from them (Xid counts aside)."""
+    return sum(1 for m in METRICS if m.layer in ("compute", "memory", "io", "health")
+               and m.name != "gpu_xid_errors_total")
 
 
 def render_markdown() -> str:
@@ -366,18 +600,25 @@ def render_markdown() -> str:
         "OOMs as counters that survive process restarts, and `gpu_app_processes`; no `pid` label.",
         "Only `--app-process-series` adds the `gpu_app_process_*` series, one set per live process",
         "labelled `pid` (at most `--app-max-processes` per GPU; a restarted worker is a new series).",
-        "Series per cycle with app figures, per GPU: 19 NVML series at most, 9 allocator series,",
+        f"Series per cycle with app figures, per GPU: {_nvml_series()} NVML series at most (one",
+        "more per Xid code seen), 9 allocator series,",
         "and the latency histogram's buckets + 3 (18 with the client's default buckets), plus 3 per",
         "live process with `--app-process-series`.",
         "A figure a GPU cannot give is absent, never zero.",
         "Histograms are sent as `_bucket{le=...}`, `_sum` and `_count` series.",
         "",
     ]
-    for layer in ("compute", "memory", "io", "app", "self", "run"):
-        lines += [f"## {layer}", "", "| name | type | unit | source | meaning |", "|---|---|---|---|---|"]
+    lines += ["The dcgm-exporter column names DCGM's field for the same quantity (its unit where it",
+              "differs; * marks dcgm-exporter's default set), for dashboards and alerts that move",
+              "over; `-` where DCGM has none.", ""]
+    for layer in ("compute", "memory", "io", "health", "app", "self", "run"):
+        lines += [f"## {layer}", "", "| name | type | unit | source | meaning | dcgm-exporter |",
+                  "|---|---|---|---|---|---|"]
         for m in METRICS:
             if m.layer == layer:
-                lines.append(f"| `{m.name}` | {m.kind} | {m.unit} | {m.source} | {m.help} |")
+                dcgm = f"`{DCGM_FIELDS[m.name]}`" if m.name in DCGM_FIELDS else "-"
+                lines.append(f"| `{m.name}` | {m.kind} | {m.unit} | {m.source} | {m.help} "
+                             f"| {dcgm} |")
         lines.append("")
     lines += _render_otel()
     return "\n".join(lines)

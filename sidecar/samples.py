@@ -1,4 +1,5 @@
-"""Three-layer samples and their conversion into labelled series (Contract 1).
+"""Layered samples (compute, memory, IO, health) and their conversion into labelled series
+(Contract 1).
 
 A sample is what one cycle learned about one GPU; ``None`` in a field means the GPU could not give
 that figure, and it becomes an absent series, never a zero.
@@ -69,12 +70,67 @@ class IoLayer:
     pcie_link_generation: int | None = _figure("gpu_pcie_link_generation")
     pcie_link_width: int | None = _figure("gpu_pcie_link_width")
     pcie_replay_errors: int | None = _figure("gpu_pcie_replay_errors_total")
+    # the link as trained now: below the maximum while traffic flows, it is degraded (idle links
+    # train down to save power, so a low figure alone says nothing)
+    pcie_link_current_generation: int | None = _figure("gpu_pcie_link_current_generation")
+    pcie_link_current_width: int | None = _figure("gpu_pcie_link_current_width")
+    pcie_link_current_bytes_per_second: float | None = _figure(
+        "gpu_pcie_link_current_bytes_per_second")
     nvlink_tx_bytes_per_second: float | None = _figure("gpu_nvlink_tx_bytes_per_second")
     nvlink_rx_bytes_per_second: float | None = _figure("gpu_nvlink_rx_bytes_per_second")
+    # Grace Hopper / Grace Blackwell: host traffic goes over NVLink-C2C, not PCIe
+    c2c_tx_bytes_per_second: float | None = _figure("gpu_c2c_tx_bytes_per_second")
+    c2c_rx_bytes_per_second: float | None = _figure("gpu_c2c_rx_bytes_per_second")
+    c2c_link_max_bytes_per_second: float | None = _figure("gpu_c2c_link_max_bytes_per_second")
 
 
-Layer = ComputeLayer | MemoryLayer | IoLayer
-LAYERS: tuple[type[Layer], ...] = (ComputeLayer, MemoryLayer, IoLayer)
+@dataclass(frozen=True, slots=True)
+class HealthLayer:
+    """Why else a busy GPU is slow, and whether it is about to fail: clocks and what limits
+    them, power, heat, link errors, ECC and row remapping. Counters are NVML's own (since the
+    driver loaded, or for aggregate ECC over the GPU's life); shares are of the last interval."""
+
+    sm_clock_hertz: float | None = _figure("gpu_sm_clock_hertz")
+    sm_clock_max_hertz: float | None = _figure("gpu_sm_clock_max_hertz")
+    memory_clock_hertz: float | None = _figure("gpu_memory_clock_hertz")
+    memory_clock_max_hertz: float | None = _figure("gpu_memory_clock_max_hertz")
+    # share of the interval the clocks were held down by each reason: from NVML's nanosecond
+    # counters where the driver has them, else the reason bitmask at the reading (0 or 1)
+    power_cap_ratio: float | None = _figure("gpu_clocks_event_power_cap_ratio")
+    hw_slowdown_ratio: float | None = _figure("gpu_clocks_event_hw_slowdown_ratio")
+    hw_thermal_ratio: float | None = _figure("gpu_clocks_event_hw_thermal_ratio")
+    hw_power_brake_ratio: float | None = _figure("gpu_clocks_event_hw_power_brake_ratio")
+    sw_thermal_ratio: float | None = _figure("gpu_clocks_event_sw_thermal_ratio")
+    sync_boost_ratio: float | None = _figure("gpu_clocks_event_sync_boost_ratio")
+    power_watts: float | None = _figure("gpu_power_usage_watts")
+    power_limit_watts: float | None = _figure("gpu_power_limit_watts")
+    temperature_celsius: float | None = _figure("gpu_temperature_celsius")
+    memory_temperature_celsius: float | None = _figure("gpu_memory_temperature_celsius")
+    pcie_l0_to_recovery: int | None = _figure("gpu_pcie_l0_to_recovery_total")
+    pcie_correctable_errors: int | None = _figure("gpu_pcie_correctable_errors_total")
+    pcie_nonfatal_errors: int | None = _figure("gpu_pcie_nonfatal_errors_total")
+    pcie_fatal_errors: int | None = _figure("gpu_pcie_fatal_errors_total")
+    pcie_naks_received: int | None = _figure("gpu_pcie_naks_received_total")
+    pcie_naks_sent: int | None = _figure("gpu_pcie_naks_sent_total")
+    pcie_receiver_errors: int | None = _figure("gpu_pcie_receiver_errors_total")
+    pcie_bad_tlp: int | None = _figure("gpu_pcie_bad_tlp_total")
+    pcie_bad_dllp: int | None = _figure("gpu_pcie_bad_dllp_total")
+    pcie_lcrc_errors: int | None = _figure("gpu_pcie_lcrc_errors_total")
+    pcie_unsupported_requests: int | None = _figure("gpu_pcie_unsupported_requests_total")
+    pcie_lane_errors: int | None = _figure("gpu_pcie_lane_errors_total")
+    ecc_corrected_volatile: int | None = _figure("gpu_ecc_corrected_volatile_total")
+    ecc_uncorrected_volatile: int | None = _figure("gpu_ecc_uncorrected_volatile_total")
+    ecc_corrected_aggregate: int | None = _figure("gpu_ecc_corrected_aggregate_total")
+    ecc_uncorrected_aggregate: int | None = _figure("gpu_ecc_uncorrected_aggregate_total")
+    remapped_rows_correctable: int | None = _figure("gpu_remapped_rows_correctable")
+    remapped_rows_uncorrectable: int | None = _figure("gpu_remapped_rows_uncorrectable")
+    row_remap_pending: int | None = _figure("gpu_row_remap_pending")
+    row_remap_failed: int | None = _figure("gpu_row_remap_failed")
+    last_xid: int | None = _figure("gpu_last_xid")
+
+
+Layer = ComputeLayer | MemoryLayer | IoLayer | HealthLayer
+LAYERS: tuple[type[Layer], ...] = (ComputeLayer, MemoryLayer, IoLayer, HealthLayer)
 
 
 def _layer_metrics() -> dict[type[Layer], tuple[tuple[str, str], ...]]:
@@ -152,7 +208,9 @@ class GpuSample:
     compute: ComputeLayer = ComputeLayer()
     memory: MemoryLayer = MemoryLayer()
     io: IoLayer = IoLayer()
+    health: HealthLayer = HealthLayer()
     app: AppFigures = AppFigures()
+    xids: tuple[tuple[int, int], ...] = ()  # (Xid code, count since the agent started), by code
 
 
 def ratio(numerator: float | None, denominator: float | None) -> float | None:
@@ -189,12 +247,20 @@ def sample_series(
     ts = sample.timestamp_ms
     io = sample.io
     link = io.pcie_link_max_bytes_per_second
+    current = io.pcie_link_current_bytes_per_second
+    c2c = io.c2c_link_max_bytes_per_second
     figures = [*layer_figures(sample.compute), *layer_figures(sample.memory),
-               *layer_figures(io),
+               *layer_figures(io), *layer_figures(sample.health),
                ("gpu_pcie_tx_bandwidth_util_ratio", ratio(io.pcie_tx_bytes_per_second, link)),
-               ("gpu_pcie_rx_bandwidth_util_ratio", ratio(io.pcie_rx_bytes_per_second, link))]
+               ("gpu_pcie_rx_bandwidth_util_ratio", ratio(io.pcie_rx_bytes_per_second, link)),
+               ("gpu_pcie_tx_current_link_util_ratio", ratio(io.pcie_tx_bytes_per_second, current)),
+               ("gpu_pcie_rx_current_link_util_ratio", ratio(io.pcie_rx_bytes_per_second, current)),
+               ("gpu_c2c_tx_bandwidth_util_ratio", ratio(io.c2c_tx_bytes_per_second, c2c)),
+               ("gpu_c2c_rx_bandwidth_util_ratio", ratio(io.c2c_rx_bytes_per_second, c2c))]
     out = [Series(name=name, labels=labels, value=float(value), timestamp_ms=ts)
            for name, value in figures if value is not None]
+    out.extend(Series(name="gpu_xid_errors_total", labels=with_labels(labels, xid=str(code)),
+                      value=float(count), timestamp_ms=ts) for code, count in sample.xids)
     app = sample.app
     if app.allocators or app.latency is not None:
         out.extend(_app_series(app, labels, ts))

@@ -20,6 +20,13 @@ import structlog
 
 from sidecar.samples import LAYER_METRICS
 from sidecar.sources.nvml.errors import error_name, is_unsupported
+from sidecar.sources.nvml.health import (
+    C2C_SERIES,
+    CURRENT_LINK_SERIES,
+    HEALTH_SERIES,
+    HealthCaps,
+    detect_health,
+)
 from sidecar.sources.pcie import link_max_bytes_per_second
 
 log = structlog.get_logger("sidecar.nvml")
@@ -54,6 +61,10 @@ GPM_CORE = (
 GPM_PCIE = (  # MiB/s
     GpmFigure(pynvml.NVML_GPM_METRIC_PCIE_TX_PER_SEC, "pcie_tx_bytes_per_second", MIB),
     GpmFigure(pynvml.NVML_GPM_METRIC_PCIE_RX_PER_SEC, "pcie_rx_bytes_per_second", MIB),
+)
+GPM_C2C = (  # MiB/s, like the PCIe metrics
+    GpmFigure(pynvml.NVML_GPM_METRIC_C2C_TOTAL_TX_PER_SEC, "c2c_tx_bytes_per_second", MIB),
+    GpmFigure(pynvml.NVML_GPM_METRIC_C2C_TOTAL_RX_PER_SEC, "c2c_rx_bytes_per_second", MIB),
 )
 GPM_NVLINK = (  # MiB/s
     GpmFigure(pynvml.NVML_GPM_METRIC_NVLINK_TOTAL_TX_PER_SEC, "nvlink_tx_bytes_per_second", MIB),
@@ -125,6 +136,7 @@ class Capabilities:
     nvlink: Literal["counters", "gpm"] | None = None
     nvlink_links: int = 0
     link: Link = Link()
+    health: HealthCaps = field(default_factory=HealthCaps)
     absent: dict[str, str] = field(default_factory=dict)  # series name -> why
 
     @property
@@ -138,6 +150,7 @@ class Capabilities:
         if self.nvlink == "counters":
             ids += [(FI_NVL_TX, link) for link in range(self.nvlink_links)]
             ids += [(FI_NVL_RX, link) for link in range(self.nvlink_links)]
+        ids += [(fid, 0) for fid in self.health.field_ids]
         return tuple(ids)
 
     def summary(self) -> dict[str, Any]:
@@ -147,7 +160,8 @@ class Capabilities:
             "pcie": self.pcie, "replay": self.replay, "nvlink": self.nvlink,
             "nvlink_links": self.nvlink_links, "link_generation": self.link.generation,
             "link_width": self.link.width,
-            "link_max_bytes_per_second": self.link.max_bytes_per_second}
+            "link_max_bytes_per_second": self.link.max_bytes_per_second,
+            **self.health.summary()}
         if self.pcie_note:
             out["pcie_note"] = self.pcie_note
         return out
@@ -168,15 +182,20 @@ def detect(handle: Any, *, uuid: str, pcie_peak: float | None, interval_s: float
     links = probe.get(FI_LINKS)
     nvlink_links = links.value if links is not None else 0
     nvlink = _choose_nvlink(handle, nvlink_links, gpm=gpm, absent=absent)
+    health = detect_health(handle, absent, lambda ids: _probe_fields(handle, ids))
+    c2c = health.c2c_link_max_bytes_per_second is not None
     figures: tuple[GpmFigure, ...] = ()
     if gpm:
         figures = (GPM_CORE + (GPM_PCIE if pcie == "gpm" else ())
-                   + (GPM_NVLINK if nvlink == "gpm" else ()))
+                   + (GPM_NVLINK if nvlink == "gpm" else ()) + (GPM_C2C if c2c else ()))
     else:
         absent.update(dict.fromkeys(GPM_ONLY_SERIES, gpm_why))
+        if c2c:
+            absent.update(dict.fromkeys(C2C_SERIES[:2] + C2C_SERIES[3:], gpm_why))
     return Capabilities(memory=memory, utilization=utilization, gpm=gpm, gpm_figures=figures,
                         pcie=pcie, pcie_note=pcie_note, pcie_max_dt=pcie_max_dt, replay=replay,
-                        nvlink=nvlink, nvlink_links=nvlink_links, link=link, absent=absent)
+                        nvlink=nvlink, nvlink_links=nvlink_links, link=link, health=health,
+                        absent=absent)
 
 
 def detect_mig(handle: Any, parent: Capabilities) -> Capabilities:
@@ -184,7 +203,8 @@ def detect_mig(handle: Any, parent: Capabilities) -> Capabilities:
     figures (utilization, PCIe, NVLink, replays) are the parent's only."""
     absent: dict[str, str] = {}
     memory = detect_memory(handle, absent)
-    absent.update(dict.fromkeys(_MIG_PARENT_ONLY, "MIG instance: reported on the parent GPU only"))
+    absent.update(dict.fromkeys((*_MIG_PARENT_ONLY, *HEALTH_SERIES, *CURRENT_LINK_SERIES,
+                                 *C2C_SERIES), "MIG instance: reported on the parent GPU only"))
     if not parent.gpm:
         absent.update({name: parent.absent.get(name, "no GPM") for name in GPM_ONLY_SERIES})
     return Capabilities(memory=memory, gpm=parent.gpm,

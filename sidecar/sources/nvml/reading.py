@@ -9,12 +9,12 @@ lost GPU raises ``GpuLost``.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import pynvml
 
-from sidecar.samples import ComputeLayer, IoLayer, MemoryLayer, layer_figures
+from sidecar.samples import ComputeLayer, HealthLayer, IoLayer, MemoryLayer, layer_figures
 from sidecar.sources.nvml.capabilities import (
     FI_NVL_RX,
     FI_NVL_TX,
@@ -28,6 +28,7 @@ from sidecar.sources.nvml.capabilities import (
     field_value,
 )
 from sidecar.sources.nvml.errors import Failures, GpuLost
+from sidecar.sources.nvml.health import ClockEventTotals, current_link, read_health
 from sidecar.sources.pcie import counter_rate
 
 GPM_MIN_INTERVAL_S = 0.1  # NVML's minimum between two GPM samples
@@ -42,6 +43,8 @@ class NvmlReading:
     compute: ComputeLayer
     memory: MemoryLayer
     io: IoLayer
+    health: HealthLayer = field(default_factory=HealthLayer)
+    xids: tuple[tuple[int, int], ...] = ()  # (Xid code, count), from the Xid watcher
 
 
 @dataclass(frozen=True, slots=True)
@@ -79,18 +82,22 @@ class ReadState:
     gpm_prev_t: float | None = None
     pcie: Totals | None = None  # bytes
     nvlink: Totals | None = None  # KiB, summed over links
+    clock_events: ClockEventTotals | None = None  # ns in each clock-limiting reason
 
     def forget(self) -> None:
         """The GPU was lost: counters and samples from before are no base for a rate."""
         self.pcie = self.nvlink = None
+        self.clock_events = None
         self.gpm_prev_t = None
         self.gpm_next = 1
 
 
 def read_gpu(handles: Handles, caps: Capabilities, state: ReadState, failures: Failures,
-             now: float) -> NvmlReading:
+             now: float, xids: tuple[int | None, tuple[tuple[int, int], ...]] = (None, ())
+             ) -> NvmlReading:
     """One GPU's reading, less the PCIe throughput calls (``pcie == "throughput"``), which the
-    source runs concurrently for every GPU and adds afterwards."""
+    source runs concurrently for every GPU and adds afterwards. ``xids``: the last Xid code and
+    the counts by code, as the Xid watcher has them."""
     device = handles.device
     mem = failures.call("memory", _memory_info, device, caps.memory) if caps.memory else None
     util = (failures.call("utilization", pynvml.nvmlDeviceGetUtilizationRates, device)
@@ -115,6 +122,11 @@ def read_gpu(handles: Handles, caps: Capabilities, state: ReadState, failures: F
     elif caps.replay == "call":
         replay = failures.call("replay", pynvml.nvmlDeviceGetPcieReplayCounter, device)
 
+    health = HealthLayer()
+    if not handles.is_mig:
+        health, state.clock_events = read_health(device, caps.health, values, state.clock_events,
+                                                 failures, now, xids[0])
+    generation, width, trained = current_link(device, caps.health, failures)
     reading = NvmlReading(
         compute=ComputeLayer(
             sm_occupancy_ratio=gpm.get("sm_occupancy_ratio"),
@@ -136,9 +148,17 @@ def read_gpu(handles: Handles, caps: Capabilities, state: ReadState, failures: F
             pcie_link_generation=caps.link.generation,
             pcie_link_width=caps.link.width,
             pcie_replay_errors=replay,
+            pcie_link_current_generation=generation,
+            pcie_link_current_width=width,
+            pcie_link_current_bytes_per_second=trained,
             nvlink_tx_bytes_per_second=nvlink_tx,
             nvlink_rx_bytes_per_second=nvlink_rx,
+            c2c_tx_bytes_per_second=gpm.get("c2c_tx_bytes_per_second"),
+            c2c_rx_bytes_per_second=gpm.get("c2c_rx_bytes_per_second"),
+            c2c_link_max_bytes_per_second=caps.health.c2c_link_max_bytes_per_second,
         ),
+        health=health,
+        xids=xids[1],
     )
     if len(failures.failing) >= 2 and _nothing_read(reading):
         # the driver went away or NVML was unloaded: report the GPU unavailable and re-open it

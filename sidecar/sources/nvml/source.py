@@ -24,6 +24,7 @@ from sidecar.samples import GpuIdentity
 from sidecar.sources.nvml.devices import Device, open_gpu, reopen
 from sidecar.sources.nvml.errors import GpuLost, NvmlUnavailable, error_name, init_advice, is_lost
 from sidecar.sources.nvml.reading import GPM_MIN_INTERVAL_S, KIB, NvmlReading, read_gpu
+from sidecar.sources.nvml.xid import XidWatcher
 
 log = structlog.get_logger("sidecar.nvml")
 
@@ -48,6 +49,7 @@ class NvmlSource:
         self.unreadable_at_start: list[int] = []  # indexes NVML lists but could not open
         self._devices: dict[str, Device] = {}
         self._throughput = ThroughputCalls()
+        self._xids = XidWatcher()
 
     # -- life cycle ----------------------------------------------------------------------------
 
@@ -70,12 +72,24 @@ class NvmlSource:
                 self.unreadable_at_start.append(index)
                 log.warning("gpu_unreadable_at_start", gpu_index=index, error=str(exc),
                             hint=f"it is left out; check `nvidia-smi -i {index}`")
+        for dev in self._devices.values():
+            self._listen_for_xids(dev)
+        self._xids.start()
         # which GPUs this container sees: what a DRA claim or NVIDIA_VISIBLE_DEVICES gave it
         log.info("nvml_opened", driver=self.driver_version, gpus=len(self._devices),
                  visible=[f"{d.identity.uuid} ({d.identity.name})"
                           for d in self._devices.values()])
 
+    def _listen_for_xids(self, dev: Device) -> None:
+        """Xids are per physical GPU; a MIG instance's figures are its parent's."""
+        if dev.handles.is_mig:
+            return
+        why = self._xids.register(dev.handles.device, dev.identity.uuid)
+        if why is not None:
+            dev.caps.absent.update(dict.fromkeys(("gpu_xid_errors_total", "gpu_last_xid"), why))
+
     def close(self) -> None:
+        self._xids.close()
         self._throughput.close()
         for dev in self._devices.values():
             dev.free()
@@ -114,7 +128,8 @@ class NvmlSource:
         for dev in live:
             try:
                 result[dev.identity.uuid] = read_gpu(dev.handles, dev.caps, dev.state,
-                                                     dev.failures, now)
+                                                     dev.failures, now,
+                                                     self._xids.counts(dev.identity.uuid))
             except GpuLost as exc:
                 self._mark_lost(dev, now, str(exc.__cause__ or exc))
         for dev in slow:
@@ -181,6 +196,7 @@ class NvmlSource:
             dev.retry_at = now + self.lost_retry_s
             return False
         dev.failures.clear()
+        self._listen_for_xids(dev)  # a new handle: registered afresh
         log.info("gpu_recovered", gpu_uuid=dev.identity.uuid,
                  lost_for_s=round(now - (dev.lost_since or now), 3))
         dev.lost_since = None
