@@ -582,7 +582,7 @@ def _nvml_series() -> int:
     """How many series NVML can give one GPU in a cycle: every figure of the compute, memory,
     IO and health layers, and the ratios derived from them (Xid counts aside)."""
     return sum(1 for m in METRICS if m.layer in ("compute", "memory", "io", "health")
-               and m.name != "gpu_xid_errors_total")
+               and not m.source.startswith("app") and m.name != "gpu_xid_errors_total")
 
 
 def render_markdown() -> str:

@@ -245,6 +245,9 @@ def test_backoff_has_full_jitter_above_a_floor_and_retry_after_lengthens_it_capp
     assert min(waits) >= 0.5 and max(waits) <= 30.0  # the floor, the longest backoff
     late = [_waited(policy, network, 10) for _ in range(200)]
     assert max(late) - min(late) > 10  # full jitter: anywhere from the floor to the cap
+    first = [_waited(policy, network, 1) for _ in range(200)]
+    assert min(first) >= 0.5 and max(first) <= 1.0  # jittered from the first retry on...
+    assert len({round(w, 3) for w in first}) > 150, "first retries in step"  # ...not clipped
     # Retry-After lengthens the wait, past the longest backoff, up to its own cap...
     assert _waited(policy, Retryable("http_429", "slow", retry_after=120.0), 1) == 120.0
     assert _waited(policy, Retryable("http_429", "slow", retry_after=86_400.0), 1) == \

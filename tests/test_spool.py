@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import itertools
 import os
 import socket
 import stat
@@ -15,6 +16,7 @@ import structlog
 from sidecar.durability import journal
 from sidecar.durability.journal import RECORD, Journal, read_records
 from sidecar.durability.spool import HEADER, Spool, SpoolError, SpoolLocked
+from sidecar.samples import Series
 from sidecar.sinks.http import HttpOptions
 from sidecar.sinks.remote_write import RemoteWriteSink
 
@@ -411,3 +413,28 @@ def test_the_sink_replays_every_intact_record_logs_and_counts_the_damage(tmp_pat
     assert sink.journal_records_damaged == 1
     series = {s.name: s.value for s in sink.telemetry(0, ())}
     assert series["gpu_sidecar_journal_records_damaged_total"] == 1
+
+
+@pytest.mark.parametrize(("interval", "push", "sealed_every"), [(1.0, 1.0, 1), (1.0, 3.0, 3),
+                                                              (0.2, 0.5, 2)])
+def test_a_batch_is_sealed_at_the_cycle_nearest_to_the_push_interval(tmp_path, interval, push,
+                                                                     sealed_every):
+    """A cycle's clock reads a little early or late: a push interval equal to the sampling
+    interval still seals every cycle, not every other one."""
+    readings = iter(t * interval + jitter for t in range(1, 40)
+                    for jitter in (-0.003 if t % 2 else 0.002,))
+    now = {"t": 0.0}
+    spool = Spool(tmp_path / "spool", max_bytes=1 << 20)
+    sink = RemoteWriteSink("http://127.0.0.1:9/api/v1/write", spool,
+                           HttpOptions(timeout_s=1, initial_backoff_s=5, max_backoff_s=5),
+                           push_interval_s=push, clock=lambda: now["t"])
+    sealed = []
+    for cycle in range(1, 31):
+        now["t"] = next(readings)
+        before = len(spool)
+        sink.emit([Series("x", (), float(cycle), cycle)])
+        if len(spool) > before:
+            sealed.append(cycle)
+    spool.close()
+    gaps = {b - a for a, b in itertools.pairwise(sealed)}
+    assert gaps == {sealed_every}, sealed

@@ -173,17 +173,22 @@ class Policy:
 
 
 class _Backoff(tenacity.wait.wait_base):
-    """Exponential backoff with full jitter above a floor of ``initial_s``: tenacity's
-    ``wait_random_exponential``. A receiver's ``Retry-After`` raises the wait (capped), never
-    lowers it; a ``Held`` refusal waits the longest; closing cuts every wait short."""
+    """Exponential backoff with full jitter above a floor: ``initial_s`` plus a wait drawn
+    uniformly from zero to ``initial_s * 2**(attempt - 1)`` (tenacity's
+    ``wait_random_exponential``), ``max_s`` at most. Jitter from the first retry on: a fleet
+    that lost its receiver together does not come back in step (a floor that clipped the draw
+    instead would put most first retries on the floor itself). A receiver's ``Retry-After``
+    raises the wait (capped), never lowers it; a ``Held`` refusal waits the longest; closing
+    cuts every wait short."""
 
     def __init__(self, policy: Policy, initial_s: float, max_s: float,
                  closing: Callable[[], bool]) -> None:
         self.policy = policy
         self.max_s = max_s
         self.closing = closing
-        self.jittered = tenacity.wait_random_exponential(multiplier=initial_s, max=max_s,
-                                                         min=initial_s)
+        self.jittered = (tenacity.wait_fixed(initial_s)
+                         + tenacity.wait_random_exponential(multiplier=initial_s,
+                                                            max=max(0.0, max_s - initial_s)))
 
     def __call__(self, retry_state: tenacity.RetryCallState) -> float:
         outcome = retry_state.outcome

@@ -91,6 +91,7 @@ class SpooledSink:
         self._open_samples = 0
         self._unjournaled = 0  # samples of the open batch its journal could not take
         self.last_flush = clock()
+        self._last_emit: float | None = None
         self.samples_pushed = 0
         self.batches_pushed = 0
         self.failures: Counter[str] = Counter(
@@ -155,14 +156,19 @@ class SpooledSink:
 
     def emit(self, series: list[Series]) -> None:
         record = self.codec.cycle(series)
+        now = self.clock()
         with self._lock:
             self._append_journal(record, len(series))
             self._cycles.append(record)
             self._open_samples += len(series)
+            # sealed at the cycle nearest to the push interval: one whose interval equals the
+            # push interval seals every cycle, though its clock reads a hair early each time
+            cycle_gap = now - self._last_emit if self._last_emit is not None else 0.0
+            self._last_emit = now
             due = (self._open_samples >= self.max_batch_samples
-                   or self.clock() - self.last_flush >= self.push_interval_s)
+                   or now - self.last_flush + cycle_gap / 2 >= self.push_interval_s)
         if due:
-            self.flush()
+            self.flush(now)
 
     def _append_journal(self, record: bytes, samples: int) -> None:
         try:
@@ -180,15 +186,16 @@ class SpooledSink:
         if self._journal_failures.ended():
             self.log.info("journal_write_recovered", sink=self.name)
 
-    def flush(self) -> None:
-        """Seal the open batch into the spool; the sender takes it from there."""
+    def flush(self, now: float | None = None) -> None:
+        """Seal the open batch into the spool; the sender takes it from there. ``now``: the
+        clock of the cycle that sealed it, from which the next push interval counts."""
         with self._lock:
             cycles, samples = self._cycles, self._open_samples
             self._cycles, self._open_samples = [], 0
             unjournaled, self._unjournaled = self._unjournaled, 0
             sealed, self._journal = self._journal, journal.Journal(self.spool.dir,
                                                                   self.spool.reserve())
-            self.last_flush = self.clock()
+            self.last_flush = self.clock() if now is None else now
             self.spool.journal_grew(0)  # the sealed journal becomes the batch put below
         if not samples:
             sealed.discard()

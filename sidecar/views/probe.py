@@ -67,6 +67,13 @@ def _probe_block(source: NvmlSource, ident: GpuIdentity, reading: NvmlReading | 
                  f", PCIe rate from {caps['pcie'] or 'none'}, NVLink from {caps['nvlink'] or 'none'}"
                  f" ({caps['nvlink_links']} links), replays from {caps['replay'] or 'none'}")
     lines.append(f"  link: {link}")
+    if caps.get("host_link") == "c2c":
+        lines.append(f"  host traffic: over NVLink-C2C ({_gb(caps['c2c_link_max_bytes_per_second'])}"
+                     " per direction, all links), not PCIe: the IO verdict reads C2C")
+    else:
+        lines.append("  host traffic: over PCIe")
+    if caps.get("clock_events"):
+        lines.append(f"  clock-limit reasons from: {caps['clock_events']}")
     if caps.get("pcie_note"):
         lines.append(f"  PCIe: {caps['pcie_note']}")
     if absent:
@@ -92,4 +99,37 @@ def _probe_block(source: NvmlSource, ident: GpuIdentity, reading: NvmlReading | 
         f"({_pct(ratio(io.pcie_rx_bytes_per_second, io.pcie_link_max_bytes_per_second))}), NVLink "
         f"TX {_gb(io.nvlink_tx_bytes_per_second)} RX {_gb(io.nvlink_rx_bytes_per_second)}, "
         f"replays {io.pcie_replay_errors if io.pcie_replay_errors is not None else 'absent'}")
+    if io.pcie_link_current_generation is not None:
+        lines.append(f"           link now gen {io.pcie_link_current_generation} "
+                     f"x{io.pcie_link_current_width} ({_gb(io.pcie_link_current_bytes_per_second)}"
+                     " per direction; idle links train down)")
+    if io.c2c_link_max_bytes_per_second is not None:
+        lines.append(
+            f"           C2C TX {_gb(io.c2c_tx_bytes_per_second)} "
+            f"({_pct(ratio(io.c2c_tx_bytes_per_second, io.c2c_link_max_bytes_per_second))}), RX "
+            f"{_gb(io.c2c_rx_bytes_per_second)} "
+            f"({_pct(ratio(io.c2c_rx_bytes_per_second, io.c2c_link_max_bytes_per_second))})")
+    lines.append(_health_line(reading))
     return "\n".join(lines)
+
+
+def _health_line(reading: NvmlReading) -> str:
+    h = reading.health
+
+    def show(value: float | None, unit: str, scale: float = 1.0, digits: int = 0) -> str:
+        return "absent" if value is None else f"{value / scale:.{digits}f} {unit}"
+
+    limits = {name: value for name, value in (
+        ("power cap", h.power_cap_ratio), ("HW slowdown", h.hw_slowdown_ratio),
+        ("HW thermal", h.hw_thermal_ratio), ("power brake", h.hw_power_brake_ratio),
+        ("SW thermal", h.sw_thermal_ratio), ("sync boost", h.sync_boost_ratio))
+        if value}
+    limited = ", ".join(f"{k} {v * 100:.0f} %" for k, v in limits.items()) or "none"
+    ecc = ("absent" if h.ecc_uncorrected_volatile is None else
+           f"{h.ecc_corrected_volatile} corrected / {h.ecc_uncorrected_volatile} uncorrected")
+    return (f"  health:  SM clock {show(h.sm_clock_hertz, 'MHz', 1e6)} of "
+            f"{show(h.sm_clock_max_hertz, 'MHz', 1e6)}, limited by {limited}, power "
+            f"{show(h.power_watts, 'W', digits=1)} of {show(h.power_limit_watts, 'W')}, "
+            f"{show(h.temperature_celsius, 'C')} (memory {show(h.memory_temperature_celsius, 'C')})"
+            f", ECC {ecc}, remap pending {show(h.row_remap_pending, '')}".rstrip() + ", Xids "
+            + (", ".join(f"{code} x{n}" for code, n in reading.xids) or "none"))
