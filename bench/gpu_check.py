@@ -21,7 +21,11 @@ It writes ``gpu_check.json`` (and ``fixtures.json``: a real ``memory_stats()`` a
    ``nvmlDeviceGetPcieThroughput`` counts KB or KiB (against the byte counter during a copy
    loop; NVLink's per-link unit too when two peer GPUs are visible); on a GPU already in MIG
    mode (never switched), what a MIG instance's own handle answers;
-6. overhead: the agent's CPU seconds and peak RSS over a minute of 1 s sampling.
+6. health: every NVML field and call the health layer reads (id, value type, value, return
+   code), the clock-event nanosecond counters over one second of matmuls (a share must lie in
+   0..1), an Xid event set created, registered and waited on for 0.1 s (TIMEOUT expected), and
+   the agent's own health and C2C reading beside them;
+7. overhead: the agent's CPU seconds and peak RSS over a minute of 1 s sampling.
 """
 
 from __future__ import annotations
@@ -492,6 +496,91 @@ def check_mig(source) -> dict | str:
             "agent_capabilities": guarded(lambda: source.capabilities(mig_uuid))}
 
 
+def step_health(torch, source, uuid: str) -> dict:
+    """What the health layer reads, from the real library, and the agent's reading beside it."""
+    from dataclasses import asdict
+
+    from sidecar.sources.nvml.health import (
+        CLOCK_EVENTS,
+        FI_C2C_LINKS,
+        FI_C2C_MAX,
+        FI_POWER,
+        FIELD_FIGURES,
+    )
+
+    pynvml.nvmlInit()
+    try:
+        handle = physical_handle(uuid)
+        ids = [fid for fid, _, _ in FIELD_FIGURES] + [fid for _, fid, _ in CLOCK_EVENTS if fid]
+        ids += [FI_POWER, FI_C2C_LINKS, FI_C2C_MAX]
+        fields = {str(fid): guarded(lambda fid=fid: describe_field(
+            pynvml.nvmlDeviceGetFieldValues(handle, [fid])[0])) for fid in ids}
+        calls = {
+            "clock_sm": attempt(lambda: pynvml.nvmlDeviceGetClockInfo(handle, pynvml.NVML_CLOCK_SM)),
+            "clock_mem": attempt(lambda: pynvml.nvmlDeviceGetClockInfo(handle,
+                                                                       pynvml.NVML_CLOCK_MEM)),
+            "max_clock_sm": attempt(lambda: pynvml.nvmlDeviceGetMaxClockInfo(
+                handle, pynvml.NVML_CLOCK_SM)),
+            "max_clock_mem": attempt(lambda: pynvml.nvmlDeviceGetMaxClockInfo(
+                handle, pynvml.NVML_CLOCK_MEM)),
+            "clocks_event_reasons": attempt(
+                lambda: pynvml.nvmlDeviceGetCurrentClocksEventReasons(handle)),
+            "supported_clocks_event_reasons": attempt(
+                lambda: pynvml.nvmlDeviceGetSupportedClocksEventReasons(handle)),
+            "power_usage_mw": attempt(lambda: pynvml.nvmlDeviceGetPowerUsage(handle)),
+            "enforced_power_limit_mw": attempt(
+                lambda: pynvml.nvmlDeviceGetEnforcedPowerLimit(handle)),
+            "temperature_c": attempt(lambda: pynvml.nvmlDeviceGetTemperature(
+                handle, pynvml.NVML_TEMPERATURE_GPU)),
+            "curr_link_gen": attempt(lambda: pynvml.nvmlDeviceGetCurrPcieLinkGeneration(handle)),
+            "curr_link_width": attempt(lambda: pynvml.nvmlDeviceGetCurrPcieLinkWidth(handle)),
+            "ecc_uncorrected_volatile": attempt(lambda: pynvml.nvmlDeviceGetTotalEccErrors(
+                handle, pynvml.NVML_MEMORY_ERROR_TYPE_UNCORRECTED, pynvml.NVML_VOLATILE_ECC)),
+            "remapped_rows": attempt(lambda: pynvml.nvmlDeviceGetRemappedRows(handle)),
+            "c2c_mode": attempt(lambda: pynvml.nvmlDeviceGetC2cModeInfoV1(handle)),
+            "supported_event_types": attempt(
+                lambda: pynvml.nvmlDeviceGetSupportedEventTypes(handle)),
+        }
+        counters = [fid for _, fid, _ in CLOCK_EVENTS if fid]
+        a = time.monotonic(), pynvml.nvmlDeviceGetFieldValues(handle, counters)
+        x = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+        end = time.monotonic() + 1.0
+        while time.monotonic() < end:
+            x @ x  # keeps the GPU busy (and maybe at its power limit)
+        torch.cuda.synchronize()
+        b = time.monotonic(), pynvml.nvmlDeviceGetFieldValues(handle, counters)
+        shares = {}
+        for fa, fb in zip(a[1], b[1], strict=True):
+            da, db = describe_field(fa), describe_field(fb)
+            if da["value"] is not None and db["value"] is not None:
+                shares[str(fa.fieldId)] = (db["value"] - da["value"]) / ((b[0] - a[0]) * 1e9)
+        xid = guarded(_xid_wait_once)
+    finally:
+        pynvml.nvmlShutdown()
+    source.read([uuid])
+    time.sleep(0.5)
+    reading = source.read([uuid])[uuid]
+    return {"fields": fields, "calls": calls, "clock_event_shares_over_1s_matmul": shares,
+            "xid_event_set": xid,
+            "agent_health": asdict(reading.health) if reading is not None else None,
+            "agent_io": asdict(reading.io) if reading is not None else None}
+
+
+def _xid_wait_once() -> dict:
+    """An event set for every GPU, registered for Xids, waited on for 0.1 s."""
+    event_set = pynvml.nvmlEventSetCreate()
+    try:
+        registered = {}
+        for index in range(pynvml.nvmlDeviceGetCount()):
+            h = pynvml.nvmlDeviceGetHandleByIndex(index)
+            registered[index] = attempt(lambda h=h: pynvml.nvmlDeviceRegisterEvents(
+                h, pynvml.nvmlEventTypeXidCriticalError, event_set))
+        waited = attempt(lambda: pynvml.nvmlEventSetWait_v2(event_set, 100))
+    finally:
+        pynvml.nvmlEventSetFree(event_set)
+    return {"registered": registered, "wait_100ms": waited}
+
+
 def step_nvml_facts(torch, source, uuid: str) -> dict:
     """Facts the tests take from the stand-in NVML, read from the real library (its own
     nvmlInit, reference-counted, so the agent's session stays open)."""
@@ -565,6 +654,18 @@ def summary_rows(report: dict) -> list[tuple[str, str]]:
         ("NVLink field unit", str(dig(nvlink_unit, "verdict") or dig(nvlink_unit, "skipped")
                                   or dig(nvlink_unit, "error"))),
         ("MIG", mig_summary(facts)),
+        ("health: SM clock / max Hz",
+         f"{fmt(dig(report, 'health', 'agent_health', 'sm_clock_hertz'))} / "
+         f"{fmt(dig(report, 'health', 'agent_health', 'sm_clock_max_hertz'))}"),
+        ("health: power / limit W",
+         f"{fmt(dig(report, 'health', 'agent_health', 'power_watts'))} / "
+         f"{fmt(dig(report, 'health', 'agent_health', 'power_limit_watts'))}"),
+        ("health: clock-event shares (1 s)",
+         str(dig(report, "health", "clock_event_shares_over_1s_matmul"))),
+        ("health: Xid wait 0.1 s",
+         str(dig(report, "health", "xid_event_set", "wait_100ms", "result"))),
+        ("C2C link max B/s", fmt(dig(report, "health", "agent_io",
+                                     "c2c_link_max_bytes_per_second"))),
         ("memory_snapshot() median / max s",
          f"{fmt(dig(alloc, 'snapshot_seconds_median'))} / {fmt(dig(alloc, 'snapshot_seconds_max'))}"
          f" ({dig(alloc, 'snapshot_blocks')} blocks)"),
@@ -599,6 +700,7 @@ def main() -> int:
              ("compute", lambda: step_compute(torch, source, uuid)),
              ("allocator", lambda: step_allocator(torch, uuid, out_dir)),
              ("nvml_facts", lambda: step_nvml_facts(torch, source, uuid)),
+             ("health", lambda: step_health(torch, source, uuid)),
              ("overhead", lambda: step_overhead(out_dir))]
     for name, fn in steps:
         t0 = time.monotonic()

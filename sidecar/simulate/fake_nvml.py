@@ -7,7 +7,18 @@ answers those calls the way ``libnvidia-ml.so`` does (return codes, out-paramete
 
 Signals are smooth functions of time with closed-form integrals, so cumulative counters (PCIe
 bytes, NVLink KiB) and GPM interval averages are exact, and tests can compute by hand what the
-agent must report.
+agent must report. Clock-event reasons are duty cycles (on for a share of each period): the
+reason bitmask at an instant and the cumulative nanosecond counters are the same function, so
+they always agree, and the counters are exact integers.
+
+Which field ids and functions exist follows the simulated driver's version (``driver_version``):
+the clock-event nanosecond counters arrived in R575 (at 251-253) and moved to 269-271 in R590,
+the PCIe error counters and the instant power field in R535, the C2C fields in R525, the C2C GPM
+metrics in R575 (NVML change log and the nvml.h of each CUDA release).
+
+Xid events are scheduled on the simulated clock; ``nvmlEventSetWait_v2`` blocks on a condition
+for at most its timeout in real time and wakes early when an event falls due (or when a
+``ManualClock`` is moved), as the real call sleeps until an event arrives.
 """
 
 from __future__ import annotations
@@ -16,6 +27,7 @@ import ctypes
 import math
 import threading
 import time
+import weakref
 from collections import Counter
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -27,12 +39,19 @@ NOT_SUPPORTED = pynvml.NVML_ERROR_NOT_SUPPORTED
 INVALID_ARGUMENT = pynvml.NVML_ERROR_INVALID_ARGUMENT
 NOT_FOUND = pynvml.NVML_ERROR_NOT_FOUND
 GPU_IS_LOST = pynvml.NVML_ERROR_GPU_IS_LOST
+TIMEOUT = pynvml.NVML_ERROR_TIMEOUT
+UINT = pynvml.NVML_VALUE_TYPE_UNSIGNED_INT
+ULL = pynvml.NVML_VALUE_TYPE_UNSIGNED_LONG_LONG
+NO_INSTANCE = 0xFFFFFFFF  # nvmlEventData_t's GPU/compute instance id when not attributable
+NS_PER_S = 1_000_000_000
 
 THROUGHPUT_WINDOW_S = 0.020  # nvmlDeviceGetPcieThroughput samples a 20 ms window and blocks for it
 KIB = 1024
 
 # Functions an old driver (before R520 or so) lacks; pynvml turns a missing symbol into
-# NVMLError_FunctionNotFound, exactly as with the real library.
+# NVMLError_FunctionNotFound, exactly as with the real library. The clock-event-reason names
+# came with R535 (the older nvmlDeviceGet*ClocksThrottleReasons remain), the C2C mode call with
+# R545.
 OLD_DRIVER_MISSING = frozenset(
     {
         "nvmlDeviceGetMemoryInfo_v2",
@@ -42,8 +61,66 @@ OLD_DRIVER_MISSING = frozenset(
         "nvmlGpmSampleGet",
         "nvmlGpmMigSampleGet",
         "nvmlGpmMetricsGet",
+        "nvmlDeviceGetCurrentClocksEventReasons",
+        "nvmlDeviceGetSupportedClocksEventReasons",
+        "nvmlDeviceGetC2cModeInfoV",
     }
 )
+
+DEFAULT_DRIVER_VERSION = "590.44.01"  # R590: the clock-event counters at 269-271, as pynvml 13
+
+# nvmlClocksEventReason* bits of the five reasons with a cumulative nanosecond counter
+REASON_SW_POWER_CAP = pynvml.nvmlClocksEventReasonSwPowerCap
+REASON_SYNC_BOOST = pynvml.nvmlClocksEventReasonSyncBoost
+REASON_SW_THERMAL = pynvml.nvmlClocksEventReasonSwThermalSlowdown
+REASON_HW_THERMAL = pynvml.nvmlClocksEventReasonHwThermalSlowdown
+REASON_HW_POWER_BRAKE = pynvml.nvmlClocksEventReasonHwPowerBrakeSlowdown
+# what a data-centre Hopper reports as supported: every reason but the display clock setting
+DATACENTER_CLOCK_EVENTS = pynvml.nvmlClocksEventReasonAll & ~pynvml.nvmlClocksEventReasonDisplayClockSetting
+DEFAULT_EVENT_TYPES = (pynvml.nvmlEventTypeSingleBitEccError | pynvml.nvmlEventTypeDoubleBitEccError
+                       | pynvml.nvmlEventTypePState | pynvml.nvmlEventTypeXidCriticalError
+                       | pynvml.nvmlEventTypeClock)
+
+ECC_FIELDS = {  # field id -> (corrected, volatile)
+    pynvml.NVML_FI_DEV_ECC_SBE_VOL_TOTAL: (True, True),
+    pynvml.NVML_FI_DEV_ECC_DBE_VOL_TOTAL: (False, True),
+    pynvml.NVML_FI_DEV_ECC_SBE_AGG_TOTAL: (True, False),
+    pynvml.NVML_FI_DEV_ECC_DBE_AGG_TOTAL: (False, False),
+}
+REMAP_FIELDS = (pynvml.NVML_FI_DEV_REMAPPED_COR, pynvml.NVML_FI_DEV_REMAPPED_UNC,
+                pynvml.NVML_FI_DEV_REMAPPED_PENDING, pynvml.NVML_FI_DEV_REMAPPED_FAILURE)
+PCIE_ERROR_FIELDS = range(pynvml.NVML_FI_DEV_PCIE_COUNT_CORRECTABLE_ERRORS,
+                          pynvml.NVML_FI_DEV_PCIE_COUNT_LANE_ERROR + 1)  # 173..183
+C2C_FIELDS = (pynvml.NVML_FI_DEV_C2C_LINK_COUNT, pynvml.NVML_FI_DEV_C2C_LINK_GET_STATUS,
+              pynvml.NVML_FI_DEV_C2C_LINK_GET_MAX_BW)
+
+
+def driver_major(version: str) -> int:
+    """The branch of a driver version string ("590.44.01" -> 590)."""
+    try:
+        return int(version.split(".", 1)[0])
+    except ValueError:
+        return 0
+
+
+def clock_event_counter_fields(major: int) -> dict[int, int]:
+    """Field id -> reason bit of the cumulative nanosecond counters a driver branch answers.
+
+    R575 added them with SW/HW thermal and power brake at 251-253; those ids overlapped the
+    power-smoothing fields of R570, so later drivers moved them to 269-271 (nvml.h of CUDA
+    12.9/13.0 against 13.1; the change log files the move under v580, the 13.0 header and
+    nvidia-smi 580.65 still use 251-253, so the simulated move is at R590). SW power cap and
+    sync boost keep the perf-policy ids 74 and 76."""
+    if major < 575:
+        return {}
+    low = major < 590
+    return {
+        pynvml.NVML_FI_DEV_CLOCKS_EVENT_REASON_SW_POWER_CAP: REASON_SW_POWER_CAP,  # 74
+        pynvml.NVML_FI_DEV_CLOCKS_EVENT_REASON_SYNC_BOOST: REASON_SYNC_BOOST,  # 76
+        (251 if low else 269): REASON_SW_THERMAL,
+        (252 if low else 270): REASON_HW_THERMAL,
+        (253 if low else 271): REASON_HW_POWER_BRAKE,
+    }
 
 
 @dataclass(frozen=True)
@@ -66,6 +143,33 @@ class Signal:
 
 
 ZERO = Signal(0.0)
+
+
+@dataclass(frozen=True)
+class DutyCycle:
+    """A clock-event reason held for ``share`` of every ``period`` seconds, from ``phase`` on:
+    active when ``(t - phase) mod period < share * period``. Times are kept in integer
+    nanoseconds, so the cumulative counter is an exact integer a test can work out by hand."""
+
+    share: float
+    period: float = 10.0
+    phase: float = 0.0
+
+    def _ns(self, t: float) -> tuple[int, int, int]:
+        period = round(self.period * NS_PER_S)
+        return round((t - self.phase) * NS_PER_S), period, round(self.share * period)
+
+    def active(self, t: float) -> bool:
+        elapsed, period, on = self._ns(t)
+        return elapsed >= 0 and elapsed % period < on
+
+    def active_ns(self, t: float) -> int:
+        """Nanoseconds active in [phase, t]."""
+        elapsed, period, on = self._ns(t)
+        if elapsed <= 0:
+            return 0
+        whole, rest = divmod(elapsed, period)
+        return whole * on + min(rest, on)
 
 
 @dataclass(frozen=True)
@@ -115,12 +219,63 @@ class FakeGpu:
     mig_capable: bool = True
     mig: tuple[FakeMig, ...] = ()
     lost_between: tuple[float, float | None] | None = None
+    # health (defaults: a healthy H200 SXM under load). Clocks in MHz, power in W, °C.
+    sm_clock: Signal = Signal(1980.0)  # also the graphics clock
+    sm_clock_max: int = 1980
+    memory_clock: Signal = Signal(3201.0)
+    memory_clock_max: int = 3201
+    video_clock: Signal = Signal(1545.0)
+    video_clock_max: int = 1545
+    power: Signal = Signal(450.0)
+    power_limit: float = 700.0  # enforced
+    power_usage_averaged: bool = True  # nvmlDeviceGetPowerUsage: 1 s mean (not on GA100)
+    temperature: Signal = Signal(52.0)
+    memory_temperature: Signal | None = Signal(58.0)  # None: no HBM sensor (field 82 refused)
+    clock_events: tuple[tuple[int, DutyCycle], ...] = ()  # (nvmlClocksEventReason bit, when)
+    supported_clock_events: int = DATACENTER_CLOCK_EVENTS
+    has_clock_event_counters: bool = True  # fields 74/76/269-271, where the driver has them
+    has_ecc: bool = True
+    ecc_corrected_per_second: float = 0.0  # volatile counts since the driver loaded (t = 0)
+    ecc_uncorrected_per_second: float = 0.0
+    ecc_corrected_aggregate_base: int = 0  # aggregate = base + volatile
+    ecc_uncorrected_aggregate_base: int = 0
+    has_row_remapping: bool = True  # Ampere and later
+    remapped_rows_correctable: int = 0
+    remapped_rows_uncorrectable: int = 0
+    row_remap_pending: bool = False
+    row_remap_failed: bool = False
+    pcie_correctable_errors_per_second: float = 0.0  # field 173
+    pcie_l0_recovery_per_second: float = 0.0  # field 169
+    pcie_error_counts: tuple[tuple[int, int], ...] = ()  # other fields 174-183 -> count
+    # (t, Xid) or (t, Xid, GPU instance id, compute instance id) on the simulated clock
+    xid_events: tuple[tuple[float, int] | tuple[float, int, int, int], ...] = ()
+    supported_event_types: int = DEFAULT_EVENT_TYPES
+    has_c2c: bool = False  # NVLink-C2C to a Grace CPU
+    c2c_links: int = 10
+    c2c_link_max_mb_per_second: int = 44712  # field 172, MB/s (1e6 B/s) per link
+    c2c_tx: Signal = ZERO  # payload bytes/s, all links
+    c2c_rx: Signal = ZERO
+    c2c_protocol_overhead: float = 0.05  # GPM C2C TOTAL = DATA * (1 + this)
 
 
 @dataclass
 class _GpmSample:
     key: tuple[int, int | None] | None = None
     t: float = 0.0
+
+
+@dataclass
+class _EventSet:
+    # device index -> (registered event types, simulated time of registration)
+    registered: dict[int, tuple[int, float]] = field(default_factory=dict)
+    # device index -> how many of its Xid events (in time order) are delivered or predate it
+    delivered: dict[int, int] = field(default_factory=dict)
+
+
+def _xid(event: tuple[float, int] | tuple[float, int, int, int]) -> tuple[float, int, int, int]:
+    if len(event) == 2:
+        return event[0], event[1], NO_INSTANCE, NO_INSTANCE
+    return event  # type: ignore[return-value]
 
 
 class _Fn:
@@ -176,7 +331,7 @@ class FakeNvml:
         gpus: Iterable[FakeGpu],
         *,
         clock: Callable[[], float] = time.monotonic,
-        driver_version: str = "550.54.15",
+        driver_version: str = DEFAULT_DRIVER_VERSION,
         missing: Iterable[str] = (),
         throughput_blocking: bool = True,
         record_calls: bool = False,
@@ -186,6 +341,8 @@ class FakeNvml:
         self.clock = clock
         self.t0 = clock()
         self.driver_version = driver_version
+        self.driver_major = driver_major(driver_version)
+        self.clock_counter_fields = clock_event_counter_fields(self.driver_major)
         self.throughput_blocking = throughput_blocking
         self.calls: Counter[str] = Counter()
         self._lock = threading.Lock()
@@ -199,6 +356,14 @@ class FakeNvml:
         self.mig_handle_refused: Counter[str] = Counter()
         self._gpm: dict[int, _GpmSample] = {}
         self._next_gpm = 0x6F000000
+        # event sets; waiters sleep on the condition, woken by a due event or a moved clock
+        self._events = threading.Condition()
+        self._event_sets: dict[int, _EventSet] = {}
+        self._next_event_set = 0x7E000000
+        self._xids = [sorted(_xid(e) for e in gpu.xid_events) for gpu in self.gpus]
+        watch = getattr(clock, "watch", None)
+        if callable(watch):
+            watch(self._clock_moved)
         self._fns: dict[str, Callable[..., object]] = {}
         missing = set(missing)
         for attr in dir(type(self)):
@@ -240,6 +405,10 @@ class FakeNvml:
     def now(self) -> float:
         return self.clock() - self.t0
 
+    def _clock_moved(self) -> None:
+        with self._events:
+            self._events.notify_all()
+
     def is_lost(self, index: int) -> bool:
         window = self.gpus[index].lost_between
         if window is None:
@@ -274,6 +443,17 @@ class FakeNvml:
         if found[1].lost_between is not None and self.is_lost(found[0]):
             return GPU_IS_LOST
         return found
+
+    def _physical(self, handle: object) -> tuple[int, FakeGpu] | int:
+        """The addressed physical GPU for a per-board figure (clocks, power, heat, ECC, events):
+        a MIG instance's handle is answered NOT_SUPPORTED, as the real library answers it for
+        the queries it keeps to the parent GPU (the parent's handle is the one to ask)."""
+        dev = self._device(handle)
+        if isinstance(dev, int):
+            return dev
+        if dev[2] is not None:
+            return NOT_SUPPORTED
+        return dev[0], dev[1]
 
     def _gpu(self, handle: object, call: str) -> tuple[int, FakeGpu, None] | int:
         """The addressed physical GPU; a MIG instance's handle is refused, as the real library
