@@ -360,7 +360,6 @@ class FakeNvml:
         self._events = threading.Condition()
         self._event_sets: dict[int, _EventSet] = {}
         self._next_event_set = 0x7E000000
-        self._xids = [sorted(_xid(e) for e in gpu.xid_events) for gpu in self.gpus]
         watch = getattr(clock, "watch", None)
         if callable(watch):
             watch(self._clock_moved)
@@ -719,8 +718,320 @@ class FakeNvml:
                 fv.valueType = pynvml.NVML_VALUE_TYPE_UNSIGNED_LONG_LONG
                 fv.value.ullVal = int(total / gpu.nvlink_links / KIB)
             else:
-                fv.nvmlReturn = NOT_SUPPORTED
+                answer = self._health_field(gpu, fid, scope, t)
+                if answer is None:
+                    fv.nvmlReturn = NOT_SUPPORTED
+                elif answer[0] == UINT:
+                    fv.valueType, fv.value.uiVal = answer
+                else:
+                    fv.valueType, fv.value.ullVal = answer
         return SUCCESS
+
+    def _health_field(self, gpu: FakeGpu, fid: int, scope: int,
+                      t: float) -> tuple[int, int] | None:
+        """(value type, value) of a health field on a physical GPU, or None where the real
+        library answers this field NOT_SUPPORTED (or does not know the id, on an older driver).
+        Value types as the driver fills them: the nanosecond counters and ECC totals 64-bit,
+        the rest unsigned int (what NCCL, DCGM and nvidia-smi read them as)."""
+        major = self.driver_major
+        if fid in self.clock_counter_fields:
+            if not gpu.has_clock_event_counters:
+                return None
+            return ULL, self.reason_ns(gpu, self.clock_counter_fields[fid], t)
+        if fid == pynvml.NVML_FI_DEV_MEMORY_TEMP:
+            sensor = gpu.memory_temperature
+            return None if sensor is None else (UINT, round(sensor.value(t)))  # °C
+        if fid == pynvml.NVML_FI_DEV_POWER_INSTANT:  # scope 0: the GPU alone
+            return (UINT, round(gpu.power.value(t) * 1000)) if major >= 535 and scope == 0 \
+                else None  # mW
+        if fid in ECC_FIELDS:
+            corrected, volatile = ECC_FIELDS[fid]
+            if not gpu.has_ecc or (volatile and gpu.mig):
+                return None
+            return ULL, self.ecc_count(gpu, corrected, volatile, t)
+        if fid in REMAP_FIELDS:
+            rows = self._remapped_rows(gpu)
+            return None if rows is None else (UINT, rows[REMAP_FIELDS.index(fid)])
+        if fid == pynvml.NVML_FI_DEV_PCIE_L0_TO_RECOVERY_COUNTER:
+            return (UINT, int(gpu.pcie_l0_recovery_per_second * t)) if major >= 525 else None
+        if fid in PCIE_ERROR_FIELDS:
+            if major < 535 or (fid == pynvml.NVML_FI_DEV_PCIE_COUNT_LANE_ERROR
+                               and scope >= gpu.link_width):  # scope: the lane
+                return None
+            count = dict(gpu.pcie_error_counts).get(fid, 0)
+            if fid == pynvml.NVML_FI_DEV_PCIE_COUNT_CORRECTABLE_ERRORS:
+                count += int(gpu.pcie_correctable_errors_per_second * t)
+            return UINT, count
+        if fid in C2C_FIELDS:
+            if major < 525 or not gpu.has_c2c:
+                return None  # per field, on GPUs without NVLink-C2C
+            if fid == pynvml.NVML_FI_DEV_C2C_LINK_COUNT:
+                return UINT, gpu.c2c_links
+            if scope >= gpu.c2c_links:  # scope: the link
+                return None
+            if fid == pynvml.NVML_FI_DEV_C2C_LINK_GET_STATUS:
+                return UINT, 1  # active
+            return UINT, gpu.c2c_link_max_mb_per_second
+        return None
+
+    def reason_ns(self, gpu: FakeGpu, bit: int, t: float) -> int:
+        """Cumulative nanoseconds the reason ``bit`` has held the clocks down."""
+        return sum(duty.active_ns(t) for reason, duty in gpu.clock_events if reason == bit)
+
+    def ecc_count(self, gpu: FakeGpu, corrected: bool, volatile: bool, t: float) -> int:
+        rate = gpu.ecc_corrected_per_second if corrected else gpu.ecc_uncorrected_per_second
+        count = int(rate * t)  # volatile: since the driver loaded
+        if not volatile:
+            count += gpu.ecc_corrected_aggregate_base if corrected \
+                else gpu.ecc_uncorrected_aggregate_base
+        return count
+
+    def _remapped_rows(self, gpu: FakeGpu) -> tuple[int, int, int, int] | None:
+        """(correctable, uncorrectable, pending, failed); None where not supported: before
+        Ampere, and with MIG enabled (nvml.h: "If MIG is enabled ... NOT_SUPPORTED")."""
+        if (not gpu.has_row_remapping or gpu.architecture < pynvml.NVML_DEVICE_ARCH_AMPERE
+                or gpu.mig):
+            return None
+        return (gpu.remapped_rows_correctable, gpu.remapped_rows_uncorrectable,
+                int(gpu.row_remap_pending), int(gpu.row_remap_failed))
+
+    # -- clocks, power, temperature ------------------------------------------------------------
+
+    def _clock(self, handle: object, kind: object, ref: object, maximum: bool) -> int:
+        dev = self._physical(handle)
+        if isinstance(dev, int):
+            return dev
+        gpu = dev[1]
+        which = getattr(kind, "value", kind)
+        if which in (pynvml.NVML_CLOCK_GRAPHICS, pynvml.NVML_CLOCK_SM):  # one domain on Hopper
+            current, top = gpu.sm_clock, gpu.sm_clock_max
+        elif which == pynvml.NVML_CLOCK_MEM:
+            current, top = gpu.memory_clock, gpu.memory_clock_max
+        elif which == pynvml.NVML_CLOCK_VIDEO:
+            current, top = gpu.video_clock, gpu.video_clock_max
+        else:
+            return INVALID_ARGUMENT
+        _out(ref).value = top if maximum else round(current.value(self.now()))  # MHz
+        return SUCCESS
+
+    def nvmlDeviceGetClockInfo(self, handle: object, kind: object, ref: object) -> int:
+        return self._clock(handle, kind, ref, maximum=False)
+
+    def nvmlDeviceGetMaxClockInfo(self, handle: object, kind: object, ref: object) -> int:
+        return self._clock(handle, kind, ref, maximum=True)
+
+    def active_reasons(self, gpu: FakeGpu, t: float) -> int:
+        """The clock-event bitmask at ``t``: the reasons whose duty cycle is on, and GpuIdle
+        while nothing runs; only reasons the GPU supports are ever reported."""
+        mask = 0
+        for bit, duty in gpu.clock_events:
+            if duty.active(t):
+                mask |= bit
+        if gpu.utilization.value(t) < 0.5:
+            mask |= pynvml.nvmlClocksEventReasonGpuIdle
+        return mask & gpu.supported_clock_events
+
+    def _reasons(self, handle: object, ref: object, supported: bool) -> int:
+        dev = self._physical(handle)
+        if isinstance(dev, int):
+            return dev
+        gpu = dev[1]
+        _out(ref).value = gpu.supported_clock_events if supported \
+            else self.active_reasons(gpu, self.now())
+        return SUCCESS
+
+    def nvmlDeviceGetCurrentClocksEventReasons(self, handle: object, ref: object) -> int:
+        return self._reasons(handle, ref, supported=False)
+
+    def nvmlDeviceGetSupportedClocksEventReasons(self, handle: object, ref: object) -> int:
+        return self._reasons(handle, ref, supported=True)
+
+    # the deprecated names of the same two calls, which older drivers have instead
+    def nvmlDeviceGetCurrentClocksThrottleReasons(self, handle: object, ref: object) -> int:
+        return self._reasons(handle, ref, supported=False)
+
+    def nvmlDeviceGetSupportedClocksThrottleReasons(self, handle: object, ref: object) -> int:
+        return self._reasons(handle, ref, supported=True)
+
+    def power_usage_mw(self, gpu: FakeGpu, t: float) -> int:
+        """nvmlDeviceGetPowerUsage: on Ampere and later (except GA100) the mean over the last
+        second, else the instantaneous draw (nvml.h); milliwatts."""
+        if gpu.power_usage_averaged and t > 0:
+            watts = gpu.power.mean(max(0.0, t - 1.0), t)
+        else:
+            watts = gpu.power.value(t)
+        return round(watts * 1000)
+
+    def nvmlDeviceGetPowerUsage(self, handle: object, ref: object) -> int:
+        dev = self._physical(handle)
+        if isinstance(dev, int):
+            return dev
+        _out(ref).value = self.power_usage_mw(dev[1], self.now())
+        return SUCCESS
+
+    def nvmlDeviceGetEnforcedPowerLimit(self, handle: object, ref: object) -> int:
+        dev = self._physical(handle)
+        if isinstance(dev, int):
+            return dev
+        _out(ref).value = round(dev[1].power_limit * 1000)  # mW
+        return SUCCESS
+
+    def nvmlDeviceGetTemperature(self, handle: object, sensor: object, ref: object) -> int:
+        dev = self._physical(handle)
+        if isinstance(dev, int):
+            return dev
+        if getattr(sensor, "value", sensor) != pynvml.NVML_TEMPERATURE_GPU:
+            return INVALID_ARGUMENT  # the only sensor this call knows before R615
+        _out(ref).value = round(dev[1].temperature.value(self.now()))  # °C
+        return SUCCESS
+
+    # -- ECC and row remapping -------------------------------------------------------------------
+
+    def nvmlDeviceGetTotalEccErrors(self, handle: object, error_type: object,
+                                    counter_type: object, ref: object) -> int:
+        dev = self._physical(handle)
+        if isinstance(dev, int):
+            return dev
+        gpu = dev[1]
+        kind = getattr(error_type, "value", error_type)
+        counter = getattr(counter_type, "value", counter_type)
+        if kind not in (pynvml.NVML_MEMORY_ERROR_TYPE_CORRECTED,
+                        pynvml.NVML_MEMORY_ERROR_TYPE_UNCORRECTED) \
+                or counter not in (pynvml.NVML_VOLATILE_ECC, pynvml.NVML_AGGREGATE_ECC):
+            return INVALID_ARGUMENT
+        volatile = counter == pynvml.NVML_VOLATILE_ECC
+        if not gpu.has_ecc or (volatile and gpu.mig):  # volatile not by device handle in MIG
+            return NOT_SUPPORTED
+        corrected = kind == pynvml.NVML_MEMORY_ERROR_TYPE_CORRECTED
+        _out(ref).value = self.ecc_count(gpu, corrected, volatile, self.now())
+        return SUCCESS
+
+    def nvmlDeviceGetRemappedRows(self, handle: object, corr: object, unc: object,
+                                  pending: object, failure: object) -> int:
+        dev = self._physical(handle)
+        if isinstance(dev, int):
+            return dev
+        rows = self._remapped_rows(dev[1])
+        if rows is None:
+            return NOT_SUPPORTED
+        for ref, value in zip((corr, unc, pending, failure), rows, strict=True):
+            _out(ref).value = value
+        return SUCCESS
+
+    # -- NVLink-C2C ------------------------------------------------------------------------------
+
+    def nvmlDeviceGetC2cModeInfoV(self, handle: object, ref: object) -> int:
+        dev = self._physical(handle)
+        if isinstance(dev, int):
+            return dev
+        if not dev[1].has_c2c:
+            return NOT_SUPPORTED  # GPUs without a C2C link to a Grace CPU
+        _out(ref).isC2cEnabled = 1
+        return SUCCESS
+
+    # -- events (Xid) ----------------------------------------------------------------------------
+
+    def nvmlEventSetCreate(self, ref: object) -> int:
+        with self._events:
+            self._next_event_set += 16
+            addr = self._next_event_set
+            self._event_sets[addr] = _EventSet()
+        _set_pointer(ref, addr)
+        return SUCCESS
+
+    def nvmlEventSetFree(self, event_set: object) -> int:
+        with self._events:
+            gone = self._event_sets.pop(_pointer_value(event_set), None)
+            self._events.notify_all()
+        return SUCCESS if gone is not None else INVALID_ARGUMENT
+
+    def nvmlDeviceGetSupportedEventTypes(self, handle: object, ref: object) -> int:
+        dev = self._physical(handle)
+        if isinstance(dev, int):
+            return dev
+        _out(ref).value = dev[1].supported_event_types
+        return SUCCESS
+
+    def nvmlDeviceRegisterEvents(self, handle: object, event_types: object,
+                                 event_set: object) -> int:
+        """Record ``event_types`` of the GPU in the set from now on: events before this call
+        are not recorded. A MIG instance's handle is NOT_SUPPORTED (nvml.h: no per-instance
+        event reporting with MIG device handles; register the parent, whose Xids carry the
+        instance ids); a type the GPU lacks is NOT_SUPPORTED and registers nothing."""
+        types = getattr(event_types, "value", event_types)
+        dev = self._physical(handle)
+        if isinstance(dev, int):
+            return dev
+        index, gpu = dev
+        with self._events:
+            s = self._event_sets.get(_pointer_value(event_set))
+            if s is None or not types or types & ~pynvml.nvmlEventTypeAll:
+                return INVALID_ARGUMENT
+            if types & ~gpu.supported_event_types:
+                return NOT_SUPPORTED
+            now = self.now()
+            mask, since = s.registered.get(index, (0, now))
+            s.registered[index] = (mask | types, since)
+            if index not in s.delivered:
+                s.delivered[index] = sum(1 for e in self._xid_schedule(index) if e[0] < now)
+            self._events.notify_all()
+        return SUCCESS
+
+    def _xid_schedule(self, index: int) -> list[tuple[float, int, int, int]]:
+        return sorted(_xid(e) for e in self.gpus[index].xid_events)
+
+    def _next_xid(self, s: _EventSet,
+                  now: float) -> tuple[tuple[int, tuple[float, int, int, int]] | None, float | None]:
+        """The earliest due, undelivered Xid of the set's GPUs, and when the next one falls
+        due (simulated time) if none is due yet."""
+        due: tuple[int, tuple[float, int, int, int]] | None = None
+        upcoming: float | None = None
+        for index, (mask, _) in s.registered.items():
+            if not mask & pynvml.nvmlEventTypeXidCriticalError:
+                continue
+            schedule = self._xid_schedule(index)
+            cursor = s.delivered.get(index, 0)
+            if cursor >= len(schedule):
+                continue
+            event = schedule[cursor]
+            if event[0] <= now:
+                if due is None or event[0] < due[1][0]:
+                    due = index, event
+            elif upcoming is None or event[0] < upcoming:
+                upcoming = event[0]
+        return due, upcoming
+
+    def nvmlEventSetWait_v2(self, event_set: object, ref: object, timeout_ms: object) -> int:
+        """Deliver the earliest due event, else sleep until one falls due, but no longer than
+        ``timeout_ms`` of real time (TIMEOUT). Events already due are delivered even after
+        their GPU fell off the bus; once none is due, a lost GPU in the set is GPU_IS_LOST."""
+        deadline = time.monotonic() + getattr(timeout_ms, "value", timeout_ms) / 1000
+        addr = _pointer_value(event_set)
+        with self._events:
+            while True:
+                s = self._event_sets.get(addr)
+                if s is None:
+                    return INVALID_ARGUMENT
+                now = self.now()
+                due, upcoming = self._next_xid(s, now)
+                if due is not None:
+                    index, (_, code, gi, ci) = due
+                    s.delivered[index] += 1
+                    out = _out(ref)
+                    out.device = ctypes.cast(ctypes.c_void_p(self._handle(index)),
+                                             pynvml.c_nvmlDevice_t)
+                    out.eventType = pynvml.nvmlEventTypeXidCriticalError
+                    out.eventData = code
+                    out.gpuInstanceId, out.computeInstanceId = gi, ci
+                    return SUCCESS
+                if any(self.is_lost(index) for index in s.registered):
+                    return GPU_IS_LOST
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    return TIMEOUT
+                # the simulated clock runs at real speed, or is moved by hand (which notifies)
+                self._events.wait(remaining if upcoming is None
+                                  else min(remaining, max(upcoming - now, 1e-3)))
 
     # -- GPM -----------------------------------------------------------------------------------
 
@@ -789,6 +1100,14 @@ class FakeNvml:
                 pynvml.NVML_GPM_METRIC_NVLINK_TOTAL_TX_PER_SEC: (gpu.nvlink_tx, mib),
                 pynvml.NVML_GPM_METRIC_NVLINK_TOTAL_RX_PER_SEC: (gpu.nvlink_rx, mib),
             }
+            if gpu.has_c2c and self.driver_major >= 575:  # MiB/s, like the PCIe metrics
+                total = mib * (1 + gpu.c2c_protocol_overhead)
+                signals |= {
+                    pynvml.NVML_GPM_METRIC_C2C_TOTAL_TX_PER_SEC: (gpu.c2c_tx, total),
+                    pynvml.NVML_GPM_METRIC_C2C_TOTAL_RX_PER_SEC: (gpu.c2c_rx, total),
+                    pynvml.NVML_GPM_METRIC_C2C_DATA_TX_PER_SEC: (gpu.c2c_tx, mib),
+                    pynvml.NVML_GPM_METRIC_C2C_DATA_RX_PER_SEC: (gpu.c2c_rx, mib),
+                }
         return signals
 
     def nvmlGpmMetricsGet(self, ref: object) -> int:
@@ -878,12 +1197,24 @@ def uninstall() -> None:
 
 @dataclass(frozen=True)
 class ManualClock:
-    """A clock tests move by hand; shared by the fake library and the agent."""
+    """A clock tests move by hand; shared by the fake library and the agent. Moving it wakes
+    whatever the stand-in has blocked on the simulated time (an event-set wait)."""
 
     _now: list[float] = field(default_factory=lambda: [1000.0])
+    _watchers: list[weakref.WeakMethod] = field(default_factory=list, compare=False, repr=False)
 
     def __call__(self) -> float:
         return self._now[0]
 
+    def watch(self, method: Callable[[], object]) -> None:
+        """Call the bound ``method`` after each move (held weakly)."""
+        self._watchers.append(weakref.WeakMethod(method))  # type: ignore[arg-type]
+
     def advance(self, seconds: float) -> None:
         self._now[0] += seconds
+        for ref in list(self._watchers):
+            method = ref()
+            if method is None:
+                self._watchers.remove(ref)
+            else:
+                method()
