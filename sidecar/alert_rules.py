@@ -19,8 +19,10 @@ from sidecar.thresholds import THRESHOLDS, Thresholds
 _HEADER = """\
 # Alert rules for gpu-sidecar. The seed's three alerts, corrected (fragmentation is the
 # allocator's, not device memory usage; PCIe against the device's real link maximum; occupancy
-# only together with degraded latency), plus the allocator's direct symptom and the agent's own
-# health. Tested with `promtool test rules deploy/alerts/gpu-sidecar.tests.yml`.
+# only together with degraded latency), plus the allocator's direct symptom, the GPU's health
+# (hardware faults, a pending row remap, throttled clocks, a PCIe link trained down under
+# traffic, NVLink-C2C saturated on Grace) and the agent's own health. Tested with
+# `promtool test rules deploy/alerts/gpu-sidecar.tests.yml`.
 # Generated from sidecar/thresholds.py by `python -m sidecar.alert_rules`: edit there, not here.
 # The same groups, as a PrometheusRule for the Prometheus Operator: k8s/monitoring/.
 """
@@ -117,6 +119,120 @@ groups:
           description: >-
             GPU {{ $labels.gpu_uuid }} keeps its SMs mostly empty while p99 latency is above the
             objective: small, fragmented kernels; consider batching, CUDA graphs or fusion.
+
+      - alert: GPUHardwareFault
+        # the GPU itself failed: a critical Xid (%(critical_xids_list)s; the first
+        # of a code arrives as a new series at 1, which increase() alone would read as 0, hence
+        # the second arm), an uncorrected ECC error, or a failed row remap. Each is a reason to
+        # drain the node
+        expr: |
+          label_replace(
+            increase(gpu_xid_errors_total{xid=~"%(critical_xids_regex)s"}[10m]) > 0
+            or
+            (gpu_xid_errors_total{xid=~"%(critical_xids_regex)s"} > 0
+              unless gpu_xid_errors_total{xid=~"%(critical_xids_regex)s"} offset 10m),
+            "cause", "Xid $1", "xid", "(.+)")
+          or
+          label_replace(increase(gpu_ecc_uncorrected_volatile_total[10m]) > 0,
+            "cause", "uncorrected ECC errors", "", "")
+          or
+          label_replace(gpu_row_remap_failed == 1, "cause", "a failed row remap", "", "")
+        for: 0m
+        labels:
+          severity: critical
+        annotations:
+          summary: "Hardware fault on GPU {{ $labels.gpu_uuid }} of {{ $labels.pod }}: {{ $labels.cause }}"
+          description: >-
+            GPU {{ $labels.gpu_uuid }} ({{ $labels.pod }}, {{ $labels.namespace }}) reported
+            {{ $labels.cause }}: its results may be wrong and it needs a reset or a replacement.
+            Drain the node, reset the GPU (nvidia-smi -r) and run dcgmi diag; replace it if a
+            row remap failed or the fault comes back. dmesg | grep -i xid has the driver's record.
+
+      - alert: GPURowRemapPending
+        # a memory row is marked for remapping; the remap takes effect at the GPU's next reset
+        # (error containment protects the work meanwhile)
+        expr: gpu_row_remap_pending == 1
+        for: 0m
+        labels:
+          severity: warning
+        annotations:
+          summary: "GPU {{ $labels.gpu_uuid }} of {{ $labels.pod }} waits for a reset to remap a memory row"
+          description: >-
+            A row remap of GPU {{ $labels.gpu_uuid }} is pending: reset the GPU (nvidia-smi -r)
+            once its work is drained to activate it. gpu_remapped_rows_uncorrectable and
+            gpu_remapped_rows_correctable count the rows remapped so far.
+
+      - alert: GPUClocksThrottled
+        # a limiting reason for more than %(throttle_percent)s %% of 5 minutes on a busy GPU (utilization
+        # above %(busy_percent)s %%) whose SM clock averaged below %(throttle_clock_percent)s %% of its
+        # maximum; sync boost is not a reason here (it follows the slowest GPU of its group,
+        # whose own reason fires there)
+        expr: |
+          (
+%(throttle_reasons_expr)s
+          )
+          and on (namespace, pod, gpu_uuid)
+          avg_over_time(gpu_utilization_ratio[5m]) > %(busy_utilization_ratio)s
+          and on (namespace, pod, gpu_uuid)
+          avg_over_time(gpu_sm_clock_hertz[5m])
+            < %(throttle_clock_ratio)s * avg_over_time(gpu_sm_clock_max_hertz[5m])
+        for: 5m
+        labels:
+          severity: warning
+        annotations:
+          summary: >-
+            GPU {{ $labels.gpu_uuid }} clocks limited by {{ $labels.reason }}
+            {{ $value | humanizePercentage }} of the time
+          description: >-
+            The clocks of GPU {{ $labels.gpu_uuid }} ({{ $labels.pod }}) are held below
+            %(throttle_clock_percent)s %% of their maximum while it is busy: every kernel runs slower. Power
+            cap: check the power limit (gpu_power_limit_watts) and the workload's power;
+            thermal: the airflow (gpu_temperature_celsius); HW slowdown or power brake: the
+            board and its power supply.
+
+      - alert: GPUPcieLinkDegraded
+        # the link trained below its maximum generation or width while either direction carries
+        # more than %(pcie_degraded_percent)s %% of the link as trained: an idle link trains down to save
+        # power and is never this alert
+        expr: |
+          max by (namespace, pod, gpu_uuid, gpu_name, gpu_index) (
+            {__name__=~"gpu_pcie_(tx|rx)_current_link_util_ratio"}
+          ) > %(pcie_degraded_traffic_ratio)s
+          and on (namespace, pod, gpu_uuid)
+          (
+            gpu_pcie_link_current_generation < gpu_pcie_link_generation
+            or
+            gpu_pcie_link_current_width < gpu_pcie_link_width
+          )
+        for: 5m
+        labels:
+          severity: warning
+        annotations:
+          summary: >-
+            PCIe link of GPU {{ $labels.gpu_uuid }} below its maximum, at
+            {{ $value | humanizePercentage }} of the link as trained
+          description: >-
+            The PCIe link of GPU {{ $labels.gpu_uuid }} ({{ $labels.pod }}) carries traffic
+            while trained below its maximum: compare gpu_pcie_link_current_generation/width
+            with gpu_pcie_link_generation/width. Reseat the GPU, check the slot, the riser and
+            the BIOS's PCIe settings.
+
+      - alert: GPUC2CSaturated
+        # Grace Hopper / Grace Blackwell: either direction of NVLink-C2C, the host link there,
+        # above %(pcie_percent)s %% of its maximum
+        expr: |
+          max by (namespace, pod, gpu_uuid, gpu_name) (
+            {__name__=~"gpu_c2c_(tx|rx)_bandwidth_util_ratio"}
+          ) > %(pcie_util_ratio)s
+        for: 3m
+        labels:
+          severity: warning
+        annotations:
+          summary: "NVLink-C2C of GPU {{ $labels.gpu_uuid }} at {{ $value | humanizePercentage }}"
+          description: >-
+            Host memory traffic of {{ $labels.pod }} uses more than %(pcie_percent)s %% of the C2C link to
+            the Grace CPU: keep reused data in HBM, prefetch managed memory to the GPU, avoid
+            oversubscribing HBM.
 
   - name: gpu-sidecar.batch
     rules:
@@ -232,6 +348,11 @@ groups:
           description: "Lost (fallen off the bus) or not visible to the agent; see its log."
 """
 
+# the limiting reasons of GPUClocksThrottled (series gpu_clocks_event_<reason>_ratio) and the
+# name its alert carries in the label "reason"; sync boost is not one (see thresholds.throttled)
+THROTTLE_REASONS = (("power_cap", "power cap"), ("hw_slowdown", "HW slowdown"),
+                    ("hw_thermal", "HW thermal"), ("hw_power_brake", "HW power brake"),
+                    ("sw_thermal", "SW thermal"))
 RULES_FILE = Path("deploy/alerts/gpu-sidecar.rules.yml")
 OPERATOR_FILE = Path("k8s/monitoring/prometheusrule.yaml")
 
@@ -241,6 +362,16 @@ def _values(t: Thresholds) -> dict[str, object]:
                                  for k, v in dataclasses.asdict(t).items()}
     values["fragmentation_percent"] = f"{100 * t.fragmentation_ratio:g}"
     values["pcie_percent"] = f"{100 * t.pcie_util_ratio:g}"
+    values["critical_xids_regex"] = "|".join(str(c) for c in t.critical_xids)
+    values["critical_xids_list"] = ", ".join(str(c) for c in t.critical_xids)
+    values["throttle_percent"] = f"{100 * t.throttle_ratio:g}"
+    values["throttle_clock_percent"] = f"{100 * t.throttle_clock_ratio:g}"
+    values["busy_percent"] = f"{100 * t.busy_utilization_ratio:g}"
+    values["pcie_degraded_percent"] = f"{100 * t.pcie_degraded_traffic_ratio:g}"
+    values["throttle_reasons_expr"] = "\n            or\n".join(
+        f'            label_replace(avg_over_time(gpu_clocks_event_{reason}_ratio[5m])'
+        f' > {t.throttle_ratio:g},\n              "reason", "{name}", "", "")'
+        for reason, name in THROTTLE_REASONS)
     return values
 
 

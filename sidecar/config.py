@@ -23,7 +23,8 @@ ENV_PREFIX = protocol.ENV_PREFIX
 RESERVED_LABELS = frozenset({"gpu_uuid", "gpu_name", "gpu_index", "namespace", "pod", "container",
                              "node", "pid", "le", "sink", "reason", "job", "instance", "version",
                              "mode", "job_name", "job_index", "figure", "condition"})
-SCENARIOS = ("healthy", "pcie-saturated", "fragmented", "low-occupancy", "gpu-lost", "old-driver")
+SCENARIOS = ("healthy", "pcie-saturated", "fragmented", "low-occupancy", "gpu-lost", "old-driver",
+             "throttled", "pcie-degraded", "hardware-fault", "grace-hopper")
 
 
 RETRY_AFTER_CAP_S = 300.0  # Retry-After is honoured up to this (sidecar.sinks.answers.Policy)

@@ -9,6 +9,7 @@ numbers live here only: ``deploy/alerts`` and ``k8s/monitoring`` are generated f
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 
@@ -116,8 +117,9 @@ class Thresholds:
     def critical_xid(self, code: int) -> bool:
         return code in self.critical_xids
 
-    def hardware_fault(self, xids_in_window: dict[int, float], ecc_uncorrected_increase: float |
-                       None, remap_failed: float | None) -> bool:
+    def hardware_fault(self, xids_in_window: Mapping[int, float],
+                       ecc_uncorrected_increase: float | None,
+                       remap_failed: float | None) -> bool:
         """The GPU itself failed (GPUHardwareFault): a critical Xid during the window, any increase
         of the uncorrected (volatile) ECC count, or a failed row remap. Each is a reason to drain
         the node: the GPU's results may be wrong, and it needs a reset or a replacement. A pending

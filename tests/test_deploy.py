@@ -275,7 +275,8 @@ def substitute(expr: str) -> str:
 def test_dashboard_is_importable_and_has_the_promised_rows_and_variables():
     d = dashboard()
     rows = [p["title"] for p in d["panels"] if p["type"] == "row"]
-    assert rows == ["Compute", "Memory", "IO", "App latency", "Agent health", "Batch runs"]
+    assert rows == ["Compute", "Memory", "IO", "Health", "App latency", "Agent health",
+                    "Batch runs"]
     names = [v["name"] for v in d["templating"]["list"]]
     assert {"namespace", "pod", "gpu"} <= set(names)
     assert d["uid"] and d["schemaVersion"] >= 36

@@ -24,6 +24,7 @@ for at most its timeout in real time and wakes early when an event falls due (or
 from __future__ import annotations
 
 import ctypes
+import itertools
 import math
 import threading
 import time
@@ -44,6 +45,10 @@ UINT = pynvml.NVML_VALUE_TYPE_UNSIGNED_INT
 ULL = pynvml.NVML_VALUE_TYPE_UNSIGNED_LONG_LONG
 NO_INSTANCE = 0xFFFFFFFF  # nvmlEventData_t's GPU/compute instance id when not attributable
 NS_PER_S = 1_000_000_000
+
+# event sets are pointers in the real library: never reused by a later stand-in, so a set that
+# outlived its stand-in is refused by the next one rather than taking its events
+_EVENT_SET_ADDRESSES = itertools.count(0x5E70000, 16)
 
 THROUGHPUT_WINDOW_S = 0.020  # nvmlDeviceGetPcieThroughput samples a 20 ms window and blocks for it
 KIB = 1024
@@ -359,7 +364,6 @@ class FakeNvml:
         # event sets; waiters sleep on the condition, woken by a due event or a moved clock
         self._events = threading.Condition()
         self._event_sets: dict[int, _EventSet] = {}
-        self._next_event_set = 0x7E000000
         watch = getattr(clock, "watch", None)
         if callable(watch):
             watch(self._clock_moved)
@@ -933,8 +937,7 @@ class FakeNvml:
 
     def nvmlEventSetCreate(self, ref: object) -> int:
         with self._events:
-            self._next_event_set += 16
-            addr = self._next_event_set
+            addr = next(_EVENT_SET_ADDRESSES)  # unique across stand-ins, as pointers are
             self._event_sets[addr] = _EventSet()
         _set_pointer(ref, addr)
         return SUCCESS

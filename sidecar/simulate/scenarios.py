@@ -12,12 +12,25 @@ from dataclasses import dataclass, replace
 
 import pynvml
 
-from sidecar.simulate.fake_nvml import OLD_DRIVER_MISSING, FakeGpu, FakeNvml, Signal
+from sidecar.simulate.fake_nvml import (
+    OLD_DRIVER_MISSING,
+    REASON_SW_POWER_CAP,
+    DutyCycle,
+    FakeGpu,
+    FakeNvml,
+    Signal,
+)
 from sidecar.sources.pcie import link_max_bytes_per_second
 
 GiB = 1024**3
 H200_LINK = link_max_bytes_per_second(5, 16) or 0.0
 A100_LINK = link_max_bytes_per_second(4, 16) or 0.0
+GEN3_X8_LINK = link_max_bytes_per_second(3, 8) or 0.0
+OLD_DRIVER_VERSION = "515.105.01"  # R515: before GPM, the clock-event names and C2C fields
+GH200_C2C_LINKS = 10  # nvidia-smi c2c -s on a GH200 480GB: links 0-9 at 44.712 GB/s each
+GH200_C2C_LINK_MB_PER_SECOND = 44712  # NVML_FI_DEV_C2C_LINK_GET_MAX_BW, MB/s per link
+GH200_C2C = GH200_C2C_LINKS * GH200_C2C_LINK_MB_PER_SECOND * 1e6  # 447 GB/s per direction
+DEGRADED_APP = {"latency_median_s": 0.14, "latency_p99_s": 0.26}
 
 
 @dataclass(frozen=True)
@@ -41,8 +54,11 @@ class Scenario:
     gpus: tuple[FakeGpu, ...]
     app: AppProfile
     missing: frozenset[str] = frozenset()
+    driver_version: str | None = None  # None: the stand-in's default (a current driver)
 
     def nvml(self, **kwargs: object) -> FakeNvml:
+        if self.driver_version is not None:
+            kwargs.setdefault("driver_version", self.driver_version)
         return FakeNvml(self.gpus, missing=self.missing, **kwargs)  # type: ignore[arg-type]
 
 
@@ -71,6 +87,12 @@ def _h200(scenario: str, index: int, **load: object) -> FakeGpu:
         nvlink_tx=Signal(20e9, 0.1, 53),
         nvlink_rx=Signal(20e9, 0.1, 59),
         replays_per_second=0.0,
+        sm_clock=Signal(1980.0),
+        memory_clock=Signal(3201.0),
+        power=Signal(450.0, 0.05, 17),
+        power_limit=700.0,
+        temperature=Signal(52.0, 0.03, 61),
+        memory_temperature=Signal(58.0, 0.03, 67),
     )
     return replace(base, **load)  # type: ignore[arg-type]
 
@@ -93,13 +115,53 @@ def _a100_old(scenario: str, index: int) -> FakeGpu:
         has_gpm=False,
         has_pcie_counters=False,
         replays_per_second=0.01,
+        sm_clock=Signal(1410.0),
+        sm_clock_max=1410,
+        memory_clock=Signal(1215.0),
+        memory_clock_max=1215,
+        video_clock=Signal(1290.0),
+        video_clock_max=1290,
+        power=Signal(180.0, 0.05, 17),
+        power_limit=250.0,
+        power_usage_averaged=False,  # GA100: the instantaneous draw
+        temperature=Signal(48.0, 0.03, 61),
+        memory_temperature=Signal(55.0, 0.03, 67),
     )
 
 
+def _gh200(scenario: str, index: int, **load: object) -> FakeGpu:
+    """A GH200 480GB superchip's GPU (96 GB HBM3): the host link is NVLink-C2C to Grace."""
+    base = _h200(scenario, index,
+                 name="Simulated NVIDIA GH200 480GB",
+                 pci_bus_id=f"00000009:{0x01 + index:02X}:00.0",
+                 memory_total=96 * GiB,
+                 memory_used=Signal(60 * GiB, 0.02, 45),
+                 memory_clock=Signal(2619.0),
+                 memory_clock_max=2619,
+                 power_limit=900.0,
+                 pcie_tx=Signal(1.0e6, 0.1, 23),  # host traffic goes over C2C, not PCIe
+                 pcie_rx=Signal(2.0e6, 0.1, 19),
+                 nvlink_tx=Signal(0.0),
+                 nvlink_rx=Signal(0.0),
+                 has_c2c=True,
+                 c2c_links=GH200_C2C_LINKS,
+                 c2c_link_max_mb_per_second=GH200_C2C_LINK_MB_PER_SECOND,
+                 c2c_tx=Signal(0.25 * GH200_C2C, 0.05, 23),
+                 c2c_rx=Signal(0.30 * GH200_C2C, 0.05, 19))
+    return replace(base, **load)  # type: ignore[arg-type]
+
+
 DEFAULT_GPUS = {"healthy": 2, "pcie-saturated": 2, "fragmented": 2, "low-occupancy": 2,
-                "gpu-lost": 4, "old-driver": 2}
+                "gpu-lost": 4, "old-driver": 2, "throttled": 2, "pcie-degraded": 2,
+                "hardware-fault": 4, "grace-hopper": 1}
+SCENARIOS = tuple(DEFAULT_GPUS)  # the names --simulate takes
 GPU_LOST_AT_S = 1.0
 GPU_LOST_INDEX = 2
+POWER_CAP_SHARE = 0.8  # throttled: the SW power cap holds the clocks 80 % of the time
+FAULT_XIDS = ((1.0, 79), (1.2, 79))  # hardware-fault: GPU 1 reports it fell off the bus ...
+FAULT_LOST_AT_S = 1.5  # ... and is lost from here on
+FAULT_XID_INDEX = 1
+FAULT_ECC_INDEX = 2
 
 
 def build(name: str, gpus: int | None = None) -> Scenario:
@@ -142,5 +204,51 @@ def build(name: str, gpus: int | None = None) -> Scenario:
                         "counters (falls back to the 20 ms throughput call).",
                         tuple(_a100_old(name, i) for i in range(n)),
                         AppProfile(reserved_bytes=20 * GiB),  # within the A100's 40 GiB
-                        missing=OLD_DRIVER_MISSING)
+                        missing=OLD_DRIVER_MISSING, driver_version=OLD_DRIVER_VERSION)
+    if name == "throttled":
+        return Scenario(
+            name, "Held at the 700 W power cap: SM clock 1300 of 1980 MHz, SW power cap 80 % of "
+            "the time; p99 latency degraded.",
+            tuple(_h200(name, i, utilization=Signal(97, 0.01, 29), sm_active=Signal(93, 0.02, 43),
+                        sm_clock=Signal(1300.0, 0.03, 11), power=Signal(697.0, 0.004, 13),
+                        temperature=Signal(66.0, 0.02, 61),
+                        memory_temperature=Signal(72.0, 0.02, 67),
+                        clock_events=((REASON_SW_POWER_CAP, DutyCycle(POWER_CAP_SHARE, 5.0)),))
+                  for i in range(n)),
+            AppProfile(**DEGRADED_APP),
+        )
+    if name == "pcie-degraded":
+        return Scenario(
+            name, "Gen5 x16 GPUs trained at Gen3 x8 (an eighth of the bandwidth); copies fill 95 "
+            "% of the trained link; p99 latency degraded.",
+            tuple(_h200(name, i, current_link_generation=3, current_link_width=8,
+                        utilization=Signal(88, 0.03, 29), sm_occupancy=Signal(30, 0.05, 37),
+                        pcie_rx=Signal(0.95 * GEN3_X8_LINK, 0.02, 19),
+                        pcie_tx=Signal(0.20 * GEN3_X8_LINK, 0.05, 23),
+                        pcie_correctable_errors_per_second=2.0,
+                        pcie_l0_recovery_per_second=0.05)
+                  for i in range(n)),
+            AppProfile(**DEGRADED_APP),
+        )
+    if name == "hardware-fault":
+        gpus_ = [_h200(name, i) for i in range(n)]
+        xid, ecc = min(FAULT_XID_INDEX, n - 1), min(FAULT_ECC_INDEX, n - 1)
+        gpus_[xid] = replace(gpus_[xid], xid_events=FAULT_XIDS,
+                             lost_between=(FAULT_LOST_AT_S, None))
+        gpus_[ecc] = replace(gpus_[ecc], ecc_uncorrected_per_second=0.5,
+                             ecc_corrected_per_second=3.0, ecc_corrected_aggregate_base=120,
+                             ecc_uncorrected_aggregate_base=2, remapped_rows_correctable=1,
+                             remapped_rows_uncorrectable=1, row_remap_pending=True)
+        return Scenario(
+            name, f"GPU {xid} reports Xid 79 twice and falls off the bus at {FAULT_LOST_AT_S:g} "
+            f"s; GPU {ecc}'s uncorrected ECC errors climb with a row remap pending.",
+            tuple(gpus_), AppProfile(**DEGRADED_APP))
+    if name == "grace-hopper":
+        return Scenario(
+            name, "GH200: host copies over NVLink-C2C (10 links, 447 GB/s each way) fill 90 % "
+            "of it, PCIe idle; p99 latency degraded.",
+            tuple(_gh200(name, i, utilization=Signal(94, 0.02, 29),
+                         c2c_rx=Signal(0.90 * GH200_C2C, 0.02, 19)) for i in range(n)),
+            AppProfile(**DEGRADED_APP),
+        )
     raise KeyError(name)

@@ -20,7 +20,22 @@ import structlog
 
 from sidecar import thresholds
 from sidecar.thresholds import Thresholds
-from sidecar.views.verdict import Summary, Verdict, figures_of, gbps, gib, judge, ms, pct
+from sidecar.views.verdict import (
+    Summary,
+    Verdict,
+    celsius,
+    figures_of,
+    gbps,
+    ghz,
+    gib,
+    judge,
+    link,
+    ms,
+    pct,
+    ratio_of,
+    reasons,
+    watts,
+)
 
 if TYPE_CHECKING:
     from sidecar.agent import Agent
@@ -41,7 +56,13 @@ def report(verdicts: Mapping[str, Verdict], *, seconds: float, samples: int, lab
                f"{t.pcie_util_ratio:.0%} of the link; fragmentation above "
                f"{t.fragmentation_ratio:.0%} of a cache over "
                f"{gib(t.fragmentation_min_reserved_bytes)}; any allocator retry or OOM; SM "
-               f"occupancy below {t.occupancy_ratio:.0%} with p99 above {ms(t.p99_latency_s)}",
+               f"occupancy below {t.occupancy_ratio:.0%} with p99 above {ms(t.p99_latency_s)}; "
+               f"a critical Xid ({', '.join(map(str, t.critical_xids))}), an uncorrected ECC "
+               f"error or a failed row remap; a clock limit for over {t.throttle_ratio:.0%} of "
+               f"the window with the SM clock below {t.throttle_clock_ratio:.0%} of its maximum "
+               f"and utilization above {t.busy_utilization_ratio:.0%}; a PCIe link below its "
+               f"maximum carrying over {t.pcie_degraded_traffic_ratio:.0%} of the link as "
+               f"trained; NVLink-C2C above {t.pcie_util_ratio:.0%} of its maximum",
                100, subsequent_indent="  ")]
     for uuid, v in verdicts.items():
         out += ["", *_block(uuid, v)]
@@ -69,8 +90,12 @@ def _block(uuid: str, v: Verdict) -> list[str]:
             + ("" if m.alloc_reserved is None else f" of {gib(m.alloc_reserved)}")
             + f", retries {_count(w.retries)}, OOMs {_count(w.ooms)}",
             f"  IO:      PCIe RX {pct(m.pcie_rx_ratio)} ({gbps(m.pcie_rx)}), TX "
-            f"{pct(m.pcie_tx_ratio)} ({gbps(m.pcie_tx)}) of {gbps(m.link_max)}; NVLink TX "
-            f"{gbps(m.nvlink_tx)}, RX {gbps(m.nvlink_rx)}",
+            f"{pct(m.pcie_tx_ratio)} ({gbps(m.pcie_tx)}) of {gbps(m.link_max)}"
+            + _link(v) + f"; NVLink TX {gbps(m.nvlink_tx)}, RX {gbps(m.nvlink_rx)}"
+            + ("" if m.c2c_max is None and m.c2c_rx is None and m.c2c_tx is None else
+               f"; C2C RX {pct(m.c2c_rx_ratio)} ({gbps(m.c2c_rx)}), TX {pct(m.c2c_tx_ratio)} "
+               f"({gbps(m.c2c_tx)}) of {gbps(m.c2c_max)}"),
+            *_health(v),
             f"  app:     p50 {ms(w.p50)}, p99 {ms(w.p99)} over {w.requests:.0f} requests{since}"
             if w.p99 is not None else "  app:     no request latency",
         ]
@@ -80,6 +105,49 @@ def _block(uuid: str, v: Verdict) -> list[str]:
     for note in v.notes:
         lines += _wrapped("note:", note)
     return lines
+
+
+def _link(v: Verdict) -> str:
+    """The link's maximum, and as trained when it ran below it (the trained state of those
+    samples, not a mean of generations)."""
+    w, m = v.window, v.window.mean
+    if m.link_gen is None and m.link_width is None:
+        return ""
+    out = f" ({link(m.link_gen, m.link_width)})"
+    b = w.below_max
+    if b is not None:
+        out += (f", trained at {link(b.link_gen_now, b.link_width_now)} in "
+                f"{w.below_max_samples} of {w.link_samples} samples: RX "
+                f"{pct(b.pcie_rx_now_ratio)}, TX {pct(b.pcie_tx_now_ratio)} of it")
+    return out
+
+
+def _health(v: Verdict) -> list[str]:
+    """The health line (clocks, what limited them, power, heat, memory errors, Xids), wrapped;
+    none on a GPU that gives no health figure."""
+    w, m = v.window, v.window.mean
+    if all(x is None for x in (m.sm_clock, m.power, m.temperature, m.ecc_uncorrected,
+                               m.remap_pending, m.xids)) and not reasons(m):
+        return []
+    limited = ", ".join(f"{name.replace('_', ' ')} {pct(share)}" for name, share in reasons(m)
+                        if share > 0) or "nothing"
+    if m.sync_boost:
+        limited += f" (sync boost {pct(m.sync_boost)})"
+    ecc = w.increases.get("ecc_uncorrected")
+    xids = ", ".join(f"{code} x{n:.0f}" for code, n in sorted(w.xids.items()) if n > 0) or "none"
+    text = (f"SM clock {ghz(m.sm_clock)} of {ghz(m.sm_clock_max)} "
+            f"({pct(ratio_of(m.sm_clock, m.sm_clock_max))}), limited by {limited}; power "
+            f"{watts(m.power)} of {watts(m.power_limit)}; GPU {celsius(m.temperature)}, HBM "
+            f"{celsius(m.mem_temperature)}; uncorrected ECC "
+            + ("absent" if ecc is None else f"+{ecc:.0f}")
+            + f", remap pending {_flag(m.remap_pending)}, failed {_flag(m.remap_failed)}; "
+            f"Xids in the window: {xids}")
+    return textwrap.wrap(text, 100, initial_indent="  health:  ", subsequent_indent=" " * 11,
+                         break_on_hyphens=False)
+
+
+def _flag(value: float | None) -> str:
+    return "absent" if value is None else ("yes" if value > 0 else "no")
 
 
 def _wrapped(tag: str, text: str) -> list[str]:

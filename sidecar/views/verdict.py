@@ -4,10 +4,28 @@ into means and increases (``Window``), and the judgement of a window against
 ``diagnose`` and the live table, so that the two (and the shipped alert rules, which take the
 same thresholds) never disagree about where a layer stops being healthy.
 
-What a verdict needs and what it yields:
+What a verdict needs and what it yields, in the order of precedence (``PRECEDENCE``: a GPU's
+findings are listed, and the table shows the first, in this order):
 
 - ``gpu-lost``: the GPU could not be read at the end of the window (a finding: exit 1);
+- ``hardware-fault`` (health): a critical Xid during the window (``critical_xids``: 48, 64, 74,
+  79, 94, 95, 119, 120), an increase of the uncorrected volatile ECC count, or a failed row
+  remap. First after a lost GPU because nothing else is worth tuning on a GPU whose results may
+  be wrong: drain the node. A pending row remap is a note (reset to activate it), not a finding;
+- ``throttled`` (health): a limiting reason (power cap, HW slowdown, HW thermal, HW power brake,
+  SW thermal; not sync boost, which follows another GPU) for more than ``throttle_ratio`` of the
+  window, on a busy GPU (utilization above ``busy_utilization_ratio``) whose SM clock averaged
+  below ``throttle_clock_ratio`` of its maximum. Before the IO and memory layers because slow
+  clocks slow every kernel and copy engine, whatever else is found;
+- ``pcie-degraded`` (IO): the PCIe link ran below its maximum generation or width in most of
+  the window's samples while carrying more than ``pcie_degraded_traffic_ratio`` of the link as
+  trained (its share of the trained link and of the maximum link both shown). An idle link
+  trains down to save power: without traffic it is a note, never a finding. Before ``pcie``
+  because the fix is the slot, not the copies (a link trained down cannot reach ``pcie`` on the
+  maximum link anyway: it carries at most half of it);
 - ``pcie`` (IO): either direction above ``pcie_util_ratio`` of the link, averaged over the window;
+- ``c2c`` (IO): on Grace Hopper and Grace Blackwell, NVLink-C2C (the host link there) above
+  ``pcie_util_ratio`` of its maximum in either direction;
 - ``fragmentation`` (memory): ``fragmented()`` on the window's mean ratio and allocator cache;
 - ``allocator-retries`` (memory): any allocator retry or OOM during the window;
 - ``low-occupancy`` (compute): mean SM occupancy below ``occupancy_ratio`` *and* the window's
@@ -15,13 +33,16 @@ What a verdict needs and what it yields:
 - ``none``: nothing crossed a threshold. A layer that could not be judged (no GPM before Hopper
   or on an old driver, no app figures) is said in a note, never passed off as healthy; it does
   not change the exit code, which says whether a bottleneck was found.
+
+``KINDS`` holds the seed's five kinds in their order, ``HEALTH_KINDS`` the four the health layer
+and the Grace IO figures brought, and ``ALL_KINDS`` every kind in ``PRECEDENCE`` order.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 
 from sidecar import thresholds
 from sidecar.samples import Series
@@ -34,7 +55,7 @@ GiB = 1024**3
 @dataclass(frozen=True)
 class Figures:
     """One GPU as the series of one cycle describe it (None: absent), or, in a ``Window``, the
-    mean of the cycles that had the figure (counters: their last value)."""
+    mean of the cycles that had the figure (counters, codes and link states: their last value)."""
 
     uuid: str
     name: str = ""
@@ -62,6 +83,58 @@ class Figures:
     nvlink_rx: float | None = None
     # cumulative request-latency buckets: upper bounds (+Inf last) and counts
     latency: tuple[tuple[float, ...], tuple[float, ...]] | None = None
+    # the PCIe link: its maximum and as trained now, the shares of the trained link, its errors
+    link_gen: float | None = None
+    link_width: float | None = None
+    link_gen_now: float | None = None
+    link_width_now: float | None = None
+    link_now: float | None = None
+    pcie_tx_now_ratio: float | None = None
+    pcie_rx_now_ratio: float | None = None
+    replays: float | None = None
+    l0_recovery: float | None = None
+    # NVLink-C2C, the host link of Grace Hopper and Grace Blackwell
+    c2c_tx: float | None = None
+    c2c_rx: float | None = None
+    c2c_max: float | None = None
+    c2c_tx_ratio: float | None = None
+    c2c_rx_ratio: float | None = None
+    # health: clocks, what limits them (shares of the interval), power, heat
+    sm_clock: float | None = None
+    sm_clock_max: float | None = None
+    mem_clock: float | None = None
+    mem_clock_max: float | None = None
+    power_cap: float | None = None
+    hw_slowdown: float | None = None
+    hw_thermal: float | None = None
+    hw_power_brake: float | None = None
+    sw_thermal: float | None = None
+    sync_boost: float | None = None
+    power: float | None = None
+    power_limit: float | None = None
+    temperature: float | None = None
+    mem_temperature: float | None = None
+    # health: memory errors and row remapping, Xids
+    ecc_uncorrected: float | None = None
+    ecc_corrected: float | None = None
+    remapped_uncorrectable: float | None = None
+    remapped_correctable: float | None = None
+    remap_pending: float | None = None
+    remap_failed: float | None = None
+    last_xid: float | None = None
+    # Xid code -> count since the agent started, by code (absent until the GPU's first Xid)
+    xids: tuple[tuple[int, float], ...] | None = None
+
+    def link_below_max(self) -> bool:
+        """The PCIe link trained below its maximum generation or width (both figures present)."""
+        return ((self.link_gen_now is not None and self.link_gen is not None
+                 and self.link_gen_now < self.link_gen)
+                or (self.link_width_now is not None and self.link_width is not None
+                    and self.link_width_now < self.link_width))
+
+    def link_known(self) -> bool:
+        return (self.link_gen_now is not None and self.link_gen is not None) or \
+            (self.link_width_now is not None and self.link_width is not None)
 
 
 _FIELD_OF = {
@@ -78,11 +151,47 @@ _FIELD_OF = {
     "gpu_pcie_rx_bandwidth_util_ratio": "pcie_rx_ratio",
     "gpu_pcie_link_max_bytes_per_second": "link_max",
     "gpu_nvlink_tx_bytes_per_second": "nvlink_tx", "gpu_nvlink_rx_bytes_per_second": "nvlink_rx",
+    "gpu_pcie_link_generation": "link_gen", "gpu_pcie_link_width": "link_width",
+    "gpu_pcie_link_current_generation": "link_gen_now",
+    "gpu_pcie_link_current_width": "link_width_now",
+    "gpu_pcie_link_current_bytes_per_second": "link_now",
+    "gpu_pcie_tx_current_link_util_ratio": "pcie_tx_now_ratio",
+    "gpu_pcie_rx_current_link_util_ratio": "pcie_rx_now_ratio",
+    "gpu_pcie_replay_errors_total": "replays", "gpu_pcie_l0_to_recovery_total": "l0_recovery",
+    "gpu_c2c_tx_bytes_per_second": "c2c_tx", "gpu_c2c_rx_bytes_per_second": "c2c_rx",
+    "gpu_c2c_link_max_bytes_per_second": "c2c_max",
+    "gpu_c2c_tx_bandwidth_util_ratio": "c2c_tx_ratio",
+    "gpu_c2c_rx_bandwidth_util_ratio": "c2c_rx_ratio",
+    "gpu_sm_clock_hertz": "sm_clock", "gpu_sm_clock_max_hertz": "sm_clock_max",
+    "gpu_memory_clock_hertz": "mem_clock", "gpu_memory_clock_max_hertz": "mem_clock_max",
+    "gpu_clocks_event_power_cap_ratio": "power_cap",
+    "gpu_clocks_event_hw_slowdown_ratio": "hw_slowdown",
+    "gpu_clocks_event_hw_thermal_ratio": "hw_thermal",
+    "gpu_clocks_event_hw_power_brake_ratio": "hw_power_brake",
+    "gpu_clocks_event_sw_thermal_ratio": "sw_thermal",
+    "gpu_clocks_event_sync_boost_ratio": "sync_boost",
+    "gpu_power_usage_watts": "power", "gpu_power_limit_watts": "power_limit",
+    "gpu_temperature_celsius": "temperature", "gpu_memory_temperature_celsius": "mem_temperature",
+    "gpu_ecc_uncorrected_volatile_total": "ecc_uncorrected",
+    "gpu_ecc_corrected_volatile_total": "ecc_corrected",
+    "gpu_remapped_rows_uncorrectable": "remapped_uncorrectable",
+    "gpu_remapped_rows_correctable": "remapped_correctable",
+    "gpu_row_remap_pending": "remap_pending", "gpu_row_remap_failed": "remap_failed",
+    "gpu_last_xid": "last_xid",
 }
 _BUCKET = "inference_request_duration_seconds_bucket"
-_COUNTERS = ("retries", "ooms")
+_XID = "gpu_xid_errors_total"
+_COUNTERS = ("retries", "ooms")  # the app's: increases from the first cycle that had either
+# NVML's counters: increases from the first value each had in the window
+_HEALTH_COUNTERS = ("ecc_uncorrected", "ecc_corrected", "replays", "l0_recovery")
+# a window keeps the last value of these, not a mean: counters, a code, the link's state
+_LAST = (*_COUNTERS, *_HEALTH_COUNTERS, "last_xid", "link_gen", "link_width", "link_gen_now",
+         "link_width_now")
 _NUMBERS = tuple(f.name for f in fields(Figures)
-                 if f.name not in ("uuid", "name", "index", "available", "latency"))
+                 if f.name not in ("uuid", "name", "index", "available", "latency", "xids"))
+# a rate above the link as trained at the reading: the link trained down during the interval
+# (traffic stopped, the link went idle), so the reading is no sample of a degraded link
+_RETRAINED_RATIO = 1.05
 
 
 def figures_of(series: Iterable[Series]) -> dict[str, Figures]:
@@ -92,6 +201,7 @@ def figures_of(series: Iterable[Series]) -> dict[str, Figures]:
     table judge exactly what is exported."""
     rows: dict[str, dict[str, object]] = {}
     buckets: dict[str, list[tuple[float, float]]] = {}
+    xids: dict[str, list[tuple[int, float]]] = {}
     for s in series:
         labels = dict(s.labels)
         uuid = labels.get("gpu_uuid")
@@ -103,11 +213,15 @@ def figures_of(series: Iterable[Series]) -> dict[str, Figures]:
             row["available"] = s.value == 1
         elif s.name == _BUCKET:
             buckets.setdefault(uuid, []).append((float(labels["le"]), s.value))
+        elif s.name == _XID and labels.get("xid", "").isdigit():
+            xids.setdefault(uuid, []).append((int(labels["xid"]), s.value))
         elif s.name in _FIELD_OF:
             row[_FIELD_OF[s.name]] = s.value
     for uuid, pairs in buckets.items():
         pairs.sort()
         rows[uuid]["latency"] = (tuple(b for b, _ in pairs), tuple(c for _, c in pairs))
+    for uuid, codes in xids.items():
+        rows[uuid]["xids"] = tuple(sorted(codes))
     return {uuid: Figures(**row) for uuid, row in rows.items()}  # type: ignore[arg-type]
 
 
@@ -131,13 +245,24 @@ class Window:
     p99: float | None
     requests: float  # requests the quantiles are taken from
     latency_since_start: bool  # no increase in the window: quantiles of the whole histogram
+    # NVML's counters (ecc_uncorrected, ecc_corrected, replays, l0_recovery): increase in the window
+    increases: Mapping[str, float] = field(default_factory=dict)
+    # Xid code -> count during the window (a code first seen in the window counts from 0)
+    xids: Mapping[int, float] = field(default_factory=dict)
+    # the cycles whose PCIe link ran below its maximum: their means (None: no such cycle), how
+    # many they were, and how many cycles had the link's figures at all
+    below_max: Figures | None = None
+    below_max_samples: int = 0
+    link_samples: int = 0
 
 
 class _Running:
     """Running aggregates of one GPU's figures: sums and counts for the means, the last value of
-    the counters, the first and last histogram. Constant in size, however many cycles it saw."""
+    the counters, the first and last histogram, and the same for the cycles whose PCIe link ran
+    below its maximum. Constant in size, however many cycles it saw."""
 
-    __slots__ = ("counts", "first_counters", "first_hist", "last", "last_hist", "n", "sums")
+    __slots__ = ("below", "counts", "first", "first_counters", "first_hist", "last",
+                 "last_hist", "link_n", "n", "sums", "xid_base")
 
     def __init__(self) -> None:
         self.n = 0
@@ -147,25 +272,41 @@ class _Running:
         self.first_counters: tuple[float | None, float | None] | None = None
         self.first_hist: tuple[tuple[float, ...], tuple[float, ...]] | None = None
         self.last_hist: tuple[tuple[float, ...], tuple[float, ...]] | None = None
+        self.first: dict[str, float] = {}  # NVML counters: the first value in the window
+        self.xid_base: dict[int, float] | None = None  # Xid counts of the first cycle
+        self.link_n = 0
+        self.below: _Running | None = None
 
-    def add(self, f: Figures) -> None:
+    def add(self, f: Figures, *, nested: bool = False) -> None:
         self.n += 1
         self.last = f
         for name in _NUMBERS:
             v = getattr(f, name)
             if v is None:
                 continue
-            if name in _COUNTERS:
+            if name in _LAST:
                 self.sums[name] = v
             else:
                 self.sums[name] = self.sums.get(name, 0.0) + v
             self.counts[name] = self.counts.get(name, 0) + 1
+            if name in _HEALTH_COUNTERS:
+                self.first.setdefault(name, v)
         if self.first_counters is None and (f.retries is not None or f.ooms is not None):
             self.first_counters = (f.retries, f.ooms)
         if f.latency is not None:
             if self.first_hist is None:
                 self.first_hist = f.latency
             self.last_hist = f.latency
+        if self.xid_base is None:
+            self.xid_base = dict(f.xids or ())
+        if nested or not f.link_known():
+            return
+        self.link_n += 1
+        retrained = max(f.pcie_tx_now_ratio or 0.0, f.pcie_rx_now_ratio or 0.0) > _RETRAINED_RATIO
+        if f.link_below_max() and not retrained:
+            if self.below is None:
+                self.below = _Running()
+            self.below.add(f, nested=True)
 
 
 class Summary:
@@ -197,14 +338,25 @@ def summarize(cycles: Iterable[Mapping[str, Figures]]) -> dict[str, Window]:
     return summary.windows()
 
 
+def _means(run: _Running) -> Figures:
+    values: dict[str, object] = {}
+    for name, total in run.sums.items():
+        values[name] = total if name in _LAST else total / run.counts[name]
+    assert run.last is not None
+    return dataclasses.replace(run.last, **values)  # type: ignore[arg-type]
+
+
+def _increase(first: float, last: float) -> float:
+    """A counter's increase; one that went backwards was reset (a driver reload, a GPU reset)
+    and counts from 0, as Prometheus's ``increase`` counts it."""
+    return last - first if last >= first else last
+
+
 def _window(read: _Running, unread: _Running, lost: bool) -> Window:
     base = read if read.n else unread
-    values: dict[str, object] = {}
-    for name, total in base.sums.items():
-        values[name] = total if name in _COUNTERS else total / base.counts[name]
     last = base.last
     assert last is not None
-    mean = dataclasses.replace(last, **values)  # type: ignore[arg-type]
+    mean = _means(base)
     first_retries, first_ooms = base.first_counters or (last.retries, last.ooms)
     retries = None if last.retries is None else last.retries - (first_retries or 0)
     ooms = None if last.ooms is None else last.ooms - (first_ooms or 0)
@@ -219,16 +371,23 @@ def _window(read: _Running, unread: _Running, lost: bool) -> Window:
             counts, since_start = now, True
         p50, p99 = quantile(0.5, last_bounds, counts), quantile(0.99, last_bounds, counts)
         requests = counts[-1]
+    increases = {name: _increase(base.first[name], base.sums[name]) for name in base.first}
+    xid_base = base.xid_base or {}
+    xids = {code: _increase(xid_base.get(code, 0.0), n) for code, n in (last.xids or ())}
+    below = base.below
     return Window(mean=mean, samples=read.n, unreadable=unread.n, lost=lost, retries=retries,
-                  ooms=ooms, p50=p50, p99=p99, requests=requests, latency_since_start=since_start)
+                  ooms=ooms, p50=p50, p99=p99, requests=requests, latency_since_start=since_start,
+                  increases=increases, xids=xids,
+                  below_max=None if below is None else _means(below),
+                  below_max_samples=0 if below is None else below.n, link_samples=base.link_n)
 
 
 @dataclass(frozen=True)
 class Finding:
     """A layer that explains latency on one GPU: its figures, the rule and the remedy."""
 
-    key: str  # gpu-lost, pcie, fragmentation, allocator-retries, low-occupancy
-    layer: str  # GPU, IO, memory, compute
+    key: str  # one of PRECEDENCE
+    layer: str  # GPU, health, IO, memory, compute
     short: str  # for the table's verdict column
     title: str
     evidence: str
@@ -259,7 +418,7 @@ class Verdict:
         return "ok? no GPM" if self.window.mean.utilization is not None else "ok? no NVML"
 
 
-KINDS = {  # key: (layer, table cell, title, what to do)
+KINDS = {  # the seed's kinds, in their order of precedence: key: (layer, table cell, title, what to do)
     "gpu-lost": (
         "GPU", "LOST", "the GPU stopped answering NVML",
         "check `nvidia-smi` and the kernel log (`dmesg | grep -i xid`: Xid 79 is a GPU fallen off "
@@ -292,6 +451,76 @@ KINDS = {  # key: (layer, table cell, title, what to do)
         "to remove launch gaps, and fuse small kernels (torch.compile, fused attention, TensorRT)"),
 }
 
+HEALTH_KINDS = {  # the health layer's and the Grace IO's: key: (layer, cell, title, what to do)
+    "hardware-fault": (
+        "health", "HW FAULT", "the GPU reported a hardware fault",
+        "drain the node (`kubectl cordon NODE`, then `kubectl drain NODE --ignore-daemonsets`) so "
+        "no new work lands on this GPU, and treat what ran on it since the fault as suspect (an "
+        "uncorrected error may have changed results: rerun or check them); then reset the GPU "
+        "(`nvidia-smi -r -i INDEX`, or reboot the node) and run `dcgmi diag -r 3`; replace it "
+        "(RMA, with `nvidia-bug-report.sh`) if a row remap failed or the fault comes back; "
+        "`dmesg | grep -i xid` has the driver's own record"),
+    "throttled": (
+        "health", "clocks", "the clocks are held below their maximum",
+        ""),  # by reason: _THROTTLE_REMEDY
+    "pcie-degraded": (
+        "IO", "IO: PCIe link", "the PCIe link trained below its maximum",
+        "reseat the GPU (and its riser or cable), check the slot (its electrical width, a "
+        "bifurcation of x16 into x8x8) and the BIOS's PCIe settings (a generation forced low, "
+        "ASPM); compare LnkCap with LnkSta in `lspci -vv -s BUS_ID` and `nvidia-smi -q -d PCIE`; a "
+        "link that keeps leaving L0 for recovery or replaying (gpu_pcie_l0_to_recovery_total, "
+        "gpu_pcie_replay_errors_total) is a failing slot, riser or card: move the GPU to "
+        "another slot to tell which; until then the copy remedies of `pcie` apply to the slower "
+        "link"),
+    "c2c": (
+        "IO", "IO: C2C", "the NVLink-C2C link to the Grace CPU is saturated",
+        "the GPU streams host (Grace) memory at the link's limit: keep what kernels reuse in HBM "
+        "(weights, the KV cache: no CPU offload of hot tensors), place managed memory on the GPU "
+        "before use (cudaMemPrefetchAsync, cudaMemAdvise with SetPreferredLocation) instead of "
+        "faulting pages across the link, do not oversubscribe HBM with unified memory, and "
+        "batch host copies into large ones that overlap compute on a side stream"),
+}
+
+PRECEDENCE = ("gpu-lost", "hardware-fault", "throttled", "pcie-degraded", "pcie", "c2c",
+              "fragmentation", "allocator-retries", "low-occupancy")
+ALL_KINDS = {key: {**KINDS, **HEALTH_KINDS}[key] for key in PRECEDENCE}
+
+# the limiting reasons that make a GPU throttled: field: (name, table cell, what to do)
+_REASON_OF = {
+    "power_cap": ("power cap", "clk: power"),
+    "hw_slowdown": ("HW slowdown", "clk: HW slow"),
+    "hw_thermal": ("HW thermal", "clk: thermal"),
+    "hw_power_brake": ("HW power brake", "clk: brake"),
+    "sw_thermal": ("SW thermal", "clk: thermal"),
+}
+_THROTTLE_REMEDY = {
+    "power": (
+        "power cap: check the power limit against the board's default and maximum (`nvidia-smi "
+        "-q -d POWER`; one set low by an operator or a capping policy is restored with "
+        "`nvidia-smi -pl`) and the workload's power ({power} of {limit}): a workload at its "
+        "limit is power-bound, so lower precision (BF16, FP8), less redundant work (recomputation, "
+        "busy-waiting kernels) or a GPU with a higher limit help"),
+    "thermal": (
+        "thermal: check the airflow: fans and the chassis's fan profile, the inlet temperature, "
+        "blocked or recirculating air, a failed fan or a heatsink losing contact (GPU "
+        "{temperature}, HBM {mem_temperature}; `nvidia-smi -q -d TEMPERATURE` gives the "
+        "slowdown temperature)"),
+    "board": (
+        "HW slowdown or power brake: the board: the signal comes from the board or its power "
+        "supply, not from the workload: check the PSU and the GPU's power cables, the board's "
+        "and the BMC's event logs (`ipmitool sel list`) and, with the node drained, `nvidia-smi "
+        "-q -d PERFORMANCE`; if it stays, the board needs service"),
+}
+_REMEDY_OF_REASON = {"power_cap": "power", "hw_thermal": "thermal", "sw_thermal": "thermal",
+                     "hw_slowdown": "board", "hw_power_brake": "board"}
+XID_MEANING = {  # NVIDIA's Xid catalogue, in a few words
+    13: "graphics engine exception", 31: "memory page fault", 43: "GPU stopped processing",
+    45: "preemptive cleanup", 48: "double-bit ECC error", 63: "row remap recorded",
+    64: "row remap failed", 74: "NVLink error", 79: "fallen off the bus",
+    92: "high single-bit ECC rate", 94: "contained ECC error", 95: "uncontained ECC error",
+    119: "GSP RPC timeout", 120: "GSP error",
+}
+
 
 def pct(value: float | None) -> str:
     return "absent" if value is None else f"{value * 100:.1f} %"
@@ -305,39 +534,167 @@ def ms(value: float | None) -> str:
     return "absent" if value is None else f"{value * 1000:.0f} ms"
 
 
+def ghz(value: float | None) -> str:
+    return "absent" if value is None else f"{value / 1e9:.2f} GHz"
+
+
+def watts(value: float | None) -> str:
+    return "absent" if value is None else f"{value:.0f} W"
+
+
+def celsius(value: float | None) -> str:
+    return "absent" if value is None else f"{value:.0f} °C"
+
+
+def link(gen: float | None, width: float | None) -> str:
+    """A link state as lspci and nvidia-smi say it: Gen4 x16."""
+    g = "Gen?" if gen is None else f"Gen{gen:.0f}"
+    return g + ("" if width is None else f" x{width:.0f}")
+
+
+def ratio_of(value: float | None, maximum: float | None) -> float | None:
+    return None if value is None or not maximum else value / maximum
+
+
+def reasons(m: Figures) -> list[tuple[str, float]]:
+    """The limiting reasons present, by share of the window, largest first (sync boost apart)."""
+    out = [(name, getattr(m, name)) for name in _REASON_OF if getattr(m, name) is not None]
+    return sorted(out, key=lambda r: -r[1])
+
+
+def reason_share(m: Figures) -> float | None:
+    found = reasons(m)
+    return found[0][1] if found else None
+
+
+def xids_in_window(w: Window, t: Thresholds, *, critical: bool) -> list[tuple[int, float]]:
+    return sorted((c, n) for c, n in w.xids.items() if n > 0 and t.critical_xid(c) == critical)
+
+
+def _xid_list(found: Iterable[tuple[int, float]]) -> str:
+    return ", ".join(f"Xid {c} ({XID_MEANING.get(c, 'see the catalogue')}) x{n:.0f}"
+                     for c, n in found)
+
+
+def _hardware_evidence(w: Window, t: Thresholds) -> str:
+    m = w.mean
+    parts = []
+    if critical := xids_in_window(w, t, critical=True):
+        parts.append(_xid_list(critical) + " during the window")
+    ecc = w.increases.get("ecc_uncorrected")
+    if ecc:
+        parts.append(f"uncorrected ECC errors +{ecc:.0f} during the window "
+                     f"({m.ecc_uncorrected or 0:.0f} since the driver loaded)")
+    if m.remap_failed:
+        parts.append(f"a row remap failed ({m.remapped_uncorrectable or 0:.0f} rows remapped "
+                     f"for uncorrectable, {m.remapped_correctable or 0:.0f} for correctable "
+                     "errors)")
+    return "; ".join(parts) + " (alert GPUHardwareFault)"
+
+
+def _throttled(w: Window, t: Thresholds) -> tuple[str, str, str]:
+    """The finding's table cell, evidence and remedy: by the reasons that held the clocks."""
+    m = w.mean
+    held = [(name, share) for name, share in reasons(m) if share > t.throttle_ratio]
+    cell = _REASON_OF[held[0][0]][1]
+    limited = ", ".join(f"{_REASON_OF[name][0]} {pct(share)}" for name, share in held)
+    evidence = (
+        f"SM clock {ghz(m.sm_clock)} of its {ghz(m.sm_clock_max)} maximum "
+        f"({pct(ratio_of(m.sm_clock, m.sm_clock_max))}, below {t.throttle_clock_ratio:.0%}) "
+        f"while utilization is {pct(m.utilization)} (above {t.busy_utilization_ratio:.0%}); "
+        f"clocks limited by {limited} of the window (more than {t.throttle_ratio:.0%}); memory "
+        f"clock {ghz(m.mem_clock)} of {ghz(m.mem_clock_max)}; power {watts(m.power)} of "
+        f"{watts(m.power_limit)}; GPU {celsius(m.temperature)}, HBM "
+        f"{celsius(m.mem_temperature)} (alert GPUClocksThrottled)")
+    remedies: list[str] = []
+    for name, _ in held:
+        text = _THROTTLE_REMEDY[_REMEDY_OF_REASON[name]].format(
+            power=watts(m.power), limit=watts(m.power_limit), temperature=celsius(m.temperature),
+            mem_temperature=celsius(m.mem_temperature))
+        if text not in remedies:
+            remedies.append(text)
+    return cell, evidence, "; ".join(remedies)
+
+
+def _degraded_evidence(w: Window, t: Thresholds) -> str:
+    b, m = w.below_max, w.mean
+    assert b is not None
+    saturated = max(b.pcie_tx_now_ratio or 0.0, b.pcie_rx_now_ratio or 0.0) > t.pcie_util_ratio
+    errors = ""
+    if w.increases.get("l0_recovery") or w.increases.get("replays"):
+        errors = (f"; during the window the link left L0 for recovery "
+                  f"{w.increases.get('l0_recovery', 0):.0f} times and replayed "
+                  f"{w.increases.get('replays', 0):.0f} packets")
+    return (
+        f"the link ran at {link(b.link_gen_now, b.link_width_now)} ({gbps(b.link_now)} per "
+        f"direction) of its {link(m.link_gen, m.link_width)} maximum ({gbps(m.link_max)}) in "
+        f"{w.below_max_samples} of {w.link_samples} samples, carrying RX "
+        f"{pct(b.pcie_rx_now_ratio)} ({gbps(b.pcie_rx)}), TX {pct(b.pcie_tx_now_ratio)} "
+        f"({gbps(b.pcie_tx)}) of the link as trained (above {t.pcie_degraded_traffic_ratio:.0%}"
+        + ("; saturated" if saturated else "")
+        + f"), which is RX {pct(b.pcie_rx_ratio)}, TX {pct(b.pcie_tx_ratio)} of the maximum "
+        f"link{errors} (alert GPUPcieLinkDegraded)")
+
+
+def _degraded(w: Window, t: Thresholds) -> bool:
+    b = w.below_max
+    return (b is not None and 2 * w.below_max_samples > w.link_samples
+            and t.pcie_degraded(True, b.pcie_tx_now_ratio, b.pcie_rx_now_ratio))
+
+
 def judge(w: Window, t: Thresholds | None = None) -> Verdict:
-    """The findings on one GPU, most fundamental first, and what could not be judged.
+    """The findings on one GPU, in ``PRECEDENCE`` order, and what could not be judged.
 
     ``t`` defaults to ``sidecar.thresholds.THRESHOLDS`` as it is at call time (one place to
     change a threshold, for the rules and for this)."""
     t = t or thresholds.THRESHOLDS
     m = w.mean
+    hardware = t.hardware_fault(dict(xids_in_window(w, t, critical=True)),
+                                w.increases.get("ecc_uncorrected"), m.remap_failed)
+    throttled = t.throttled(reason_share(m), m.utilization, m.sm_clock, m.sm_clock_max)
     checks = (
         ("gpu-lost", w.lost,
-         f"unreadable in {w.unreadable} of {w.samples + w.unreadable} samples, including the "
-         "last (alert GPUSidecarGPUUnavailable)"),
+         lambda: f"unreadable in {w.unreadable} of {w.samples + w.unreadable} samples, including "
+                 "the last (alert GPUSidecarGPUUnavailable)"),
+        ("hardware-fault", hardware, lambda: _hardware_evidence(w, t)),
+        ("throttled", throttled, lambda: _throttled(w, t)),
+        ("pcie-degraded", _degraded(w, t), lambda: _degraded_evidence(w, t)),
         ("pcie", t.pcie_saturated(m.pcie_tx_ratio, m.pcie_rx_ratio),
-         f"PCIe RX {pct(m.pcie_rx_ratio)} ({gbps(m.pcie_rx)}), TX {pct(m.pcie_tx_ratio)} "
-         f"({gbps(m.pcie_tx)}) of the link's {gbps(m.link_max)}, above "
-         f"{t.pcie_util_ratio:.0%} (alert GPUPCIeSaturated)"),
+         lambda: f"PCIe RX {pct(m.pcie_rx_ratio)} ({gbps(m.pcie_rx)}), TX {pct(m.pcie_tx_ratio)} "
+                 f"({gbps(m.pcie_tx)}) of the link's {gbps(m.link_max)}, above "
+                 f"{t.pcie_util_ratio:.0%} (alert GPUPCIeSaturated)"),
+        ("c2c", t.c2c_saturated(m.c2c_tx_ratio, m.c2c_rx_ratio),
+         lambda: f"NVLink-C2C RX {pct(m.c2c_rx_ratio)} ({gbps(m.c2c_rx)}), TX "
+                 f"{pct(m.c2c_tx_ratio)} ({gbps(m.c2c_tx)}) of the links' {gbps(m.c2c_max)}, "
+                 f"above {t.pcie_util_ratio:.0%} (alert GPUC2CSaturated)"),
         ("fragmentation", t.fragmented(m.fragmentation, m.alloc_reserved),
-         f"{pct(m.fragmentation)} of the allocator's {gib(m.alloc_reserved)} cache holds no "
-         f"tensor, above {t.fragmentation_ratio:.0%} on a cache over "
-         f"{gib(t.fragmentation_min_reserved_bytes)}; {pct(m.nonreleasable)} cannot be "
-         f"released; largest free block {gib(m.largest_free)} (alert GPUMemoryFragmentationHigh)"),
+         lambda: f"{pct(m.fragmentation)} of the allocator's {gib(m.alloc_reserved)} cache holds "
+                 f"no tensor, above {t.fragmentation_ratio:.0%} on a cache over "
+                 f"{gib(t.fragmentation_min_reserved_bytes)}; {pct(m.nonreleasable)} cannot be "
+                 f"released; largest free block {gib(m.largest_free)} (alert "
+                 "GPUMemoryFragmentationHigh)"),
         ("allocator-retries", t.allocator_retrying(w.retries, w.ooms),
-         f"{w.retries or 0:.0f} allocation retries and {w.ooms or 0:.0f} OOMs during the window "
-         "(alerts GPUAllocatorRetrying, GPUOutOfMemory)"),
+         lambda: f"{w.retries or 0:.0f} allocation retries and {w.ooms or 0:.0f} OOMs during the "
+                 "window (alerts GPUAllocatorRetrying, GPUOutOfMemory)"),
         ("low-occupancy", t.occupancy_explains_latency(m.occupancy, w.p99),
-         f"SM occupancy {pct(m.occupancy)} (below {t.occupancy_ratio:.0%}) while p99 "
-         f"{ms(w.p99)} is above the {ms(t.p99_latency_s)} objective; utilization reads "
-         f"{pct(m.utilization)}, tensor {pct(m.tensor)} (alert GPULowOccupancyAndSlowRequests)"),
+         lambda: f"SM occupancy {pct(m.occupancy)} (below {t.occupancy_ratio:.0%}) while p99 "
+                 f"{ms(w.p99)} is above the {ms(t.p99_latency_s)} objective; utilization reads "
+                 f"{pct(m.utilization)}, tensor {pct(m.tensor)} (alert "
+                 "GPULowOccupancyAndSlowRequests)"),
     )
-    found = [Finding(key, *KINDS[key][:3], evidence, KINDS[key][3])
-             for key, hit, evidence in checks if hit]
+    found: list[Finding] = []
+    for key, hit, evidence in checks:
+        if not hit:
+            continue
+        layer, cell, title, remedy = ALL_KINDS[key]
+        said = evidence()
+        if isinstance(said, tuple):  # throttled: the cell and the remedy follow the reasons
+            cell, said, remedy = said
+        found.append(Finding(key, layer, cell, title, said, remedy))
     notes: list[str] = []
     if not w.lost:
         notes.extend(_unjudged(w, t, found))
+    notes.extend(_health_notes(w, t, found))
     return Verdict(w, tuple(found), tuple(notes))
 
 
@@ -348,8 +705,11 @@ def _unjudged(w: Window, t: Thresholds, found: list[Finding]) -> Iterable[str]:
         yield ("compute not judged: no SM occupancy or tensor activity on this GPU (GPM needs "
                f"Hopper or newer and a recent driver); utilization {pct(m.utilization)} only "
                "says that some kernel ran")
-    if m.pcie_tx_ratio is None and m.pcie_rx_ratio is None:
+    if m.pcie_tx_ratio is None and m.pcie_rx_ratio is None and m.c2c_tx_ratio is None \
+            and m.c2c_rx_ratio is None:
         yield "IO not judged: no PCIe rate or link maximum on this GPU"
+    if m.utilization is not None and m.sm_clock is None and reason_share(m) is None:
+        yield "clocks not judged: no SM clock or clock-event reasons on this GPU"
     if m.fragmentation is None and m.latency is None:
         yield ("memory (allocator) and latency not judged: no app figures arrived during the "
                "window (is sidecar.client started in the model server, on this --socket?)")
@@ -362,6 +722,43 @@ def _unjudged(w: Window, t: Thresholds, found: list[Finding]) -> Iterable[str]:
         yield (f"p99 {ms(w.p99)} is above the {ms(t.p99_latency_s)} objective, yet no GPU layer "
                "crossed its threshold: look outside the GPU (CPU pre/post-processing, queueing, "
                "network)")
+
+
+def _health_notes(w: Window, t: Thresholds, found: list[Finding]) -> Iterable[str]:
+    """What the health figures say that is no finding: a remap waiting for a reset, faults
+    counted before the window, the app's Xids, sync boost, an idle link trained down."""
+    m = w.mean
+    keys = {f.key for f in found}
+    if m.remap_pending:
+        yield (f"a row remap waits for the GPU's next reset ({m.remapped_uncorrectable or 0:.0f} "
+               f"rows remapped for uncorrectable, {m.remapped_correctable or 0:.0f} for "
+               "correctable errors): reset the GPU once drained (`nvidia-smi -r`) to activate it "
+               "(alert GPURowRemapPending)")
+    if m.ecc_uncorrected and not w.increases.get("ecc_uncorrected"):
+        yield (f"{m.ecc_uncorrected:.0f} uncorrected ECC errors since the driver loaded, none "
+               "during the window: the GPU has not been reset since; reset it once drained")
+    earlier = sorted((c, n) for c, n in (m.xids or ()) if t.critical_xid(c)
+                     and not w.xids.get(c))
+    if earlier:
+        yield ("before the window, since the agent started: "
+               + _xid_list(earlier) + "; see `dmesg | grep -i xid`")
+    if other := xids_in_window(w, t, critical=False):
+        yield (_xid_list(other) + " during the window: not the hardware's fault by itself (13, "
+               "31, 43: the app's kernels; 63: a row remap recorded; 92: corrected errors to "
+               "watch)")
+    if "throttled" not in keys and m.sync_boost is not None and m.sync_boost > t.throttle_ratio \
+            and t.throttled(m.sync_boost, m.utilization, m.sm_clock, m.sm_clock_max):
+        yield (f"clocks held by sync boost for {pct(m.sync_boost)} of the window (SM clock "
+               f"{ghz(m.sm_clock)} of {ghz(m.sm_clock_max)}): this GPU follows the slowest GPU "
+               "of its sync-boost group; look at the group's other GPUs")
+    b = w.below_max
+    if b is not None and "pcie-degraded" not in keys:
+        yield (f"the PCIe link ran at {link(b.link_gen_now, b.link_width_now)} of its "
+               f"{link(m.link_gen, m.link_width)} maximum in {w.below_max_samples} of "
+               f"{w.link_samples} samples, carrying RX {pct(b.pcie_rx_now_ratio)}, TX "
+               f"{pct(b.pcie_tx_now_ratio)} of it: an idle link trains down to save power, so it "
+               "is a finding only while it stays below its maximum under traffic (above "
+               f"{t.pcie_degraded_traffic_ratio:.0%} of the trained link) for most of the window")
 
 
 def gib(value: float | None) -> str:

@@ -86,6 +86,7 @@ class HealthCaps:
     fields: tuple[tuple[int, str, float], ...] = ()  # (field id, HealthLayer field, scale)
     counters: tuple[tuple[str, int], ...] = ()  # clock events with a ns counter
     bits: tuple[tuple[str, int], ...] = ()  # clock events read from the bitmask
+    reasons_call: Any = None  # the call that reads the bitmask (its name changed in R535)
     power_field: bool = False  # NVML field 186, else the call
     power_call: bool = False
     power_limit: bool = False
@@ -124,7 +125,7 @@ def detect_health(handle: Any, absent: dict[str, str], probe: Any) -> HealthCaps
     counters = tuple((attr, fid) for attr, fid, _ in CLOCK_EVENTS
                      if fid is not None and values.get(fid) is not None)
     counted = {attr for attr, _ in counters}
-    bitmask = _supported_reasons(handle)
+    bitmask, reasons_call = _supported_reasons(handle)
     bits = tuple((attr, bit) for attr, _, bit in CLOCK_EVENTS
                  if attr not in counted and bitmask is not None and bitmask & bit)
     for attr, _, _ in CLOCK_EVENTS:
@@ -157,7 +158,8 @@ def detect_health(handle: Any, absent: dict[str, str], probe: Any) -> HealthCaps
     if c2c is None:
         absent.update(dict.fromkeys(C2C_SERIES, "no NVLink-C2C (not a Grace Hopper or Grace "
                                                 "Blackwell GPU)"))
-    return HealthCaps(fields=fields, counters=counters, bits=bits, power_field=power_field,
+    return HealthCaps(fields=fields, counters=counters, bits=bits,
+                      reasons_call=reasons_call if bits else None, power_field=power_field,
                       power_call=power_call, power_limit=power_limit, temperature=temperature,
                       clocks=clocks, sm_clock_max_hertz=sm_max, memory_clock_max_hertz=mem_max,
                       current_link=current_link, c2c_link_max_bytes_per_second=c2c)
@@ -175,13 +177,20 @@ def _answers(fn: Any, *args: Any) -> bool:
         return False
 
 
-def _supported_reasons(handle: Any) -> int | None:
-    try:
-        return int(pynvml.nvmlDeviceGetSupportedClocksEventReasons(handle))
-    except pynvml.NVMLError as exc:
-        if not is_unsupported(exc):
-            raise
-        return None
+def _supported_reasons(handle: Any) -> tuple[int | None, Any]:
+    """The reasons the GPU reports, and the call that reads them now: the clocks-event names
+    (R535 and later), else their older "throttle reasons" names, same bits."""
+    for supported, current in (
+            (pynvml.nvmlDeviceGetSupportedClocksEventReasons,
+             pynvml.nvmlDeviceGetCurrentClocksEventReasons),
+            (pynvml.nvmlDeviceGetSupportedClocksThrottleReasons,
+             pynvml.nvmlDeviceGetCurrentClocksThrottleReasons)):
+        try:
+            return int(supported(handle)), current
+        except pynvml.NVMLError as exc:
+            if not is_unsupported(exc):
+                raise
+    return None, None
 
 
 def _max_clock(handle: Any, clock: int, absent: dict[str, str], series: str) -> float | None:
@@ -231,8 +240,7 @@ def read_health(device: Any, caps: HealthCaps, values: dict[tuple[int, int], Any
     figures["sm_clock_max_hertz"] = caps.sm_clock_max_hertz
     figures["memory_clock_max_hertz"] = caps.memory_clock_max_hertz
     if caps.bits:
-        mask = failures.call("clock_events", pynvml.nvmlDeviceGetCurrentClocksEventReasons,
-                             device)
+        mask = failures.call("clock_events", caps.reasons_call, device)
         for attr, bit in caps.bits:
             figures[attr] = None if mask is None else (1.0 if mask & bit else 0.0)
     totals = None

@@ -48,7 +48,7 @@ class XidWatcher:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._set: Any = None
-        self._handles: dict[int, str] = {}  # device handle address -> uuid
+        self._handles: dict[int, tuple[Any, str]] = {}  # handle address -> (handle, uuid)
         self._counts: dict[str, Counter[int]] = {}
         self._last: dict[str, int] = {}
         self._stop = threading.Event()
@@ -72,7 +72,7 @@ class XidWatcher:
                 return f"Xid events unavailable: {error_name(exc)}"
             return f"Xid events could not be registered: {error_name(exc)}"
         with self._lock:
-            self._handles[_address(handle)] = uuid
+            self._handles[_address(handle)] = (handle, uuid)
             self._counts.setdefault(uuid, Counter())
         return None
 
@@ -89,33 +89,71 @@ class XidWatcher:
             return self._last.get(uuid), tuple(sorted(counts.items())) if counts else ()
 
     def close(self) -> None:
+        """Stop listening. A wait in progress cannot be cut short: rather than hold shutdown
+        for it (up to ``WAIT_MS``), the thread, a daemon, ends when it returns; the set is freed
+        here only when no wait is in progress (else NVML's shutdown or the process's end does)."""
         self._stop.set()
         if self._thread is not None:
-            self._thread.join(timeout=WAIT_MS / 1000 + 1)
+            self._thread.join(timeout=0.05)
         if self._set is not None and (self._thread is None or not self._thread.is_alive()):
             with contextlib.suppress(pynvml.NVMLError):
                 pynvml.nvmlEventSetFree(self._set)
             self._set = None
 
     def _run(self) -> None:
+        rebuilt = False  # the set was just rebuilt for a lost GPU: once only, then back off
         while not self._stop.is_set():
             try:
-                data = pynvml.nvmlEventSetWait_v2(self._set, WAIT_MS)
+                with self._lock:
+                    event_set = self._set
+                data = pynvml.nvmlEventSetWait_v2(event_set, WAIT_MS)
             except pynvml.NVMLError as exc:
-                if error_code(exc) == pynvml.NVML_ERROR_TIMEOUT:
+                code = error_code(exc)
+                if code == pynvml.NVML_ERROR_TIMEOUT or self._stop.is_set():
+                    rebuilt = False
+                    continue
+                if code in (pynvml.NVML_ERROR_UNINITIALIZED, pynvml.NVML_ERROR_INVALID_ARGUMENT):
+                    return  # NVML was shut down under it, or the set is gone: nothing to hear
+                if code == pynvml.NVML_ERROR_GPU_IS_LOST and not rebuilt:
+                    rebuilt = self._rebuild()
                     continue
                 self._wait_failed(exc)
                 self._stop.wait(WAIT_MS / 1000)
                 continue
+            rebuilt = False
             if data.eventType & pynvml.nvmlEventTypeXidCriticalError:
                 self._heard(data)
+
+    def _rebuild(self) -> bool:
+        """A GPU of the set was lost, and the set answers nothing else: a new set with every
+        GPU that still registers, so that the others' Xids are still heard (the lost one is
+        registered again when the source re-opens it)."""
+        with self._lock:
+            old, handles = self._set, list(self._handles.values())
+        try:
+            fresh = pynvml.nvmlEventSetCreate()
+        except pynvml.NVMLError:
+            return False
+        kept = {}
+        for handle, uuid in handles:
+            with contextlib.suppress(pynvml.NVMLError):
+                pynvml.nvmlDeviceRegisterEvents(handle, pynvml.nvmlEventTypeXidCriticalError,
+                                                fresh)
+                kept[_address(handle)] = (handle, uuid)
+        with self._lock:
+            self._set, self._handles = fresh, kept
+        with contextlib.suppress(pynvml.NVMLError):
+            pynvml.nvmlEventSetFree(old)
+        log.info("xid_listening_without_lost_gpu", gpus=sorted(uuid for _, uuid in kept.values()))
+        return True
 
     def _heard(self, data: Any) -> None:
         code = int(data.eventData)
         with self._lock:
-            uuid = self._handles.get(_address(data.device))
-            if uuid is None:
+            found = self._handles.get(_address(data.device))
+            if found is None:
                 return
+            uuid = found[1]
             self._counts[uuid][code] += 1
             self._last[uuid] = code
             count = self._counts[uuid][code]
