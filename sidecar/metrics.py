@@ -178,7 +178,7 @@ METRICS: tuple[MetricSpec, ...] = (
        "nvmlDeviceGetTemperature(GPU)", "GPU die temperature."),
     _m("gpu_memory_temperature_celsius", "gauge", "celsius", "health", "NVML field 82",
        "HBM temperature."),
-    _m("gpu_pcie_l0_to_recovery_total", "counter", "events", "health", "NVML field 169",
+    _m("gpu_pcie_l0_to_recovery_total", "counter", "errors", "health", "NVML field 169",
        "Times the PCIe link left L0 for recovery: a link that keeps retraining."),
     _m("gpu_pcie_correctable_errors_total", "counter", "errors", "health", "NVML field 173",
        "PCIe correctable errors."),

@@ -13,6 +13,7 @@ from sidecar.samples import (
     ComputeLayer,
     GpuIdentity,
     GpuSample,
+    HealthLayer,
     IoLayer,
     LatencyHistogram,
     MemoryLayer,
@@ -171,7 +172,8 @@ def test_each_series_carries_the_value_of_the_field_it_is_named_by(layer):
     # field's value, so a reordered or inserted field cannot shift values onto other names
     layers = _full_layers()
     sample = GpuSample(identity=ID, timestamp_ms=1, compute=layers[ComputeLayer],
-                       memory=layers[MemoryLayer], io=layers[IoLayer])
+                       memory=layers[MemoryLayer], io=layers[IoLayer],
+                       health=layers[HealthLayer])
     value = {s.name: s.value for s in sample_series(sample, {})}
     for attr, name in LAYER_METRICS[layer]:
         assert value[name] == getattr(layers[layer], attr), (attr, name)
