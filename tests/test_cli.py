@@ -163,7 +163,13 @@ def test_probe_reports_supported_and_absent_metrics_with_reasons():
     assert "PCIe rate from throughput" in out
     assert "compute:" in out and "memory:" in out and "io:" in out
     healthy = run_cli("probe", "--simulate", "healthy").stdout
-    assert "absent metrics: none" in healthy
+    absent = [line.strip() for line in healthy.splitlines() if line.startswith("    gpu_")]
+    # an H200 on a current driver gives everything but NVLink-C2C, which only Grace GPUs have
+    assert absent and all(line.startswith("gpu_c2c_") and "no NVLink-C2C" in line
+                          for line in absent), absent
+    assert "host traffic: over PCIe" in healthy
+    grace = run_cli("probe", "--simulate", "grace-hopper").stdout
+    assert "absent metrics: none" in grace and "host traffic: over NVLink-C2C" in grace
     seen = next(line for line in healthy.splitlines() if line.startswith("this container sees: "))
     assert all(f"{g.uuid} ({g.name})" in seen for g in build("healthy").gpus)
     assert "PCIe gen 5 x16, 63.02 GB/s per direction" in healthy

@@ -292,6 +292,11 @@ def test_every_dashboard_query_returns_data_from_a_real_victoriametrics(tmp_path
                        "--pod-namespace", "ml", "--pod-name", "llm-0", "--node-name", "n1",
                        "--batch-job", "nightly-eval"])  # and a run summary for "Batch runs"
         agent.start()
+        # and a Grace Hopper node beside it, for the NVLink-C2C panels (absent elsewhere)
+        grace = Agent(["--simulate", "grace-hopper", "--interval", "0.5", "--push-interval", "1",
+                       "--remote-write-url", vm.write_url, "--spool-dir", str(tmp_path / "sp2"),
+                       "--pod-namespace", "ml", "--pod-name", "llm-0", "--node-name", "n2"])
+        grace.start()
         # the data the panels judge: every series they need (but the run summary's, printed by
         # the last cycle; "or on() vector(0)" needs none) in two cycles at least, and 12
         # cycles for rates and increases
@@ -301,14 +306,16 @@ def test_every_dashboard_query_returns_data_from_a_real_victoriametrics(tmp_path
                    if not name.startswith("gpu_run_")}
 
         def missing() -> set[str]:
-            seen = Counter(name for name, _ in {(n, ts) for n, _, ts, _ in agent.sampled()})
+            seen = Counter(name for name, _ in {(n, ts) for a in (agent, grace)
+                                                for n, _, ts, _ in a.sampled()})
             return {name for name in queried if seen[name] < 2}
 
-        until(lambda: (agent.cycles() >= 12 and not missing()) or agent.proc.poll() is not None,
+        until(lambda: (min(agent.cycles(), grace.cycles()) >= 12 and not missing())
+              or agent.proc.poll() is not None or grace.proc.poll() is not None,
               interval=0.2, what=lambda: f"12 cycles with every queried series (at "
                                          f"{agent.cycles()}; missing {sorted(missing())})")
-        assert agent.stop() == 0
-        vm.settled(len(agent.sampled()))
+        assert agent.stop() == 0 and grace.stop() == 0
+        vm.settled(len(agent.sampled()) + len(grace.sampled()))
         failures = []
         # series first written in the agent's last cycle (the run summary) can take VictoriaMetrics
         # a few seconds to index for queries, after /api/v1/export already shows them

@@ -298,7 +298,7 @@ def test_every_byte_the_spool_keeps_counts_against_its_bound_the_open_journal_in
         tmp_path):
     """A long push interval on a small bound: the open batch's journal, uncompressed, is larger
     than the batches; it counts against --spool-max-bytes like they do."""
-    bound = 400_000  # a 2 s journal of 10 cycles a second is about 330 kB uncompressed
+    bound = 1_200_000  # a 2 s journal of 10 cycles a second is about 670 kB uncompressed
     vm = VictoriaMetrics(tmp_path)  # down: the spool fills to its bound
     spool = tmp_path / "spool"
     agent = Agent(args(vm.write_url, spool, "--interval", "0.1", "--push-interval", "2",

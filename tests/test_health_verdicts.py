@@ -155,7 +155,7 @@ def test_uncorrected_ecc_errors_from_before_the_window_are_a_note_and_corrected_
 def test_a_failed_row_remap_is_a_hardware_fault_a_pending_one_a_note_to_reset():
     failed = verdict_of(healthy(remap_failed=1.0, remapped_uncorrectable=2.0))
     assert keys(failed) == ["hardware-fault"]
-    assert "a row remap failed (2 rows remapped for uncorrectable" in failed.findings[0].evidence
+    assert "a row remap failed (remapped rows: 2 for uncorrectable" in failed.findings[0].evidence
     pending = verdict_of(healthy(remap_pending=1.0, remapped_correctable=1.0))
     assert keys(pending) == []
     assert any("waits for the GPU's next reset" in n and "GPURowRemapPending" in n
@@ -246,7 +246,7 @@ def test_a_saturated_link_at_a_quarter_of_its_maximum_shows_about_24_percent_of_
     v = verdict_of(*[on_link(4, 8, 0.95)] * 3)  # Gen4 x8 (or Gen3 x16): a quarter of Gen5 x16
     assert keys(v) == ["pcie-degraded"]
     assert "RX 95.0 %" in v.findings[0].evidence
-    assert "RX 23.8 %, TX 0.0 % of the maximum link" in v.findings[0].evidence
+    assert "RX 23.7 %, TX 0.0 % of the maximum link" in v.findings[0].evidence
     assert v.window.below_max is not None
     assert v.window.below_max.pcie_rx_ratio == pytest.approx(0.2375, abs=0.001)
 
@@ -277,9 +277,10 @@ def test_a_link_below_its_maximum_in_a_minority_of_samples_is_no_degraded_link()
 
 
 def test_degraded_links_retraining_and_replaying_are_counted_in_the_evidence():
-    v = verdict_of(on_link(3, 8, 0.9, l0_recovery=10.0, replays=2.0),
-                   on_link(3, 8, 0.9, l0_recovery=13.0, replays=7.0))
-    assert "left L0 for recovery 3 times and replayed 5 packets" in v.findings[0].evidence
+    v = verdict_of(on_link(3, 8, 0.9, l0_recovery=10.0, replays=2.0, pcie_correctable=1.0),
+                   on_link(3, 8, 0.9, l0_recovery=13.0, replays=7.0, pcie_correctable=41.0))
+    assert "left L0 for recovery 3 times, replayed 5 packets and corrected 40 errors" in \
+        v.findings[0].evidence
 
 
 # -- c2c ----------------------------------------------------------------------------------------
@@ -394,7 +395,7 @@ def test_the_window_with_health_figures_is_still_constant_in_size():
         return {f"GPU-{g}": on_link(3 if n % 2 else 5, 8 if n % 2 else 16, n % 5 / 5,
                                     uuid=f"GPU-{g}", index=str(g), ecc_corrected=float(n),
                                     xids=((13, float(n // 10)), (79, 1.0)))
-                for g in range(16)}
+                for g in range(4)}
 
     def held_after(cycles: int) -> int:
         tracemalloc.start()
@@ -407,7 +408,7 @@ def test_the_window_with_health_figures_is_still_constant_in_size():
         finally:
             tracemalloc.stop()
 
-    assert held_after(3000) - held_after(300) < 16_000
+    assert held_after(4000) - held_after(1000) < 16_000  # a list of cycles: megabytes
 
 
 # -- the report ---------------------------------------------------------------------------------

@@ -38,13 +38,24 @@ def fixed_series() -> list[Series]:
         ident = sm.GpuIdentity(uuid=f"GPU-0000000{i}-aaaa-bbbb-cccc-dddddddddddd",
                                name='Sim "H200"\\x', index=str(i))
         sample = sm.GpuSample(
-            ident, ts,
-            sm.ComputeLayer(0.55 + i / 100, 0.42, 0.7, 0.62),
-            sm.MemoryLayer(0.45, 0.35, 70 * 2**30, 141 * 2**30, 71 * 2**30),
-            sm.IoLayer(2.0e9, 6.0e9 + i, 63.015384615e9, 5, 16, 3, 20e9, 2.5e10),
-            sm.AppFigures((sm.AllocatorFigures(41, 60 * 2**30, 52 * 2**30, 52 * 2**30, 2**30, 7,
-                                               0, 3 * 2**30, None),),
-                          sm.LatencyHistogram((0.05, 0.1, 0.25), (10, 90, 99, 100), 6.25), 7, 0))
+            identity=ident, timestamp_ms=ts,
+            compute=sm.ComputeLayer(sm_occupancy_ratio=0.55 + i / 100, tensor_core_util_ratio=0.42,
+                                    sm_active_ratio=0.7, utilization_ratio=0.62),
+            memory=sm.MemoryLayer(bandwidth_util_ratio=0.45, controller_busy_ratio=0.35,
+                                  used_bytes=70 * 2**30, total_bytes=141 * 2**30,
+                                  reserved_bytes=71 * 2**30),
+            io=sm.IoLayer(pcie_tx_bytes_per_second=2.0e9, pcie_rx_bytes_per_second=6.0e9 + i,
+                          pcie_link_max_bytes_per_second=63.015384615e9, pcie_link_generation=5,
+                          pcie_link_width=16, pcie_replay_errors=3,
+                          nvlink_tx_bytes_per_second=20e9, nvlink_rx_bytes_per_second=2.5e10),
+            app=sm.AppFigures(
+                allocators=(sm.AllocatorFigures(
+                    pid=41, reserved_bytes=60 * 2**30, allocated_bytes=52 * 2**30,
+                    active_bytes=52 * 2**30, inactive_split_bytes=2**30, alloc_retries=7, ooms=0,
+                    largest_free_block_bytes=3 * 2**30, private_pool_bytes=None),),
+                latency=sm.LatencyHistogram(bounds=(0.05, 0.1, 0.25), counts=(10, 90, 99, 100),
+                                            sum_seconds=6.25),
+                alloc_retries=7, ooms=0))
         out += sm.sample_series(sample, {"namespace": "ml", "pod": "llm-0"})
     out.append(Series("gpu_sidecar_up", (("pod", "llm-0"),), 1.0, ts))
     out.append(Series("gpu_sidecar_cycle_duration_seconds", (), 0.000123, ts))

@@ -8,8 +8,10 @@ appended), and on exit the main screen comes back with the cursor shown and the 
 printed on it, so it stays in the scrollback.
 
 The verdict column is ``sidecar.views.verdict.judge`` on the last few cycles: the thresholds of the
-shipped alert rules, without their ``for:`` durations; ``gpu-sidecar diagnose`` explains a
-verdict with its figures and remedies.
+shipped alert rules, without their ``for:`` durations; it shows the first finding in the order of
+``verdict.PRECEDENCE`` (a lost GPU, a hardware fault, throttled clocks (by reason), a PCIe link
+trained down, PCIe, NVLink-C2C, then memory and compute) and how many more;
+``gpu-sidecar diagnose`` explains a verdict with its figures and remedies.
 """
 
 from __future__ import annotations

@@ -93,6 +93,7 @@ class Figures:
     pcie_rx_now_ratio: float | None = None
     replays: float | None = None
     l0_recovery: float | None = None
+    pcie_correctable: float | None = None
     # NVLink-C2C, the host link of Grace Hopper and Grace Blackwell
     c2c_tx: float | None = None
     c2c_rx: float | None = None
@@ -158,6 +159,7 @@ _FIELD_OF = {
     "gpu_pcie_tx_current_link_util_ratio": "pcie_tx_now_ratio",
     "gpu_pcie_rx_current_link_util_ratio": "pcie_rx_now_ratio",
     "gpu_pcie_replay_errors_total": "replays", "gpu_pcie_l0_to_recovery_total": "l0_recovery",
+    "gpu_pcie_correctable_errors_total": "pcie_correctable",
     "gpu_c2c_tx_bytes_per_second": "c2c_tx", "gpu_c2c_rx_bytes_per_second": "c2c_rx",
     "gpu_c2c_link_max_bytes_per_second": "c2c_max",
     "gpu_c2c_tx_bandwidth_util_ratio": "c2c_tx_ratio",
@@ -183,7 +185,8 @@ _BUCKET = "inference_request_duration_seconds_bucket"
 _XID = "gpu_xid_errors_total"
 _COUNTERS = ("retries", "ooms")  # the app's: increases from the first cycle that had either
 # NVML's counters: increases from the first value each had in the window
-_HEALTH_COUNTERS = ("ecc_uncorrected", "ecc_corrected", "replays", "l0_recovery")
+_HEALTH_COUNTERS = ("ecc_uncorrected", "ecc_corrected", "replays", "l0_recovery",
+                    "pcie_correctable")
 # a window keeps the last value of these, not a mean: counters, a code, the link's state
 _LAST = (*_COUNTERS, *_HEALTH_COUNTERS, "last_xid", "link_gen", "link_width", "link_gen_now",
          "link_width_now")
@@ -245,7 +248,7 @@ class Window:
     p99: float | None
     requests: float  # requests the quantiles are taken from
     latency_since_start: bool  # no increase in the window: quantiles of the whole histogram
-    # NVML's counters (ecc_uncorrected, ecc_corrected, replays, l0_recovery): increase in the window
+    # NVML's counters (ECC, PCIe replays, recoveries, correctable errors): increase in the window
     increases: Mapping[str, float] = field(default_factory=dict)
     # Xid code -> count during the window (a code first seen in the window counts from 0)
     xids: Mapping[int, float] = field(default_factory=dict)
@@ -586,7 +589,7 @@ def _hardware_evidence(w: Window, t: Thresholds) -> str:
         parts.append(f"uncorrected ECC errors +{ecc:.0f} during the window "
                      f"({m.ecc_uncorrected or 0:.0f} since the driver loaded)")
     if m.remap_failed:
-        parts.append(f"a row remap failed ({m.remapped_uncorrectable or 0:.0f} rows remapped "
+        parts.append(f"a row remap failed (remapped rows: {m.remapped_uncorrectable or 0:.0f} "
                      f"for uncorrectable, {m.remapped_correctable or 0:.0f} for correctable "
                      "errors)")
     return "; ".join(parts) + " (alert GPUHardwareFault)"
@@ -621,10 +624,11 @@ def _degraded_evidence(w: Window, t: Thresholds) -> str:
     assert b is not None
     saturated = max(b.pcie_tx_now_ratio or 0.0, b.pcie_rx_now_ratio or 0.0) > t.pcie_util_ratio
     errors = ""
-    if w.increases.get("l0_recovery") or w.increases.get("replays"):
+    if any(w.increases.get(k) for k in ("l0_recovery", "replays", "pcie_correctable")):
         errors = (f"; during the window the link left L0 for recovery "
-                  f"{w.increases.get('l0_recovery', 0):.0f} times and replayed "
-                  f"{w.increases.get('replays', 0):.0f} packets")
+                  f"{w.increases.get('l0_recovery', 0):.0f} times, replayed "
+                  f"{w.increases.get('replays', 0):.0f} packets and corrected "
+                  f"{w.increases.get('pcie_correctable', 0):.0f} errors")
     return (
         f"the link ran at {link(b.link_gen_now, b.link_width_now)} ({gbps(b.link_now)} per "
         f"direction) of its {link(m.link_gen, m.link_width)} maximum ({gbps(m.link_max)}) in "
@@ -730,10 +734,10 @@ def _health_notes(w: Window, t: Thresholds, found: list[Finding]) -> Iterable[st
     m = w.mean
     keys = {f.key for f in found}
     if m.remap_pending:
-        yield (f"a row remap waits for the GPU's next reset ({m.remapped_uncorrectable or 0:.0f} "
-               f"rows remapped for uncorrectable, {m.remapped_correctable or 0:.0f} for "
-               "correctable errors): reset the GPU once drained (`nvidia-smi -r`) to activate it "
-               "(alert GPURowRemapPending)")
+        yield (f"a row remap waits for the GPU's next reset (remapped rows: "
+               f"{m.remapped_uncorrectable or 0:.0f} for uncorrectable, "
+               f"{m.remapped_correctable or 0:.0f} for correctable errors): reset the GPU once "
+               "drained (`nvidia-smi -r`) to activate it (alert GPURowRemapPending)")
     if m.ecc_uncorrected and not w.increases.get("ecc_uncorrected"):
         yield (f"{m.ecc_uncorrected:.0f} uncorrected ECC errors since the driver loaded, none "
                "during the window: the GPU has not been reset since; reset it once drained")
