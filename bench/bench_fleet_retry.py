@@ -246,7 +246,9 @@ def fixed_wait(attempt: int, floor: float, cap: float) -> float:
 
 
 def jitter_window(attempt: int, floor: float, cap: float) -> tuple[float, float]:
-    return floor, fixed_wait(attempt, floor, cap)
+    """The agent's wait after attempt k: the floor plus a uniform draw in
+    [0, min(cap - floor, floor * 2^(k-1))] (sidecar/sinks/answers.py, ``_Backoff``)."""
+    return floor, floor + min(cap - floor, floor * 2 ** (attempt - 1))
 
 
 def fmt(x: float, digits: int = 1) -> str:
@@ -434,8 +436,9 @@ def analyse(posts: list[Post], tl: Timeline, n: int, args: argparse.Namespace,
         lines += [
             "",
             "Each agent's k-th attempt after the outage began (the 1st is its scheduled push "
-            "that failed; the waits before the next are tenacity's `wait_random_exponential`, "
-            f"uniform in [{floor:g}, min({cap:g}, {floor:g}*2^(k-1))] s):",
+            "that failed; the wait before the next is the floor plus tenacity's "
+            f"`wait_random_exponential`: {floor:g} + uniform in [0, min({cap - floor:g}, "
+            f"{floor:g}*2^(k-1))] s):",
             "",
             "| k | agents | at (s): min / median / max | spread | most agents in one 1 s window "
             "| wait before k+1, window | without jitter: at (median), most in 1 s |",
