@@ -17,6 +17,7 @@ import structlog
 
 from sidecar import __version__, signals
 from sidecar.config import Config
+from sidecar.log import log_count
 from sidecar.samples import GpuIdentity, GpuSample, Labels, Series, gpu_labels, sample_series
 from sidecar.sinks import Sink
 from sidecar.sources.app_socket import NO_FIGURES, AppState
@@ -240,8 +241,8 @@ class Agent:
                                  != resumed)
                 else:
                     self._overrun(late, interval)
-                resumed = len(signals.continued)
                 due = start + slot * interval
+            resumed = len(signals.continued)  # a stop that cost no slot is forgotten
             stop.wait(max(0.0, due - self.clock()))
 
     def _overrun(self, late: int, interval: float) -> None:
@@ -259,10 +260,10 @@ class Agent:
         are skipped, never run back to back."""
         self.pauses += 1
         self.paused_s += late * interval
-        log.warning("process_paused", paused_about_s=round(late * interval, 1),
+        log_count("process_paused", self.pauses, level="warning",
+                  paused_about_s=round(late * interval, 1),
                     skipped_slots=late, cycle_s=round(cycle_s, 4), interval_s=interval,
                     cause=("stopped and continued (SIGSTOP or SIGTSTP, then SIGCONT)" if sigcont
                            else "not scheduled: a frozen cgroup, a suspended node or VM, or "
                                 "CPU throttling by the pod's limit"),
-                    effect="no samples for that time; the schedule goes on from now",
-                    pauses=self.pauses)
+                  effect="no samples for that time; the schedule goes on from now")

@@ -47,11 +47,11 @@ def _decade(count: int) -> bool:
     return count >= 1 and 10 ** (len(str(count)) - 1) == count
 
 
-def log_count(event: str, count: int, **fields: object) -> None:
+def log_count(event: str, count: int, *, level: str = "error", **fields: object) -> None:
     """Log a repeating condition at its 1st, 10th, 100th, ... occurrence, with the running
     count: one line when it starts, then ever rarer, never one per batch."""
     if _decade(count):
-        _log.error(event, count=count, **fields)
+        getattr(_log, level)(event, count=count, **fields)
 
 
 class Episodes:

@@ -65,6 +65,7 @@ def install() -> None:
             continue
         signal.signal(sig, _handler)
     signal.signal(signal.SIGCONT, _continued)  # resuming is the kernel's: a handler only hears it
+    signal.siginterrupt(signal.SIGCONT, False)  # calls in flight (NVML's) restart, as without it
 
 
 def restore_defaults() -> None:

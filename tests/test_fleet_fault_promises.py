@@ -20,6 +20,7 @@ import sys
 import time
 from pathlib import Path
 
+import cramjam
 import pytest
 
 from tests.receivers import ROOT, Agent, FaultProxy, VictoriaMetrics, running
@@ -229,3 +230,32 @@ def test_a_clean_stop_pushes_gpu_sidecar_up_0_last_and_a_killed_agent_leaves_1(t
                       key=lambda row: row[2])] for pod in ("ended-0", "gone-0")}
     assert values["ended-0"][-1] == 0.0 and set(values["ended-0"][:-1]) == {1.0}
     assert values["gone-0"] and set(values["gone-0"]) == {1.0}
+
+
+def test_once_a_url_took_a_request_a_400_after_a_restart_is_about_the_data_at_once(tmp_path):
+    """The spool remembers that its URL took a request: a bad first batch after a restart is
+    set aside at once, never held, and no empty request is sent to check the URL."""
+    vm = VictoriaMetrics(tmp_path).start()
+    empty = cramjam.snappy.compress_raw(b"")
+    refusing = {"on": False}
+    proxy = FaultProxy(vm.write_url, lambda n, body: (400, {}, b"bad data")
+                       if refusing["on"] and (body == bytes(empty) or not refused_once(body))
+                       else None)
+    seen: list[bytes] = []
+
+    def refused_once(body: bytes) -> bool:
+        seen.append(body)
+        return len(seen) > 1
+
+    spool = tmp_path / "spool"
+    with running(vm, proxy):
+        first = Agent(args(proxy.url, spool)).start()
+        until(lambda: first.total("gpu_sidecar_samples_pushed_total") > 0, 60, what="a push")
+        assert first.stop() == 0
+        refusing["on"] = True
+        second = Agent(args(proxy.url, spool)).start()
+        until(lambda: second.logged("batch_refused"), 60, what="the bad batch set aside")
+        second.more_cycles(3)
+        assert second.stop() == 0
+    assert not second.logged("push_refused"), "the batch was held as if the URL were wrong"
+    assert bytes(empty) not in [body for _, _, body in proxy.log], "the URL was checked again"

@@ -60,6 +60,7 @@ HEADER = struct.Struct("<4sIII")
 LEDGER = ".memory-ledger"  # samples held only in memory: what a kill would lose (``_note_held``)
 LEDGER_RECORD = struct.Struct("<4sQ")
 LEDGER_MAGIC = b"GSL1"
+URL_CONFIRMED = ".url-confirmed"  # its URL has taken a request (sinks.spooled._url_or_data)
 NAME = re.compile(r"^(\d{20})\.batch$")
 ASIDE = ("rejected", "corrupt")
 STATES = ("pending", "memory", *ASIDE)
@@ -205,7 +206,8 @@ class Spool:
         finally:
             with self._lock:
                 self._trim()
-            for name in (".lock", ".write-test", LEDGER, *(p.name for p in other.glob("*.tmp"))):
+            for name in (".lock", ".write-test", LEDGER, URL_CONFIRMED,
+                         *(p.name for p in other.glob("*.tmp"))):
                 with contextlib.suppress(OSError):
                     (other / name).unlink()  # a link itself, never its target
             for directory in (*(other / where for where in ASIDE), other):

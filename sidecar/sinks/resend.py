@@ -82,9 +82,14 @@ def resend_rejected(url: str, directory: Path, options: HttpOptions, *, sink: st
                 stopped_by = str(exc)
                 return _resent(sink, directory, sent, samples, refused, unreadable,
                                len(batches) - index, stopped_by)
-            path.unlink(missing_ok=True)
             sent += 1
             samples += count
+            try:
+                path.unlink(missing_ok=True)
+            except OSError as exc:  # taken, but it stays: the next round would send it again
+                log.error("rejected_batch_not_removed", sink=sink, batch=path.name,
+                          error=exc.strerror, effect="delivered; delete it by hand, or the "
+                          "next resend-rejected sends it a second time")
     finally:
         http.close()
     return _resent(sink, directory, sent, samples, refused, unreadable, 0, stopped_by)

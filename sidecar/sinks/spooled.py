@@ -6,6 +6,7 @@ self-telemetry. What an answer means is ``sidecar.sinks.answers``; the wire is
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from collections import Counter
@@ -17,7 +18,7 @@ import tenacity
 
 from sidecar.config import Config
 from sidecar.durability import journal
-from sidecar.durability.spool import STATES, Spool, SpooledBatch
+from sidecar.durability.spool import STATES, URL_CONFIRMED, Spool, SpooledBatch
 from sidecar.log import Episodes, log_count
 from sidecar.samples import Labels, Series
 from sidecar.sinks import IDLE_WAIT_S
@@ -104,7 +105,8 @@ class SpooledSink:
         self.samples_set_aside_this_run = 0
         self._partial_condition: tuple[bool, str] | None = None  # the last one logged
         self._refused: tuple[int, float, int] | None = None  # status, since, attempts
-        self._url_confirmed = False  # a request was accepted in this run: a 400 is about data
+        # a request was ever accepted at this URL (its spool says so): a 400 is about the data
+        self._url_confirmed = (spool.dir / URL_CONFIRMED).exists()
         self.last_push_seconds = 0.0
         self.last_success_time = 0.0
         self._lock = threading.Lock()
@@ -434,9 +436,18 @@ class SpooledSink:
             raise Held(exc) from None
         finally:
             self.last_push_seconds = time.monotonic() - started
-        self._url_confirmed = True
+        self._confirm_url()
         self._refusal_ended()
         return response
+
+    def _confirm_url(self) -> None:
+        """Remember, in the spool, that this URL took a request: after a restart, a 400 for a
+        bad first batch is then about the data at once, not checked (and held) again."""
+        if self._url_confirmed:
+            return
+        self._url_confirmed = True
+        with contextlib.suppress(OSError):
+            (self.spool.dir / URL_CONFIRMED).touch()
 
     def _url_or_data(self, refused: Refused) -> Refused:
         """A 400 before this run had any request accepted: the URL or the data? Some receivers
@@ -445,16 +456,19 @@ class SpooledSink:
         with an empty request of the same protocol (it stores nothing): accepted, the URL is
         right and the 400 was about the data; refused too, the URL is wrong and every batch is
         kept (``Held``). A network failure meanwhile is retried like any other."""
-        response = self.http.request("POST", self.url, data=self.codec.compress(b""),
-                                     headers=self.codec.headers)
         try:
+            response = self.http.request("POST", self.url, data=self.codec.compress(b""),
+                                         headers=self.codec.headers)
             self.http.check(response, self.policy)
+        except Retryable as exc:  # the network meanwhile: counted like any failed attempt
+            self.failures[exc.reason] += 1
+            raise
         except Refused as again:
             return Refused(refused.status, str(refused),
                            "the receiver refuses even an empty request at this URL (HTTP "
                            f"{again.status}), so it objects to the URL, not the data: "
                            f"{self.policy.hints.get(404, 'check the URL')}", about_data=False)
-        self._url_confirmed = True
+        self._confirm_url()
         return refused
 
     def _hold(self, exc: Refused) -> None:

@@ -20,7 +20,7 @@ from typing import Any
 import pynvml
 
 from sidecar.samples import LAYER_METRICS, HealthLayer
-from sidecar.sources.nvml.errors import Failures, error_name, is_unsupported
+from sidecar.sources.nvml.errors import Failures, error_name, is_lost
 from sidecar.sources.pcie import link_max_bytes_per_second
 
 MHZ = 1e6
@@ -142,7 +142,8 @@ def detect_health(handle: Any, absent: dict[str, str], probe: Any) -> HealthCaps
     temperature = _answers(pynvml.nvmlDeviceGetTemperature, handle, pynvml.NVML_TEMPERATURE_GPU)
     if not temperature:
         absent["gpu_temperature_celsius"] = "temperature not supported"
-    clocks = _answers(pynvml.nvmlDeviceGetClockInfo, handle, pynvml.NVML_CLOCK_SM)
+    clocks = (_answers(pynvml.nvmlDeviceGetClockInfo, handle, pynvml.NVML_CLOCK_SM)
+              and _answers(pynvml.nvmlDeviceGetClockInfo, handle, pynvml.NVML_CLOCK_MEM))
     if not clocks:
         absent["gpu_sm_clock_hertz"] = absent["gpu_memory_clock_hertz"] = "clocks not supported"
     sm_max = _max_clock(handle, pynvml.NVML_CLOCK_SM, absent, "gpu_sm_clock_max_hertz")
@@ -166,13 +167,14 @@ def detect_health(handle: Any, absent: dict[str, str], probe: Any) -> HealthCaps
 
 
 def _answers(fn: Any, *args: Any) -> bool:
-    """Whether ``fn`` answers on this GPU; an error other than "unsupported" propagates (the GPU
-    is then unreadable at start, as for the other layers)."""
+    """Whether ``fn`` answers on this GPU. Only a lost GPU propagates: a health figure the GPU
+    refuses for any other reason (no permission in a vGPU guest, say) is absent, and must not
+    cost the layers that worked before it."""
     try:
         fn(*args)
         return True
     except pynvml.NVMLError as exc:
-        if not is_unsupported(exc):
+        if is_lost(exc):
             raise
         return False
 
@@ -188,7 +190,7 @@ def _supported_reasons(handle: Any) -> tuple[int | None, Any]:
         try:
             return int(supported(handle)), current
         except pynvml.NVMLError as exc:
-            if not is_unsupported(exc):
+            if is_lost(exc):
                 raise
     return None, None
 
@@ -197,7 +199,7 @@ def _max_clock(handle: Any, clock: int, absent: dict[str, str], series: str) -> 
     try:
         mhz = pynvml.nvmlDeviceGetMaxClockInfo(handle, clock)
     except pynvml.NVMLError as exc:
-        if not is_unsupported(exc):
+        if is_lost(exc):
             raise
         absent[series] = error_name(exc)
         return None
@@ -232,8 +234,9 @@ def read_health(device: Any, caps: HealthCaps, values: dict[tuple[int, int], Any
         figures["temperature_celsius"] = failures.call(
             "temperature", pynvml.nvmlDeviceGetTemperature, device, pynvml.NVML_TEMPERATURE_GPU)
     if caps.clocks:
-        sm = failures.call("clocks", pynvml.nvmlDeviceGetClockInfo, device, pynvml.NVML_CLOCK_SM)
-        mem = failures.call("clocks", pynvml.nvmlDeviceGetClockInfo, device,
+        sm = failures.call("sm_clock", pynvml.nvmlDeviceGetClockInfo, device,
+                           pynvml.NVML_CLOCK_SM)
+        mem = failures.call("memory_clock", pynvml.nvmlDeviceGetClockInfo, device,
                             pynvml.NVML_CLOCK_MEM)
         figures["sm_clock_hertz"] = None if sm is None else sm * MHZ
         figures["memory_clock_hertz"] = None if mem is None else mem * MHZ
@@ -274,8 +277,8 @@ def current_link(device: Any, caps: HealthCaps,
     """(generation, width, per-direction bytes/s) of the PCIe link as trained now."""
     if not caps.current_link:
         return None, None, None
-    generation = failures.call("current_link", pynvml.nvmlDeviceGetCurrPcieLinkGeneration,
-                               device)
-    width = failures.call("current_link", pynvml.nvmlDeviceGetCurrPcieLinkWidth, device)
+    generation = failures.call("current_link_generation",
+                               pynvml.nvmlDeviceGetCurrPcieLinkGeneration, device)
+    width = failures.call("current_link_width", pynvml.nvmlDeviceGetCurrPcieLinkWidth, device)
     rate = link_max_bytes_per_second(generation, width) if generation and width else None
     return generation, width, rate

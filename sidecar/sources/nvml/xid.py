@@ -18,6 +18,7 @@ from typing import Any
 import pynvml
 import structlog
 
+from sidecar.log import log_count
 from sidecar.sources.nvml.errors import error_code, error_name, is_unsupported
 
 log = structlog.get_logger("sidecar.nvml")
@@ -61,19 +62,18 @@ class XidWatcher:
             supported = pynvml.nvmlDeviceGetSupportedEventTypes(handle)
             if not supported & pynvml.nvmlEventTypeXidCriticalError:
                 return "Xid events not supported on this GPU"
-            with self._lock:
+            with self._lock:  # held while registering: a rebuild cannot swap the set meanwhile
                 if self._set is None:
                     self._set = pynvml.nvmlEventSetCreate()
-                event_set = self._set
-            pynvml.nvmlDeviceRegisterEvents(handle, pynvml.nvmlEventTypeXidCriticalError,
-                                            event_set)
+                pynvml.nvmlDeviceRegisterEvents(handle, pynvml.nvmlEventTypeXidCriticalError,
+                                                self._set)
+                self._handles[_address(handle)] = (handle, uuid)
+                self._counts.setdefault(uuid, Counter())
         except pynvml.NVMLError as exc:
             if is_unsupported(exc):
                 return f"Xid events unavailable: {error_name(exc)}"
             return f"Xid events could not be registered: {error_name(exc)}"
-        with self._lock:
-            self._handles[_address(handle)] = (handle, uuid)
-            self._counts.setdefault(uuid, Counter())
+        self.start()  # a set created after open (a GPU re-opened) gets its thread too
         return None
 
     def start(self) -> None:
@@ -128,19 +128,18 @@ class XidWatcher:
         """A GPU of the set was lost, and the set answers nothing else: a new set with every
         GPU that still registers, so that the others' Xids are still heard (the lost one is
         registered again when the source re-opens it)."""
-        with self._lock:
+        with self._lock:  # registering is quick; holding the lock keeps register() out
             old, handles = self._set, list(self._handles.values())
-        try:
-            fresh = pynvml.nvmlEventSetCreate()
-        except pynvml.NVMLError:
-            return False
-        kept = {}
-        for handle, uuid in handles:
-            with contextlib.suppress(pynvml.NVMLError):
-                pynvml.nvmlDeviceRegisterEvents(handle, pynvml.nvmlEventTypeXidCriticalError,
-                                                fresh)
-                kept[_address(handle)] = (handle, uuid)
-        with self._lock:
+            try:
+                fresh = pynvml.nvmlEventSetCreate()
+            except pynvml.NVMLError:
+                return False
+            kept = {}
+            for handle, uuid in handles:
+                with contextlib.suppress(pynvml.NVMLError):
+                    pynvml.nvmlDeviceRegisterEvents(handle,
+                                                    pynvml.nvmlEventTypeXidCriticalError, fresh)
+                    kept[_address(handle)] = (handle, uuid)
             self._set, self._handles = fresh, kept
         with contextlib.suppress(pynvml.NVMLError):
             pynvml.nvmlEventSetFree(old)
@@ -157,7 +156,8 @@ class XidWatcher:
             self._counts[uuid][code] += 1
             self._last[uuid] = code
             count = self._counts[uuid][code]
-        log.error("xid_error", gpu_uuid=uuid, xid=code, count=count,
+        # each code at its 1st, 10th, 100th ...: a storm of one code must not flood the log
+        log_count("xid_error", count, gpu_uuid=uuid, xid=code,
                   meaning=MEANING.get(code, "see NVIDIA's Xid catalogue"),
                   effect="counted in gpu_xid_errors_total{xid=...}; gpu_last_xid holds the code")
 
