@@ -259,3 +259,30 @@ def test_once_a_url_took_a_request_a_400_after_a_restart_is_about_the_data_at_on
         assert second.stop() == 0
     assert not second.logged("push_refused"), "the batch was held as if the URL were wrong"
     assert bytes(empty) not in [body for _, _, body in proxy.log], "the URL was checked again"
+
+
+def test_the_spool_of_a_replica_removed_on_purpose_is_left_not_sent_to_the_other(tmp_path):
+    """Two receivers ran side by side (two replicas); one is removed from the configuration.
+    Its backlog holds what the other already has: it is left where it is and said, not sent
+    to the remaining receiver as if the URL had been fixed."""
+    from sidecar.durability.spool import Spool
+    from sidecar.sinks.remote_write import sink_name
+    from sidecar.wiring import _spool_dir
+
+    vm = VictoriaMetrics(tmp_path).start()
+    spool = tmp_path / "spool"
+    kept_url, removed_url = vm.write_url, vm.base + "/replica-b/api/v1/write"
+    for url in (kept_url, removed_url):
+        Spool(spool / _spool_dir(sink_name(url), url), max_bytes=1 << 20).close()
+    removed = spool / _spool_dir(sink_name(removed_url), removed_url)
+    held = Spool(removed, max_bytes=1 << 20)
+    held.put(b"a batch of replica b", samples=1)
+    held.close()
+    with running(vm):
+        agent = Agent(args(kept_url, spool)).start()
+        [orphaned] = until(lambda: agent.logged("spool_orphaned"), 60, what="spool_orphaned")
+        agent.more_cycles(2)
+        assert agent.stop() == 0
+    assert orphaned["directory"] == str(removed)
+    assert not agent.logged("spool_adopted")
+    assert len(batch_files(removed)) == 1, "the removed replica's backlog was touched"
