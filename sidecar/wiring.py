@@ -184,6 +184,8 @@ def _spools(root: str, kind: str, urls: Sequence[str], sink_name: Callable[[str]
     configured URL uses any more (a URL fixed or changed, a directory of an earlier release)
     adopted by the URL they most likely belong to, so that nothing they hold is orphaned."""
     named = _named(urls, sink_name)
+    existed = {_spool_dir(name, url) for url, name in named
+               if os.path.isdir(os.path.join(root, _spool_dir(name, url)))}
     opened = [(url, name, Spool(os.path.join(root, _spool_dir(name, url)), cfg.spool_max_bytes,
                                 cfg.spool_memory_max_bytes)) for url, name in named]
     in_use = {spool.dir.name for _, _, spool in opened}
@@ -191,15 +193,21 @@ def _spools(root: str, kind: str, urls: Sequence[str], sink_name: Callable[[str]
     for directory in _spool_dirs(root, kind):
         if directory.name in in_use:
             continue
-        heirs = [spool for url, _, spool in opened
-                 if directory.name == _old_spool_dir(kind, url)
-                 and per_host[directory.name] == 1] or [spool for _, _, spool in opened]
+        # an earlier release's directory goes to the URL on its host and port; any other to
+        # the one configured URL only when that URL is new here (the URL was fixed or moved):
+        # a URL that already had its spool was running beside the orphan's, and a receiver
+        # removed on purpose (one of two replicas) must not send its backlog to the other
+        old_release = [spool for url, _, spool in opened
+                       if directory.name == _old_spool_dir(kind, url)
+                       and per_host[directory.name] == 1]
+        fresh = [spool for _, _, spool in opened if spool.dir.name not in existed]
+        heirs = old_release or (fresh if len(opened) == 1 else [])
         if len(heirs) != 1:
             log.error("spool_orphaned", directory=str(directory), kind=kind,
-                      effect="its batches are not sent: several configured URLs of this kind "
-                             "could be its receiver",
+                      effect="its batches are not sent: no configured URL of this kind is "
+                             "surely its receiver",
                       hint="configure its URL again, or start once with only the URL it "
-                           "should go to: that sink adopts it")
+                           "should go to on a new spool: that sink adopts it")
             continue
         taken = heirs[0].adopt(directory)
         if taken is None:
