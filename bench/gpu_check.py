@@ -25,7 +25,13 @@ It writes ``gpu_check.json`` (and ``fixtures.json``: a real ``memory_stats()`` a
    code), the clock-event nanosecond counters over one second of matmuls (a share must lie in
    0..1), an Xid event set created, registered and waited on for 0.1 s (TIMEOUT expected), and
    the agent's own health and C2C reading beside them;
-7. overhead: the agent's CPU seconds and peak RSS over a minute of 1 s sampling.
+7. overhead: the agent's CPU seconds and peak RSS over a minute of 1 s sampling;
+8. injection (issue #25): a real agent places the injected publisher; a script that imports
+   nothing of ours, started with only PYTHONPATH=<the placed directory> and the socket path,
+   allocates in a fragmenting pattern with real torch; the figures in the agent's output
+   against that script's ``torch.cuda.memory_stats()`` and ``memory_snapshot()``, how long
+   after CUDA's initialisation they first appeared, the app's stderr (must be empty), and
+   ``import torch`` and CUDA's initialisation timed with and without the injection.
 """
 
 from __future__ import annotations
@@ -212,6 +218,113 @@ def step_overhead(out_dir: Path) -> dict:
     proc.terminate()
     proc.wait(timeout=30)
     return {"cpu_seconds_per_minute": cpu, "peak_rss_mib": peak, "exit_code": proc.returncode}
+
+
+# -- step 8: the injected publisher against real torch ---------------------------------------------
+
+INJECTED_APP = r'''
+import json, os, sys, threading, time
+import torch  # nothing of gpu-sidecar: the injection alone publishes
+here = sys.argv[1]
+t0 = time.time()
+torch.cuda.set_device(0)
+keep = []
+for i in range(400):  # varied sizes, every other one freed: a fragmented cache
+    t = torch.empty((1 + (i * 7919) % 97) * (1 << 18), dtype=torch.uint8, device="cuda")
+    if i % 2:
+        keep.append(t)
+    del t
+torch.cuda.synchronize()
+stats = torch.cuda.memory_stats(0)
+largest = max([b["size"] for s in torch.cuda.memory_snapshot() for b in s["blocks"]
+               if s["device"] == 0 and b["state"] == "inactive"] or [0])
+print(json.dumps({"pid": os.getpid(), "cuda_init": t0,
+                  "reserved": stats["reserved_bytes.all.current"],
+                  "allocated": stats["allocated_bytes.all.current"],
+                  "inactive_split": stats["inactive_split_bytes.all.current"],
+                  "largest_free": largest,
+                  "threads": sorted(t.name for t in threading.enumerate()),
+                  "modules": sorted(m for m in sys.modules if "sidecar" in m)}), flush=True)
+deadline = time.monotonic() + 60
+while not os.path.exists(os.path.join(here, "release")) and time.monotonic() < deadline:
+    time.sleep(0.05)
+'''
+
+
+def _median_run(cmd: list[str], env: dict, runs: int = 3) -> float:
+    times = []
+    for _ in range(runs):
+        t0 = time.perf_counter()
+        subprocess.run(cmd, env=env, capture_output=True, timeout=300, check=True)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def step_injection(uuid: str, out_dir: Path) -> dict:
+    tmp = Path(tempfile.mkdtemp())
+    sock, inject_dir = tmp / "run" / "app.sock", tmp / "run" / "python"
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    env = {k: v for k, v in env.items() if not k.startswith("GPU_SIDECAR_")}
+    agent = subprocess.Popen([sys.executable, "-m", "sidecar", "run", "--gpus", "announced",
+                              "--socket", str(sock), "--interval", "1", "--app-process-series",
+                              "--stdout", "--output", "json", "--log-format", "json"],
+                             stdout=subprocess.PIPE, stderr=(out_dir / "agent-inject.log").open("w"),
+                             text=True, cwd=ROOT, env=env)
+    rows: list[dict] = []
+    threading.Thread(target=lambda: rows.extend(json.loads(line) for line in agent.stdout
+                                                if line.startswith("{")), daemon=True).start()
+    try:
+        deadline = time.monotonic() + 30
+        while not sock.exists() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        app_env = {k: v for k, v in os.environ.items()
+                   if k not in ("PYTHONPATH",) and not k.startswith("GPU_SIDECAR_")}
+        app_env.update({"PYTHONPATH": str(inject_dir), "GPU_SIDECAR_SOCKET": str(sock)})
+        script = tmp / "app.py"
+        script.write_text(INJECTED_APP)
+        app = subprocess.Popen([sys.executable, str(script), str(tmp)], stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, text=True, env=app_env, cwd=tmp)
+        said = json.loads(app.stdout.readline())
+        pid = str(said["pid"])
+
+        def agent_says(name: str, gpu: bool = False) -> float | None:
+            found = [r for r in rows if r["name"] == name and r["labels"].get("gpu_uuid") == uuid
+                     and (gpu or r["labels"].get("pid") == pid)]
+            return float(max(found, key=lambda r: r["timestamp_ms"])["value"]) if found else None
+
+        deadline = time.monotonic() + 40
+        while time.monotonic() < deadline and (
+                agent_says("gpu_app_process_reserved_bytes") != said["reserved"]
+                or agent_says("gpu_allocator_largest_free_block_bytes", gpu=True)
+                != said["largest_free"]):
+            time.sleep(0.2)
+        first = [r["timestamp_ms"] / 1000 for r in rows
+                 if r["name"] == "gpu_app_process_reserved_bytes"
+                 and r["labels"].get("pid") == pid and r["value"] == said["reserved"]]
+        (tmp / "release").touch()
+        _, app_err = app.communicate(timeout=60)
+        timings = {}
+        bare_env = {k: v for k, v in app_env.items() if k != "PYTHONPATH"}
+        init = "import torch; torch.cuda.init(); torch.cuda.synchronize()"
+        for label, cmd in (("import_torch_s", "import torch"), ("import_and_cuda_init_s", init)):
+            timings[label] = {"bare": _median_run([sys.executable, "-c", cmd], bare_env),
+                              "injected": _median_run([sys.executable, "-c", cmd], app_env)}
+    finally:
+        agent.terminate()
+        agent.wait(timeout=30)
+    return {
+        "app": said, "app_stderr": app_err, "app_exit": app.returncode,
+        "agent_reserved": agent_says("gpu_app_process_reserved_bytes"),
+        "agent_allocated": agent_says("gpu_app_process_allocated_bytes"),
+        "agent_largest_free_block": agent_says("gpu_allocator_largest_free_block_bytes", gpu=True),
+        "agent_fragmentation": agent_says("gpu_memory_fragmentation_ratio", gpu=True),
+        "torch_fragmentation": (said["reserved"] - said["allocated"]) / said["reserved"],
+        "first_figures_after_cuda_init_s": (min(first) - said["cuda_init"]) if first else None,
+        "matches": agent_says("gpu_app_process_reserved_bytes") == said["reserved"]
+        and agent_says("gpu_app_process_allocated_bytes") == said["allocated"],
+        "placed": sorted(os.listdir(inject_dir)) if inject_dir.exists() else None,
+        **timings,
+    }
 
 
 # -- step 5: NVML facts the stand-in assumes ------------------------------------------------------
@@ -670,6 +783,20 @@ def summary_rows(report: dict) -> list[tuple[str, str]]:
          f"{fmt(dig(alloc, 'snapshot_seconds_median'))} / {fmt(dig(alloc, 'snapshot_seconds_max'))}"
          f" ({dig(alloc, 'snapshot_blocks')} blocks)"),
     ]
+    inj = report.get("injection", {})
+    rows += [
+        ("injected: reserved agent / torch",
+         f"{fmt(dig(inj, 'agent_reserved'))} / {fmt(dig(inj, 'app', 'reserved'))}"),
+        ("injected: largest free agent / torch",
+         f"{fmt(dig(inj, 'agent_largest_free_block'))} / {fmt(dig(inj, 'app', 'largest_free'))}"),
+        ("injected: first figures after init s", fmt(dig(inj, "first_figures_after_cuda_init_s"))),
+        ("injected: app stderr empty", str(dig(inj, "app_stderr") == "")),
+        ("injected: import torch s bare / inj",
+         f"{fmt(dig(inj, 'import_torch_s', 'bare'))} / {fmt(dig(inj, 'import_torch_s', 'injected'))}"),
+        ("injected: + CUDA init s bare / inj",
+         f"{fmt(dig(inj, 'import_and_cuda_init_s', 'bare'))} / "
+         f"{fmt(dig(inj, 'import_and_cuda_init_s', 'injected'))}"),
+    ]
     rows += [(f"step {name} failed", value["error"]) for name, value in report.items()
              if isinstance(value, dict) and "error" in value]
     return rows
@@ -701,7 +828,8 @@ def main() -> int:
              ("allocator", lambda: step_allocator(torch, uuid, out_dir)),
              ("nvml_facts", lambda: step_nvml_facts(torch, source, uuid)),
              ("health", lambda: step_health(torch, source, uuid)),
-             ("overhead", lambda: step_overhead(out_dir))]
+             ("overhead", lambda: step_overhead(out_dir)),
+             ("injection", lambda: step_injection(uuid, out_dir))]
     for name, fn in steps:
         t0 = time.monotonic()
         try:

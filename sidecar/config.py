@@ -39,6 +39,8 @@ class Config:
     interval: float = 5.0
     gpus: str = "announced"
     socket: str = protocol.DEFAULT_SOCKET_PATH
+    inject: bool = True
+    inject_dir: str = ""  # "": python/ beside the socket (sidecar.inject.placement.inject_dir)
     app_stale_after: float = 30.0
     app_max_processes: int = 256
     app_max_gpus: int = 64
@@ -425,6 +427,17 @@ OPTIONS: tuple[Option, ...] = (
            "reads {env} too). With --simulate and no path given, a private temporary one.",
            _socket_path,
            commands=("run", "probe", "diagnose")),
+    Option("inject", "Place the injected publisher at start, before the socket is bound: a "
+           "standard-library copy of the app-side publisher and a sitecustomize.py in "
+           "--inject-dir, so that an app container with that directory on its PYTHONPATH "
+           "publishes the allocator figures of the CUDA devices each of its Python processes "
+           "uses, with no code change (default {default}). 'false' places nothing and removes "
+           "what an earlier start placed; {env}=false in the app container switches the placed "
+           "publisher off there.", _bool, commands=("run",)),
+    Option("inject_dir", "Directory where --inject places the publisher: one of the socket "
+           "volume, which the app container mounts (default: 'python' beside the socket, e.g. "
+           "/run/gpu-sidecar/python). Its files are read-only and replaced in one rename; a "
+           "directory holding other files is left alone.", _socket_path_like, commands=("run",)),
     Option("app_stale_after", "Seconds after which an app's silent allocator and latency figures "
            "stop being exported, and a GPU it no longer announces is forgotten (default {default}).",
            _seconds(1, 86400), commands=("run",)),

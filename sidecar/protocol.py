@@ -6,6 +6,10 @@ One datagram is one JSON object, UTF-8, at most ``MAX_MESSAGE_BYTES``. Every mes
 format version (``v``), its ``kind`` and the sender's ``pid``. Kinds:
 
 ``hello``      ``gpus``: the UUIDs the process uses (at most 64). Announces the pod's GPUs.
+               Optional ``publisher``: what sends, as ``name/version`` (the injected publisher
+               sends ``gpu-sidecar-inject/<agent release>``), so that an agent can say once
+               when a publisher of another release talks to it; at most 64 characters of
+               letters, digits and ``._+/-``.
 ``allocator``  ``gpu`` and the caching allocator's figures in bytes and counts:
                ``reserved_bytes``, ``allocated_bytes``, ``active_bytes``, ``inactive_split_bytes``,
                ``alloc_retries``, ``ooms``; optional ``largest_free_block_bytes``,
@@ -30,7 +34,9 @@ The single-purpose kinds stay accepted, so clients and agents of different relea
 together. A round is validated whole: one bad part refuses the round (counted by reason).
 
 Unknown fields are rejected rather than ignored: a typo must not pass for a missing figure, and
-a new field is a new version.
+a new field is a new version. One exception, the hello's optional ``publisher``, added within
+version 1: an agent from before it refuses such a hello (``unknown_field``) and nothing else,
+which is why the injected publisher sends it in a hello of its own, never in a round.
 """
 
 from __future__ import annotations
@@ -59,6 +65,7 @@ DEFAULT_LATENCY_BOUNDS: tuple[float, ...] = (
 
 # \Z, not $: "$" also matches before a trailing newline, which would reach a label
 UUID_RE = re.compile(r"\A(GPU|MIG)-[0-9A-Za-z][0-9A-Za-z/\-]{3,95}\Z")
+PUBLISHER_RE = re.compile(r"\A[A-Za-z0-9][A-Za-z0-9._+/-]{0,63}\Z")  # a hello's publisher: it is logged
 
 ALLOCATOR_REQUIRED = (
     "reserved_bytes",
@@ -71,7 +78,7 @@ ALLOCATOR_REQUIRED = (
 ALLOCATOR_OPTIONAL = ("largest_free_block_bytes", "private_pool_bytes")
 _COMMON = ("v", "kind", "pid")
 _FIELDS = {
-    "hello": frozenset((*_COMMON, "gpus")),
+    "hello": frozenset((*_COMMON, "gpus", "publisher")),
     "allocator": frozenset((*_COMMON, "gpu", *ALLOCATOR_REQUIRED, *ALLOCATOR_OPTIONAL)),
     "latency": frozenset((*_COMMON, "gpu", "bounds", "counts", "sum")),
     "round": frozenset((*_COMMON, "gpus", "allocators", "latency")),
@@ -92,6 +99,7 @@ class Rejected(ValueError):
 class Hello:
     pid: int
     gpus: tuple[str, ...]
+    publisher: str | None = None  # "name/version" of the sender, when it says
 
 
 @dataclass(frozen=True, slots=True)
@@ -140,6 +148,8 @@ def _serialise(message: Message) -> bytes:
     body: dict[str, Any] = {"v": VERSION}
     if isinstance(message, Hello):
         body |= {"kind": "hello", "pid": message.pid, "gpus": list(message.gpus)}
+        if message.publisher is not None:
+            body["publisher"] = message.publisher
     elif isinstance(message, Allocator):
         body |= {"kind": "allocator", "pid": message.pid, **_allocator_body(message)}
     elif isinstance(message, Latency):
@@ -243,7 +253,7 @@ def decode(data: bytes, *, max_bytes: int = MAX_MESSAGE_BYTES,
         raise Rejected("unknown_field", f"unknown fields for {kind}: {sorted(unknown)[:5]}")
     pid = _int(body, "pid", 1, 1 << 22)
     if kind == "hello":
-        return Hello(pid, _gpus(body))
+        return Hello(pid, _gpus(body), _publisher(body))
     if kind == "round":
         return _round(body, pid, max_buckets)
     gpu = _uuid(body.get("gpu"))
@@ -257,6 +267,15 @@ def _gpus(body: dict[str, Any]) -> tuple[str, ...]:
     if not isinstance(gpus, list) or not gpus or len(gpus) > MAX_GPUS:
         raise Rejected("bad_type", f"'gpus' must be a list of 1..{MAX_GPUS} GPU UUIDs")
     return tuple(_uuid(g) for g in gpus)
+
+
+def _publisher(body: dict[str, Any]) -> str | None:
+    value = body.get("publisher")
+    if value is None and "publisher" not in body:
+        return None
+    if not isinstance(value, str) or not PUBLISHER_RE.match(value):
+        raise Rejected("bad_type", "'publisher' must be name/version: 1..64 letters, digits or ._+/-")
+    return value
 
 
 def _round(body: dict[str, Any], pid: int, max_buckets: int) -> Round:

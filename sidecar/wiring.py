@@ -22,6 +22,8 @@ import structlog
 from sidecar import __version__, config, protocol, signals
 from sidecar.agent import PRIME_WINDOW_S, Agent
 from sidecar.durability.spool import Spool, SpoolError
+from sidecar.inject import placement as inject_placement
+from sidecar.inject.versions import PublisherAwareAppState
 from sidecar.sinks import Sink
 from sidecar.sources.app_socket import AppSocket, AppState
 from sidecar.sources.nvml import NvmlSource
@@ -293,10 +295,10 @@ def sampling(cfg: config.Config, *, listen: bool = True
         if source is not None:
             visible = {i.uuid for i in source.devices()}
             known = visible.__contains__
-        state = AppState(stale_after_s=cfg.app_stale_after, known_gpu=known,
-                         max_processes=cfg.app_max_processes, max_gpus=cfg.app_max_gpus,
-                         max_buckets=cfg.app_max_buckets,
-                         max_message_bytes=cfg.app_max_message_bytes)
+        state = PublisherAwareAppState(stale_after_s=cfg.app_stale_after, known_gpu=known,
+                                       max_processes=cfg.app_max_processes,
+                                       max_gpus=cfg.app_max_gpus, max_buckets=cfg.app_max_buckets,
+                                       max_message_bytes=cfg.app_max_message_bytes)
         if listen:
             app_socket = AppSocket(cfg.socket, state)
             app_socket.start()
@@ -327,6 +329,8 @@ def _run(cfg: config.Config) -> int:
                     hint="give the receiver's CA with --ca-file instead of --insecure-skip-verify")
     stop = signals.STOP
     signals.install()  # already done by the entry point; again for callers of main()
+    # before the socket is bound: the socket is what the app's start waits for
+    inject_placement.apply(cfg)
     with sampling(cfg) as (source, scenario, state):
         sinks = build_sinks(cfg, cfg.spool_dir)
         mode = "simulated" if scenario is not None else ("nvml" if source else "app-only")

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import re
 import subprocess
 import time
@@ -340,3 +341,120 @@ def test_every_dashboard_query_returns_data_from_a_real_victoriametrics(tmp_path
             r = requests.get(f"{vm.base}/api/v1/label/{label}/values",
                              params={"match[]": series}, timeout=30)
             assert r.json()["data"], var["name"]
+
+
+# -- the injected publisher: what the component gives the app containers ------------------------
+
+COMPONENT = K8S / "components" / "gpu-sidecar"
+APP_WORKLOADS = """\
+apiVersion: apps/v1
+kind: Deployment
+metadata: {name: server}
+spec:
+  selector: {matchLabels: {app: server}}
+  template:
+    metadata: {labels: {app: server}}
+    spec:
+      containers:
+        - name: server
+          image: ghcr.io/example/vllm:1.0
+          args: ["--model", "m"]
+          env:
+            - {name: HF_HOME, value: /models}
+            - {name: PYTHONPATH, value: /app/lib:/app/plugins}
+          resources: {limits: {nvidia.com/gpu: "2"}}
+          volumeMounts:
+            - {name: models, mountPath: /models}
+        - name: tokenizer
+          image: ghcr.io/example/tokenizer:1.0
+      volumes:
+        - {name: models, emptyDir: {}}
+---
+apiVersion: apps/v1
+kind: StatefulSet
+metadata: {name: shard}
+spec:
+  serviceName: shard
+  selector: {matchLabels: {app: shard}}
+  template:
+    metadata: {labels: {app: shard}}
+    spec:
+      containers:
+        - {name: shard, image: ghcr.io/example/shard:1.0}
+---
+apiVersion: batch/v1
+kind: Job
+metadata: {name: embed}
+spec:
+  template:
+    spec:
+      restartPolicy: Never
+      containers:
+        - {name: worker, image: ghcr.io/example/embed:1.0, command: ["python", "embed.py"]}
+"""
+
+
+def _render_with_component(tmp_path: Path) -> tuple[list[dict], list[dict]]:
+    (tmp_path / "workloads.yaml").write_text(APP_WORKLOADS)
+    component = os.path.relpath(COMPONENT, tmp_path)  # kustomize takes no absolute root
+    (tmp_path / "kustomization.yaml").write_text(
+        f"resources: [workloads.yaml]\ncomponents: [{component}]\n")
+    return [d for d in yaml.safe_load_all(APP_WORKLOADS) if d], render(tmp_path)
+
+
+def _sidecar_env(doc: dict) -> dict[str, str]:
+    return {e["name"]: e.get("value") for e in sidecar_of(doc)["env"]}
+
+
+def test_the_component_gives_each_app_container_only_environment_and_a_read_only_mount(tmp_path):
+    sources, docs = _render_with_component(tmp_path)
+    assert validate(docs).returncode == 0, validate(docs).stdout
+    assert sorted(d["kind"] for d in docs) == ["Deployment", "Job", "StatefulSet"]  # no Pod
+    by_name = {d["metadata"]["name"]: d for d in docs}
+    for source in sources:
+        doc = by_name[source["metadata"]["name"]]
+        sidecar = _sidecar_env(doc)
+        inject_dir, sock = sidecar["GPU_SIDECAR_INJECT_DIR"], sidecar["GPU_SIDECAR_SOCKET"]
+        assert os.path.dirname(inject_dir) == os.path.dirname(sock)  # in the socket volume
+        before = source["spec"]["template"]["spec"]["containers"]
+        after = doc["spec"]["template"]["spec"]["containers"]
+        assert [c["name"] for c in after] == [c["name"] for c in before]
+        for old, new in zip(before, after, strict=True):
+            strip = ("env", "volumeMounts")
+            assert {k: v for k, v in new.items() if k not in strip} == \
+                {k: v for k, v in old.items() if k not in strip}, new["name"]
+            env = {e["name"]: e["value"] for e in new["env"]}
+            own = {e["name"]: e["value"] for e in old.get("env", [])}
+            assert {k: v for k, v in env.items() if k not in ("PYTHONPATH", "GPU_SIDECAR_SOCKET")} \
+                == {k: v for k, v in own.items() if k != "PYTHONPATH"}
+            assert env["GPU_SIDECAR_SOCKET"] == sock
+            # the container's own PYTHONPATH keeps its entries, after the placed directory;
+            # where it had none, '<dir>:' (read back as '<dir>' by the placed sitecustomize.py)
+            assert env["PYTHONPATH"] == f"{inject_dir}:{own.get('PYTHONPATH', '')}"
+            mounts = {m["name"]: m for m in new["volumeMounts"]}
+            assert mounts["gpu-sidecar-run"] == {"name": "gpu-sidecar-run", "readOnly": True,
+                                                 "mountPath": os.path.dirname(sock)}
+            assert {k: v for k, v in mounts.items() if k != "gpu-sidecar-run"} == \
+                {m["name"]: m for m in old.get("volumeMounts", [])}
+
+
+@pytest.mark.parametrize("target", ["base", *[f"overlays/{o}" for o in OVERLAYS]])
+def test_every_kustomization_gives_its_apps_the_injected_publisher_and_the_agent_none(target):
+    for doc in render(K8S / target):
+        if doc["kind"] not in WORKLOADS:
+            continue
+        native = target != "overlays/legacy"
+        sidecar = sidecar_of(doc, "initContainers" if native else "containers")
+        env = {e["name"]: e.get("value") for e in sidecar["env"]}
+        assert "PYTHONPATH" not in env and "GPU_SIDECAR_INJECT" not in env
+        (own,) = [m for m in sidecar["volumeMounts"] if m["name"] == "gpu-sidecar-run"]
+        assert not own.get("readOnly")  # the agent writes there: socket and placed files
+        apps = [c for c in doc["spec"]["template"]["spec"]["containers"]
+                if c["name"] != "gpu-sidecar"]
+        assert apps
+        for app in apps:
+            app_env = {e["name"]: e.get("value") for e in app["env"]}
+            assert app_env["PYTHONPATH"].split(":")[0] == env["GPU_SIDECAR_INJECT_DIR"]
+            assert app_env["GPU_SIDECAR_SOCKET"] == env["GPU_SIDECAR_SOCKET"]
+            (mount,) = [m for m in app["volumeMounts"] if m["name"] == "gpu-sidecar-run"]
+            assert mount["readOnly"] is True

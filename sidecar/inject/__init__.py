@@ -1,0 +1,12 @@
+"""The injected publisher: allocator figures from a Python app with no code change.
+
+``gpu-sidecar run`` places a standard-library copy of an app-side publisher and a
+``sitecustomize.py`` (``payload/``) in a directory of the socket volume before it binds the
+socket (``placement``). An app container with that directory on ``PYTHONPATH`` runs it in every
+interpreter it starts; it waits, at no cost, until the process has imported torch and
+initialised CUDA, then publishes that process's devices over the socket. ``versions`` is the
+agent's side of the publisher's release: said once when it is not the agent's own.
+"""
+
+INJECT_NAME = "gpu-sidecar-inject"  # the publisher names itself "<this>/<agent release>"
+FILES = ("sitecustomize.py", "_gpu_sidecar_inject.py")

@@ -1,0 +1,436 @@
+"""gpu-sidecar's injected publisher: the caching allocator's figures of the CUDA devices this
+process uses, sent to the gpu-sidecar agent over its Unix datagram socket (Contract 2).
+
+Loaded by the ``sitecustomize`` beside it once the process has imported torch.cuda, never
+before. It never imports torch and never initialises CUDA: it puts ``_on_cuda_init`` on the
+list of calls torch makes when CUDA is initialised in this process (``torch.cuda._queued_calls``,
+the list ``torch.cuda._lazy_call`` fills), and only then starts its one daemon thread. A process
+that never initialises CUDA never gets the thread. Each process publishes for itself, under its
+own pid: spawned workers run this from their own start-up; forked ones inherit the queued call
+(a parent that initialised CUDA cannot have CUDA children, and torch says so).
+
+An app that runs ``sidecar.client`` itself (``client.start()``) publishes its own figures: this
+one then stands down, so nothing is sent twice. It never raises into the app and never prints.
+
+Placed by the agent, which sets the constants below to its own release; Python 3.9+, standard
+library only. Do not edit it here: the source is sidecar/inject/payload/ of gpu-sidecar.
+"""
+
+import os
+import sys
+import threading
+import time
+
+# -- set by the agent when it places this file (sidecar/inject/placement.py) ---------------
+AGENT_VERSION = "0+unplaced"
+PROTOCOL_VERSION = 1
+INTERVAL_S = 5.0
+SOCKET_PATH = "/run/gpu-sidecar/app.sock"
+SOCKET_NAME = "app.sock"
+# ------------------------------------------------------------------------------------------
+
+PUBLISHER = "gpu-sidecar-inject/" + AGENT_VERSION
+SWITCH = "GPU_SIDECAR_INJECT"  # =false: this process publishes nothing
+SOCKET_ENV = "GPU_SIDECAR_SOCKET"
+# memory_snapshot() walks every block of the cache: at most every 12 publish intervals (60 s
+# at the default 5 s), sooner when the cache's segments or its retries change
+SNAPSHOT_EVERY_S = min(60.0, 12 * INTERVAL_S)
+HELLO_EVERY_S = 60.0
+RECONNECT_EVERY_S = 1.0
+READY_POLL_S = 0.02  # after the queued call: until torch says CUDA is initialised
+POLL_S = 1.0  # only where torch has no queued calls: how often to look
+SOON_S = 0.25  # CUDA up, nothing allocated yet: how often to look again, for FIRST_FIGURES_S
+FIRST_FIGURES_S = 30.0
+MAX_ERRORS = 100  # consecutive failed rounds before the thread gives up
+MAX_MESSAGE_BYTES = 8192
+MAX_GPUS = 64
+MAX_BYTES = 1 << 50
+THREAD_NAME = "gpu-sidecar-inject"
+APP_THREAD_NAME = "gpu-sidecar-publisher"  # sidecar.client's thread: the app publishes itself
+_OFF = ("0", "false", "no", "off")
+_UUID_CHARS = frozenset("0123456789abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ/-")
+
+
+def allocator_figures(stats):
+    """The figures the agent wants, from ``torch.cuda.memory_stats(device)``."""
+
+    def get(key):
+        return int(stats.get(key, 0) or 0)
+
+    return {
+        "reserved_bytes": get("reserved_bytes.all.current"),
+        "allocated_bytes": get("allocated_bytes.all.current"),
+        "active_bytes": get("active_bytes.all.current"),
+        "inactive_split_bytes": get("inactive_split_bytes.all.current"),
+        "alloc_retries": get("num_alloc_retries"),
+        "ooms": get("num_ooms"),
+    }
+
+
+def snapshot_figures(segments):
+    """Per device index, from ``torch.cuda.memory_snapshot()``: the largest inactive block and
+    the bytes held by private pools (CUDA graphs: ``segment_pool_id`` other than (0, 0))."""
+    out = {}
+    for seg in segments:
+        fig = out.setdefault(int(seg.get("device", 0)),
+                             {"largest_free_block_bytes": 0, "private_pool_bytes": 0})
+        pool = tuple(seg.get("segment_pool_id") or (0, 0))
+        if pool != (0, 0):
+            fig["private_pool_bytes"] += int(seg.get("total_size", 0))
+        for block in seg.get("blocks", ()):
+            if block.get("state") == "inactive":
+                size = int(block.get("size", 0))
+                if size > fig["largest_free_block_bytes"]:
+                    fig["largest_free_block_bytes"] = size
+    return out
+
+
+def uuid_text(raw, visible=""):
+    """``GPU-...`` or ``MIG-...`` from ``get_device_properties(i).uuid`` (torch prints the bare
+    UUID); a MIG instance named so in CUDA_VISIBLE_DEVICES or NVIDIA_VISIBLE_DEVICES keeps its
+    prefix. None if it cannot be a UUID the agent accepts."""
+    text = str(raw).strip()
+    if not text.startswith(("GPU-", "MIG-")):
+        text = ("MIG-" if "MIG-" + text in visible.replace(" ", "").split(",") else "GPU-") + text
+    body = text[4:]
+    if not 4 <= len(body) <= 96 or not body[0].isalnum() or not set(body) <= _UUID_CHARS:
+        return None
+    return text
+
+
+def _off():
+    return os.environ.get(SWITCH, "").strip().lower() in _OFF
+
+
+def _initializing(module):
+    """A module still executing its import (``sys.modules`` has it before its end)."""
+    return bool(getattr(getattr(module, "__spec__", None), "_initializing", False))
+
+
+def _app_publishes():
+    """The app runs sidecar.client itself (client.start(), or a Publisher of its own)."""
+    client = sys.modules.get("sidecar.client")
+    default = getattr(client, "_default", None)
+    if default is not None and getattr(default, "_running", True):
+        return True
+    return any(t.name == APP_THREAD_NAME for t in threading.enumerate())
+
+
+def socket_path():
+    """The variable, else the socket beside the directory this file was placed in (the volume
+    may be mounted elsewhere in the app container than in the agent's), else the agent's path."""
+    path = os.environ.get(SOCKET_ENV)
+    if path:
+        return path
+    if SOCKET_NAME:
+        here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        beside = os.path.join(here, SOCKET_NAME)
+        if os.path.exists(beside):
+            return beside
+    return SOCKET_PATH
+
+
+class _Sender:
+    """A non-blocking datagram socket connected to the agent, re-connected when it comes back."""
+
+    def __init__(self, path):
+        self.path = path
+        self.sock = None
+        self.next_try = 0.0
+        self.connected = 0  # connections made: a new one is a new agent, maybe
+        self.sent = 0
+        self.dropped = 0
+
+    def send(self, data):
+        import socket
+
+        sock = self.sock
+        if sock is None:
+            now = time.monotonic()
+            if now < self.next_try:
+                self.dropped += 1
+                return False
+            self.next_try = now + RECONNECT_EVERY_S
+            sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+            sock.setblocking(False)
+            try:
+                sock.connect(self.path)
+            except OSError:
+                sock.close()
+                self.dropped += 1
+                return False
+            self.sock = sock
+            self.connected += 1
+        for attempt in range(4):
+            try:
+                sock.send(data)
+                self.sent += 1
+                return True
+            except BlockingIOError:  # the agent is slow: its queue is full
+                if attempt < 3:
+                    time.sleep(0.002)
+            except OSError:  # the agent went away or restarted
+                self.close()
+                break
+        self.dropped += 1
+        return False
+
+    def close(self):
+        if self.sock is not None:
+            try:
+                self.sock.close()
+            except OSError:
+                pass
+            self.sock = None
+
+
+class _Injected:
+    """The process's one publisher: its thread, its socket, what it knows of the devices."""
+
+    def __init__(self):
+        self._reset()
+        self.stood_down = False
+
+    def _reset(self):
+        self.lock = threading.Lock()
+        self.stop = threading.Event()
+        self.thread = None
+        self.pid = os.getpid()
+        self.mode = None  # "queued": started by torch at CUDA initialisation; "poll": looks itself
+        self.sender = None
+        self.uuids = {}
+        self.last_hello = -1e18
+        self.hello_connection = 0
+        self.hello_gpus = ()
+        self.last_snapshot = -1e18
+        self.last_retries = {}
+        self.snap = {}
+        self.errors = 0
+        self.rounds = 0
+
+    def start(self, mode):
+        with self.lock:
+            if self.thread is not None or self.stood_down or _off():
+                return
+            if mode == "poll" and self.mode == "queued":
+                return
+            self.mode = mode
+            self.thread = threading.Thread(target=self._run, name=THREAD_NAME, daemon=True)
+            self.thread.start()
+
+    def after_fork_in_child(self):
+        """A forked child: its own pid, socket and state. A child of a parent that initialised
+        CUDA cannot initialise it (torch marks it a bad fork): nothing to start there. A child
+        of one that did not gets the queued call from its parent's list, so only the polling
+        mode is restarted here."""
+        mode, running = self.mode, self.thread is not None
+        if self.sender is not None:
+            self.sender.close()
+        self._reset()
+        if running and mode == "poll" and not self.stood_down and not _bad_fork():
+            self.start("poll")
+
+    # -- the thread -------------------------------------------------------------------------
+
+    def _run(self):
+        try:
+            self.sender = _Sender(socket_path())
+            deadline = time.monotonic() + 10.0
+            while not self.stop.is_set():
+                cuda = sys.modules.get("torch.cuda")
+                if cuda is not None and not _initializing(cuda) and cuda.is_initialized():
+                    break
+                if self.mode == "queued" and time.monotonic() < deadline:
+                    self.stop.wait(READY_POLL_S)  # torch is finishing its initialisation
+                else:
+                    self.stop.wait(POLL_S if self.mode == "poll" else INTERVAL_S)
+            import random
+
+            soon_until = time.monotonic() + FIRST_FIGURES_S
+            while not self.stop.is_set():
+                if _app_publishes() or _off():
+                    self.stood_down = True
+                    break
+                try:
+                    self.publish(cuda)
+                    self.errors = 0
+                except Exception:
+                    self.errors += 1
+                    if self.errors >= MAX_ERRORS:
+                        break
+                if self.rounds == 0 and time.monotonic() < soon_until:
+                    # CUDA is up but nothing allocated yet: look again soon, not an interval later
+                    self.stop.wait(min(SOON_S, INTERVAL_S))
+                    continue
+                # +-10 %: workers started together must not all publish in the same instant
+                self.stop.wait(INTERVAL_S * random.uniform(0.9, 1.1))
+        except Exception:
+            pass
+        finally:
+            if self.sender is not None:
+                self.sender.close()
+
+    def publish(self, cuda):
+        devices = self.devices(cuda)
+        if not devices:
+            return
+        now = time.monotonic()
+        moved = {i: (fig["alloc_retries"], fig["reserved_bytes"]) for i, _, fig in devices}
+        if moved != self.last_retries or now - self.last_snapshot >= SNAPSHOT_EVERY_S:
+            self.snap = snapshot_figures(_snapshot(cuda))
+            self.last_snapshot = now
+        self.last_retries = moved
+        gpus = tuple(uuid for _, uuid, _ in devices)
+        # the hello names the publisher's release: at each new connection (a new agent,
+        # maybe), when the GPUs change, and once a minute
+        due = (self.sender.connected != self.hello_connection or gpus != self.hello_gpus
+               or now - self.last_hello >= HELLO_EVERY_S or self.sender.sock is None)
+        if due and self.send(_encode({"v": PROTOCOL_VERSION, "kind": "hello", "pid": self.pid,
+                                      "gpus": list(gpus), "publisher": PUBLISHER})):
+            self.last_hello, self.hello_gpus = now, gpus
+            self.hello_connection = self.sender.connected
+        allocators = []
+        for index, uuid, fig in devices:
+            reserved = min(fig["reserved_bytes"], MAX_BYTES)
+            entry = {"gpu": uuid, "reserved_bytes": reserved}
+            for name in ("allocated_bytes", "active_bytes", "inactive_split_bytes"):
+                entry[name] = max(0, min(fig[name], reserved))
+            entry["alloc_retries"] = max(0, min(fig["alloc_retries"], MAX_BYTES))
+            entry["ooms"] = max(0, min(fig["ooms"], MAX_BYTES))
+            for name, value in sorted(self.snap.get(index, {}).items()):
+                entry[name] = max(0, min(value, reserved))  # a snapshot may be older than this
+            allocators.append(entry)
+        for data in _rounds(self.pid, allocators):
+            self.send(data)
+        self.rounds += 1
+
+    def send(self, data):
+        return self.sender.send(data)
+
+    def devices(self, cuda):
+        """(index, UUID, figures) of each device this process uses: the allocator holds memory
+        there, or the process has a CUDA context on it (torch.cuda.set_device made it)."""
+        torch = sys.modules.get("torch")
+        has_context = getattr(getattr(torch, "_C", None), "_cuda_hasPrimaryContext", None)
+        visible = ",".join(os.environ.get(v, "") for v in ("CUDA_VISIBLE_DEVICES",
+                                                            "NVIDIA_VISIBLE_DEVICES"))
+        out = []
+        for index in range(min(int(cuda.device_count()), MAX_GPUS)):
+            fig = allocator_figures(cuda.memory_stats(index))
+            if fig["reserved_bytes"] <= 0:
+                try:
+                    if has_context is None or not has_context(index):
+                        continue
+                except Exception:
+                    continue
+            uuid = self.uuids.get(index)
+            if uuid is None:
+                uuid = uuid_text(cuda.get_device_properties(index).uuid, visible)
+                if uuid is None:
+                    continue
+                self.uuids[index] = uuid
+            out.append((index, uuid, fig))
+        return out
+
+
+def _snapshot(cuda):
+    try:
+        return cuda.memory_snapshot(include_traces=False)
+    except TypeError:  # an older torch: no include_traces
+        return cuda.memory_snapshot()
+
+
+def _encode(body):
+    import json
+
+    return json.dumps(body, separators=(",", ":"), allow_nan=False).encode()
+
+
+def _rounds(pid, allocators):
+    """The round in one datagram, or in as few as fit (whole GPUs each, naming only theirs)."""
+
+    def round_of(part):
+        return _encode({"v": PROTOCOL_VERSION, "kind": "round", "pid": pid,
+                        "gpus": [a["gpu"] for a in part], "allocators": part})
+
+    whole = round_of(allocators)
+    if len(whole) <= MAX_MESSAGE_BYTES:
+        return [whole]
+    out, part, last = [], [], b""
+    for entry in allocators:
+        trial = round_of([*part, entry])
+        if len(trial) <= MAX_MESSAGE_BYTES or not part:
+            part, last = [*part, entry], trial
+            continue
+        out.append(last)
+        part, last = [entry], round_of([entry])
+    if part:
+        out.append(last)
+    return out
+
+
+def _bad_fork():
+    cuda = sys.modules.get("torch.cuda")
+    try:
+        return bool(getattr(cuda, "_is_in_bad_fork", lambda: False)())
+    except Exception:
+        return True
+
+
+_INJECTED = _Injected()
+_QUEUED = ["gpu-sidecar: the injected publisher's start, queued by its sitecustomize\n"]
+
+
+def _on_cuda_init():
+    """Called by torch while it initialises CUDA in this process (from its queued calls)."""
+    try:
+        _INJECTED.start("queued")
+    except Exception:
+        pass
+
+
+def watch(finder):
+    """Called by the sitecustomize's import watcher at an import once torch.cuda is in
+    sys.modules. Queues ``_on_cuda_init`` with torch, or, where torch has no such list, starts
+    the thread in polling mode once torch is imported whole; else asks to be called again at a
+    later import (torch.cuda is still executing)."""
+    cuda = sys.modules.get("torch.cuda")
+    queued = getattr(cuda, "_queued_calls", None)
+    if isinstance(queued, list) and callable(getattr(cuda, "is_initialized", None)):
+        queued.append((_on_cuda_init, _QUEUED))
+        try:
+            ready = cuda.is_initialized()
+        except Exception:  # torch.cuda still executing: its list will be read at initialisation
+            ready = False
+        if ready:  # already (or just) initialised: the list is not read again
+            _on_cuda_init()
+        return
+    torch = sys.modules.get("torch")
+    if cuda is not None and torch is not None and not _initializing(torch) \
+            and not _initializing(cuda):
+        if callable(getattr(cuda, "is_initialized", None)):
+            _INJECTED.start("poll")
+        return
+    finder.done = False
+
+
+def _stop_at_exit():
+    _INJECTED.stop.set()
+
+
+def _after_fork_in_child():
+    try:
+        _INJECTED.after_fork_in_child()
+    except Exception:
+        pass
+
+
+def _register():
+    import atexit
+
+    atexit.register(_stop_at_exit)
+    if hasattr(os, "register_at_fork"):
+        os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
+_register()

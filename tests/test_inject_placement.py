@@ -1,0 +1,367 @@
+"""The injected publisher's parts one by one: where and how the agent places it (atomic,
+idempotent, read-only, never over files that are not its own), the options, the hello's
+``publisher`` in the protocol, the payload's Python 3.9 and standard-library bounds, its figures
+against sidecar.client's, and the stand-in torch against PyTorch's documented shapes."""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import importlib.util
+import json
+import os
+import stat
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+import structlog
+
+from sidecar import __version__, client, config, protocol
+from sidecar.inject import FILES, placement
+from sidecar.inject.versions import PublisherAwareAppState
+from tests.conftest import ROOT
+from tests.test_client import block, memory_stats, segment
+
+PAYLOAD = ROOT / "sidecar" / "inject" / "payload"
+STANDINS = ROOT / "tests" / "standins"
+GPU = "GPU-0c4b24ac-fb68-413f-6f0c-54be2b5a94c7"
+
+
+def cfg(tmp_path: Path, *argv: str, env: dict[str, str] | None = None) -> config.Config:
+    parser = argparse.ArgumentParser()
+    config.add_arguments(parser, "run")
+    return config.build("run", parser.parse_args(["--socket", str(tmp_path / "run" / "app.sock"),
+                                                  *argv]), env or {})
+
+
+def payload_module():
+    spec = importlib.util.spec_from_file_location("payload_under_test", PAYLOAD / FILES[1])
+    module = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
+    spec.loader.exec_module(module)  # type: ignore[union-attr]
+    return module
+
+
+# -- placement ---------------------------------------------------------------------------------
+
+def test_the_files_are_placed_read_only_with_the_agent_s_release_in_them(tmp_path):
+    c = cfg(tmp_path, "--interval", "2")
+    placed = placement.apply(c)
+    directory = tmp_path / "run" / "python"
+    assert placed is not None and placed.directory == directory and placed.changed
+    assert sorted(os.listdir(directory)) == sorted([*FILES, "__pycache__", "..data",
+                                                    placed.version_dir.name])
+    tag = sys.implementation.cache_tag
+    pycs = [f"{n[:-3]}.{tag}.pyc" for n in FILES]
+    for name in [*FILES, *(f"__pycache__/{p}" for p in pycs)]:
+        st = os.stat(directory / name)
+        assert stat.S_IMODE(st.st_mode) == 0o444 and stat.S_ISREG(st.st_mode), name
+    for name in (*FILES, "__pycache__"):
+        assert os.readlink(directory / name) == f"..data/{name}"
+    for pyc in pycs:  # PEP 552 flags: hash-based, checked against the source
+        assert (directory / "__pycache__" / pyc).read_bytes()[4:8] == b"\x03\x00\x00\x00"
+    assert stat.S_IMODE(os.stat(placed.version_dir).st_mode) == 0o555
+    assert stat.S_IMODE(os.stat(directory / "__pycache__").st_mode) == 0o555
+    assert stat.S_IMODE(os.stat(directory).st_mode) == 0o555
+    text = (directory / FILES[1]).read_text()
+    assert f"AGENT_VERSION = {__version__!r}\n" in text
+    assert f"PROTOCOL_VERSION = {protocol.VERSION!r}\n" in text
+    assert "INTERVAL_S = 2.0\n" in text  # each agent interval, at most the default 5 s
+    assert f"SOCKET_PATH = {str(tmp_path / 'run' / 'app.sock')!r}\n" in text
+    assert "SOCKET_NAME = 'app.sock'\n" in text
+    assert __version__ in placed.version_dir.name
+
+
+def test_an_app_on_the_agent_s_python_loads_the_placed_bytecode_instead_of_compiling(tmp_path):
+    placed = placement.apply(cfg(tmp_path))
+    exe = getattr(sys, "_base_executable", sys.executable)  # same minor version as the agent's
+    proc = subprocess.run([exe, "-v", "-c", "pass"], capture_output=True, text=True, timeout=60,
+                          env={"PATH": os.environ["PATH"], "PYTHONPATH": str(placed.directory),
+                               "PYTHONDONTWRITEBYTECODE": "1"})
+    assert proc.returncode == 0
+    pyc = placed.directory / "__pycache__" / f"sitecustomize.{sys.implementation.cache_tag}.pyc"
+    assert f"code object from '{pyc}'" in proc.stderr
+
+
+def test_the_publish_interval_is_at_most_the_default_one(tmp_path):
+    text = placement.render(cfg(tmp_path, "--interval", "60"))[FILES[1]].decode()
+    assert f"INTERVAL_S = {config.Config.interval!r}\n" in text
+
+
+def test_a_restart_with_the_same_files_writes_nothing(tmp_path):
+    c = cfg(tmp_path)
+    first = placement.apply(c)
+    before = {p: os.lstat(p) for p in [*first.directory.iterdir(), *first.version_dir.iterdir()]}
+    again = placement.apply(c)
+    assert again is not None and not again.changed and again.version_dir == first.version_dir
+    after = {p: os.lstat(p) for p in [*first.directory.iterdir(), *first.version_dir.iterdir()]}
+    assert {p: (s.st_ino, s.st_mtime_ns) for p, s in before.items()} == \
+        {p: (s.st_ino, s.st_mtime_ns) for p, s in after.items()}
+
+
+def test_other_files_replace_the_old_in_one_rename_and_readers_never_miss_a_file(tmp_path):
+    directory = tmp_path / "python"
+    versions = [{name: f"# version {n}: {name}\n".encode() * 50 for name in FILES}
+                for n in range(4)]
+    placement.place(directory, versions[0])
+    seen: set[bytes] = set()
+    failures: list[BaseException] = []
+    stop = threading.Event()
+
+    def read() -> None:  # an app process starting while the agent places
+        while not stop.is_set():
+            for name in FILES:
+                try:
+                    seen.add((directory / name).read_bytes())
+                except OSError as exc:
+                    failures.append(exc)
+
+    reader = threading.Thread(target=read)
+    reader.start()
+    try:
+        for n in range(40):
+            placement.place(directory, versions[n % 4])
+    finally:
+        stop.set()
+        reader.join()
+    assert failures == []
+    assert seen <= {v[name] for v in versions for name in FILES}  # never a partial file
+    placed = placement.place(directory, versions[3])
+    kept = sorted(e for e in os.listdir(directory) if e.startswith("..") and e != "..data")
+    assert len(kept) == 2 and placed.version_dir.name in kept  # this one and the previous one
+
+
+def test_a_directory_holding_other_files_is_left_alone(tmp_path):
+    directory = tmp_path / "run" / "python"
+    directory.mkdir(parents=True)
+    (directory / "app.py").write_text("print('mine')\n")
+    (directory / "sitecustomize.py").write_text("# the image's\n")
+    with structlog.testing.capture_logs() as logs:
+        assert placement.apply(cfg(tmp_path)) is None
+    (warning,) = [e for e in logs if e["event"] == "inject_not_placed"]
+    assert warning["reason"] == "not_ours" and "app.py" in warning["error"]
+    assert sorted(os.listdir(directory)) == ["app.py", "sitecustomize.py"]
+    assert (directory / "sitecustomize.py").read_text() == "# the image's\n"
+
+
+def test_inject_false_places_nothing_and_removes_what_an_earlier_start_placed(tmp_path):
+    placement.apply(cfg(tmp_path))
+    with structlog.testing.capture_logs() as logs:
+        assert placement.apply(cfg(tmp_path, env={"GPU_SIDECAR_INJECT": "false"})) is None
+    assert [e["event"] for e in logs] == ["inject_removed"]
+    assert os.listdir(tmp_path / "run" / "python") == []
+
+
+def test_a_crash_s_leftovers_are_cleared_by_the_next_change(tmp_path):
+    directory = tmp_path / "python"
+    placement.place(directory, {name: b"# a\n" for name in FILES})
+    os.chmod(directory, 0o755)
+    (directory / "..tmp-0123456789ab").mkdir()
+    os.symlink("nowhere", directory / "..data-tmp-0123456789ab")
+    os.chmod(directory, 0o555)
+    placement.place(directory, {name: b"# b\n" for name in FILES})
+    assert not [e for e in os.listdir(directory) if "tmp" in e]
+
+
+# -- options -----------------------------------------------------------------------------------
+
+def test_the_options_are_flags_and_variables_with_their_defaults(tmp_path):
+    c = cfg(tmp_path)
+    assert c.inject is True and c.inject_dir == ""
+    assert placement.inject_dir(c) == tmp_path / "run" / "python"
+    c = cfg(tmp_path, "--inject", "false", "--inject-dir", "/opt/inject")
+    assert c.inject is False and placement.inject_dir(c) == Path("/opt/inject")
+    c = cfg(tmp_path, env={"GPU_SIDECAR_INJECT_DIR": "/srv/x", "GPU_SIDECAR_INJECT": "0"})
+    assert c.inject_dir == "/srv/x" and not c.inject
+    with pytest.raises(config.ConfigError, match=r"GPU_SIDECAR_INJECT_DIR.*absolute path"):
+        cfg(tmp_path, env={"GPU_SIDECAR_INJECT_DIR": "python"})
+    text = placement.render(cfg(tmp_path, "--inject-dir", "/elsewhere/python"))[FILES[1]]
+    assert b"SOCKET_NAME = ''\n" in text  # not beside the socket: the agent's path is used
+
+
+# -- protocol: the hello's publisher -----------------------------------------------------------
+
+def test_a_hello_may_name_its_publisher_and_old_hellos_are_unchanged():
+    hello = protocol.Hello(7, (GPU,), "gpu-sidecar-inject/0.1.0")
+    data = protocol.encode(hello)
+    assert json.loads(data)["publisher"] == "gpu-sidecar-inject/0.1.0"
+    assert protocol.decode(data) == hello
+    old = protocol.encode(protocol.Hello(7, (GPU,)))
+    assert old == b'{"v":1,"kind":"hello","pid":7,"gpus":["%s"]}' % GPU.encode()
+    assert protocol.decode(old).publisher is None
+
+
+@pytest.mark.parametrize("publisher", ["", "a b", "x" * 65, 7, None, "bad\n", "/lead"])
+def test_a_publisher_that_cannot_be_logged_safely_is_refused(publisher):
+    body = {"v": 1, "kind": "hello", "pid": 1, "gpus": [GPU], "publisher": publisher}
+    with pytest.raises(protocol.Rejected) as err:
+        protocol.decode(json.dumps(body).encode())
+    assert err.value.reason == "bad_type"
+
+
+def test_the_agent_says_once_per_release_and_protocol():
+    state = PublisherAwareAppState()
+    hello = {"v": 1, "kind": "hello", "gpus": [GPU]}
+    with structlog.testing.capture_logs() as logs:
+        for pid in (1, 2, 3):
+            state.feed(json.dumps({**hello, "pid": pid,
+                                   "publisher": f"gpu-sidecar-inject/{__version__}"}).encode())
+            state.feed(json.dumps({**hello, "pid": pid,
+                                   "publisher": "gpu-sidecar-inject/0.0.1"}).encode())
+            state.feed(json.dumps({**hello, "v": 3, "pid": pid,
+                                   "publisher": "gpu-sidecar-inject/7.0.0"}).encode())
+            state.feed(json.dumps({**hello, "pid": pid}).encode())
+    events = [(e["event"], e["log_level"]) for e in logs if e["event"] != "app_message_rejected"]
+    assert events == [("app_publisher", "info"), ("app_publisher_version_differs", "warning"),
+                      ("app_publisher_protocol_differs", "warning")]
+    assert state.rejected["bad_version"] == 3 and state.accepted == 9
+
+
+# -- the payload: Python 3.9, standard library, never raising ----------------------------------
+
+PY39_FILES = [*sorted(PAYLOAD.glob("*.py")), *sorted(STANDINS.rglob("*.py"))]
+
+
+@pytest.mark.parametrize("path", PY39_FILES, ids=lambda p: str(p.relative_to(ROOT)))
+def test_what_runs_in_the_app_is_python_3_9_syntax(path):
+    ast.parse(path.read_text(), feature_version=(3, 9))
+
+
+@pytest.mark.parametrize("name", FILES)
+def test_the_payload_imports_only_the_standard_library_and_sitecustomize_only_os_and_sys(name):
+    tree = ast.parse((PAYLOAD / name).read_text())
+    imported = {a.name.partition(".")[0] for n in ast.walk(tree) if isinstance(n, ast.Import)
+                for a in n.names}
+    imported |= {(n.module or "").partition(".")[0] for n in ast.walk(tree)
+                 if isinstance(n, ast.ImportFrom)}
+    assert imported <= set(sys.stdlib_module_names) | {"sitecustomize"}, imported
+    if name == "sitecustomize.py":  # at interpreter start-up: what site has already imported
+        top = {a.name for n in tree.body if isinstance(n, ast.Import) for a in n.names}
+        assert top == {"os", "sys"}
+
+
+def test_the_payload_s_figures_are_the_client_s():
+    m = payload_module()
+    for stats in (memory_stats(), memory_stats(num_ooms=4, num_alloc_retries=9), {}):
+        assert m.allocator_figures(stats) == client.allocator_figures(stats)
+    segments = [segment(0, [block(20 << 20, "active_allocated"), block(6 << 20, "inactive")]),
+                segment(1, [block(8 << 20, "inactive")], pool=(1, 0)),
+                segment(0, [block(3 << 20, "inactive")], expandable=True)]
+    assert m.snapshot_figures(segments) == client.snapshot_figures(segments)
+
+
+def test_uuids_from_device_properties_become_the_agent_s():
+    m = payload_module()
+    bare = "0c4b24ac-fb68-413f-6f0c-54be2b5a94c7"
+    assert m.uuid_text(bare) == "GPU-" + bare  # torch prints the UUID without its prefix
+    assert m.uuid_text("GPU-" + bare) == "GPU-" + bare
+    assert m.uuid_text(bare, f"MIG-{bare}") == "MIG-" + bare  # a MIG instance named so
+    assert m.uuid_text("not a uuid!") is None and m.uuid_text("") is None
+
+
+def test_a_round_of_many_gpus_is_split_into_datagrams_the_agent_takes(tmp_path):
+    m = payload_module()
+    gpus = [f"GPU-{i:08x}-fb68-413f-6f0c-54be2b5a94c7" for i in range(64)]
+    allocators = [{"gpu": g, "reserved_bytes": 1 << 40, "allocated_bytes": 1 << 39,
+                   "active_bytes": 1 << 39, "inactive_split_bytes": 1 << 30,
+                   "alloc_retries": 1 << 20, "ooms": 1 << 10, "largest_free_block_bytes": 1 << 30,
+                   "private_pool_bytes": 1 << 33} for g in gpus]
+    datagrams = m._rounds(4194304, allocators)
+    assert len(datagrams) > 1
+    decoded = [protocol.decode(d) for d in datagrams]
+    assert all(len(d) <= protocol.MAX_MESSAGE_BYTES for d in datagrams)
+    assert [a.gpu for r in decoded for a in r.allocators] == gpus
+    assert all(set(r.gpus) == {a.gpu for a in r.allocators} for r in decoded)
+
+
+def test_a_broken_torch_never_reaches_the_app(tmp_path):
+    """The queued call and the thread swallow anything torch raises; nothing is printed."""
+    code = (
+        "import sys, types, threading, time\n"
+        f"sys.path.insert(0, {str(PAYLOAD)!r})\n"
+        "cuda = types.ModuleType('torch.cuda'); torch = types.ModuleType('torch')\n"
+        "cuda._queued_calls = []\n"
+        "state = {'up': False}\n"
+        "cuda.is_initialized = lambda: state['up']\n"
+        "def boom(*a, **k): raise RuntimeError('broken torch')\n"
+        "cuda.device_count = boom; cuda.memory_stats = boom\n"
+        "torch.cuda = cuda; sys.modules['torch'] = torch; sys.modules['torch.cuda'] = cuda\n"
+        "import _gpu_sidecar_inject as m\n"
+        "m.INTERVAL_S = 0.01\n"
+        "class F: done = True\n"
+        "m.watch(F())\n"
+        "state['up'] = True\n"
+        "for call, _ in cuda._queued_calls: call()\n"
+        "time.sleep(0.5)\n"
+        "print(m._INJECTED.errors > 0, [t.name for t in threading.enumerate()])\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+                          env={"PATH": os.environ["PATH"]})
+    assert proc.returncode == 0 and proc.stderr == ""
+    assert proc.stdout.split()[0] == "True"  # it tried, counted, and kept quiet
+
+
+# -- the stand-in torch against PyTorch's documented shapes -------------------------------------
+
+STANDIN_CHECK = r'''
+import json, os
+import torch
+out = {"before": dict(torch.cuda.memory_stats(0)), "initialised": torch.cuda.is_initialized()}
+out["count"] = torch.cuda.device_count()
+out["driver_before"] = torch._C.driver_calls()
+x = torch.empty(3 << 20, dtype=torch.uint8, device="cuda:1")
+out["current"] = torch.cuda.current_device()
+stats = torch.cuda.memory_stats(1)
+out["keys"] = sorted(stats)
+out["sorted"] = list(stats) == sorted(stats)
+out["uuid"] = str(torch.cuda.get_device_properties(1).uuid)
+out["uuid_bytes"] = len(torch.cuda.get_device_properties(1).uuid.bytes)
+seg = torch.cuda.memory_snapshot()
+out["segment_keys"] = sorted(seg[0])
+out["block_keys"] = sorted(seg[0]["blocks"][0])
+out["context"] = [torch._C._cuda_hasPrimaryContext(i) for i in range(2)]
+pid = os.fork()
+if pid == 0:
+    try:
+        torch.cuda.init()
+        print("child could initialise")
+    except RuntimeError as exc:
+        os.write(1, (json.dumps({"child_initialised": torch.cuda.is_initialized(),
+                                 "error": str(exc)}) + "\n").encode())
+    os._exit(0)
+os.waitpid(pid, 0)
+print(json.dumps(out))
+'''
+
+
+def test_the_stand_in_has_pytorch_s_semantics_and_shapes():
+    env = {"PATH": os.environ["PATH"], "PYTHONPATH": str(STANDINS),
+           "TORCH_STANDIN_GPUS": f"{GPU},GPU-18f9fd34-4f90-8419-eed6-00c6bc203962"}
+    proc = subprocess.run([sys.executable, "-c", STANDIN_CHECK], capture_output=True, text=True,
+                          timeout=60, env=env)
+    assert proc.returncode == 0, proc.stderr
+    child, out = (json.loads(line) for line in proc.stdout.splitlines())
+    assert out["before"] == {} and not out["initialised"]  # memory_stats() before init: {}
+    assert out["driver_before"] == [["_cuda_getDeviceCount", "MainThread"]]  # count: no init
+    assert out["count"] == 2 and out["current"] == 0  # the current device is per thread
+    documented = {f"{s}.{p}.{m}" for s in ("allocation", "segment", "active", "inactive_split",
+                                          "allocated_bytes", "reserved_bytes", "active_bytes",
+                                          "inactive_split_bytes", "requested_bytes")
+                  for p in ("all", "large_pool", "small_pool")
+                  for m in ("current", "peak", "allocated", "freed")}
+    documented |= {"num_alloc_retries", "num_ooms", "num_sync_all_streams", "num_device_alloc",
+                   "num_device_free", "max_split_size"}
+    documented |= {f"oversize_{k}.{m}" for k in ("allocations", "segments")
+                   for m in ("current", "peak", "allocated", "freed")}
+    assert set(out["keys"]) == documented and out["sorted"]
+    assert out["uuid"] == "18f9fd34-4f90-8419-eed6-00c6bc203962" and out["uuid_bytes"] == 16
+    assert out["segment_keys"] == sorted(["device", "address", "total_size", "allocated_size",
+                                          "active_size", "requested_size", "stream",
+                                          "segment_type", "segment_pool_id", "is_expandable",
+                                          "frames", "blocks"])
+    assert out["block_keys"] == ["address", "frames", "requested_size", "size", "state"]
+    assert out["context"] == [False, True]
+    assert child == {"child_initialised": False,
+                     "error": "Cannot re-initialize CUDA in forked subprocess. To use CUDA with "
+                              "multiprocessing, you must use the 'spawn' start method"}
