@@ -128,11 +128,14 @@ def pty_run(*args: str, frames: int = 0, **kwargs) -> tuple[str, int]:
 
 
 def frames_drawn(out: str) -> list[list[str]]:
-    """Each frame drawn on the alternate screen, as the lines a person sees."""
+    """Each frame drawn on the alternate screen, as the lines a person sees; a frame the test's
+    own Ctrl-C cut (the terminal echoes ``^C`` into it) is left out: the last frame, drawn after
+    it, replaces it on the screen and is checked on its own."""
     start = out.index(ALT_SCREEN + HIDE_CURSOR)
     end = out.index(MAIN_SCREEN + SHOW_CURSOR, start)
-    return [[line for line in ESCAPE.sub("", frame.split(CLEAR_BELOW)[0]).replace("\r", "")
-             .split("\n") if line] for frame in out[start:end].split(HOME)[1:]]
+    frames = [[line for line in ESCAPE.sub("", frame.split(CLEAR_BELOW)[0]).replace("\r", "")
+               .split("\n") if line] for frame in out[start:end].split(HOME)[1:]]
+    return [lines for lines in frames if "^C" not in lines]
 
 
 VALUE = re.compile(r"^(-|\d+%|\d+(\.\d)?|\d+/\d+|-/-|\d+ms|\d+\.\ds)$")
