@@ -148,7 +148,9 @@ def test_on_a_terminal_the_table_refreshes_in_place_fits_120_columns_and_ctrl_c_
     assert "# HELP" not in out  # the table, not the exposition
     start = out.index(ALT_SCREEN + HIDE_CURSOR)  # its own screen, cursor hidden while drawing
     end = out.index(MAIN_SCREEN + SHOW_CURSOR, start)  # given back on Ctrl-C
-    drawn = out[start:end].split(HOME)[1:]
+    # a frame the test's own Ctrl-C cut (the terminal echoes ^C into it) is not checked: the
+    # last frame, drawn after it, replaces it and is checked below
+    drawn = [frame for frame in out[start:end].split(HOME)[1:] if "^C" not in frame]
     assert len(drawn) >= 4
     for frame in drawn:  # each frame redraws from the top-left corner and clears what is left
         assert frame.rstrip("\r\n").endswith(CLEAR_BELOW) or CLEAR_BELOW in frame
