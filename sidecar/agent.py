@@ -21,6 +21,7 @@ from sidecar.log import log_count
 from sidecar.samples import GpuIdentity, GpuSample, Labels, Series, gpu_labels, sample_series
 from sidecar.sinks import Sink
 from sidecar.sources.app_socket import NO_FIGURES, AppState
+from sidecar.sources.engine import EngineSource
 from sidecar.sources.nvml import NvmlSource
 from sidecar.summary import Checkpoint, RunSummary
 
@@ -43,9 +44,11 @@ class Agent:
         wall: Callable[[], float] = time.time,
         mode: str = "nvml",
         checkpoint: Checkpoint | None = None,
+        engine: EngineSource | None = None,
     ) -> None:
         self.config = config
         self.source = source
+        self.engine = engine
         self.app = app
         self.sinks: list[Sink] = sinks if isinstance(sinks, list) else [sinks]
         self.clock = clock
@@ -148,6 +151,8 @@ class Agent:
             series.extend(sample_series(sample, self.pod, self._labels(sample.identity),
                                         per_process=self.config.app_process_series))
         ts = samples[0].timestamp_ms if samples else int(self.wall() * 1000)
+        if self.engine is not None:  # its readers' last figures: a copy, never a wait
+            series.extend(self.engine.series(ts, self._pod_labels))
         self.last_cycle_s = self.clock() - started
         series.extend(self.self_series(ts, available))
         if self.summary is not None:

@@ -22,9 +22,11 @@ from sidecar.urls import effective_port, redact_url
 ENV_PREFIX = protocol.ENV_PREFIX
 RESERVED_LABELS = frozenset({"gpu_uuid", "gpu_name", "gpu_index", "namespace", "pod", "container",
                              "node", "pid", "le", "sink", "reason", "job", "instance", "version",
-                             "mode", "job_name", "job_index", "figure", "condition"})
+                             "mode", "job_name", "job_index", "figure", "condition", "engine",
+                             "endpoint", "model"})
 SCENARIOS = ("healthy", "pcie-saturated", "fragmented", "low-occupancy", "gpu-lost", "old-driver",
-             "throttled", "pcie-degraded", "hardware-fault", "grace-hopper")
+             "throttled", "pcie-degraded", "hardware-fault", "grace-hopper", "kv-cache-full",
+             "queueing")
 
 
 RETRY_AFTER_CAP_S = 300.0  # Retry-After is honoured up to this (sidecar.sinks.answers.Policy)
@@ -87,6 +89,9 @@ class Config:
     insecure_skip_verify: bool = False
     header: tuple[tuple[str, str], ...] = ()
     extra_label: tuple[tuple[str, str], ...] = ()
+    engine_metrics_url: tuple[str, ...] = ()
+    engine_metrics_timeout: float = 2.0
+    engine_metrics_max_bytes: int = 4 * 1024 * 1024
 
     @property
     def has_receivers(self) -> bool:
@@ -512,6 +517,20 @@ OPTIONS: tuple[Option, ...] = (
            "VictoriaMetrics: /opentelemetry/v1/metrics); protobuf, gzip, with the same spool, "
            "credentials and TLS options as remote-write; repeat the flag or separate with commas "
            "for several.", _urls, commands=("run", "resend-rejected"), repeatable=True, show=_shown_urls),
+    Option("engine_metrics_url", "The serving engine's Prometheus metrics endpoint in the pod "
+           "(vLLM http://127.0.0.1:8000/metrics, SGLang :30000 with --enable-metrics, TGI :80, "
+           "Triton :8002), read once per --interval by a thread of its own: its latency, queue "
+           "and KV-cache figures become the engine_* series and join the verdict. Repeat the "
+           "flag or separate with commas for several engines. With --simulate kv-cache-full or "
+           "queueing and none given, the simulated engine's.", _urls,
+           commands=("run", "diagnose"), repeatable=True, show=_shown_urls),
+    Option("engine_metrics_timeout", "Seconds one read of an engine endpoint may take, "
+           "connecting and reading the whole answer (0.1..60; default {default}); it never "
+           "delays a cycle, which takes the last figures read.", _seconds(0.1, 60),
+           commands=("run", "diagnose")),
+    Option("engine_metrics_max_bytes", "Largest engine metrics answer read, in bytes (default "
+           "{default} = {default_mib}); a larger one is not parsed (reason too_large).",
+           _positive_int(64 * 1024, 256 << 20), commands=("run", "diagnose")),
     Option("pushgateway_url", "Pushgateway base URL. Latest values only, no timestamps and no "
            "history: prefer remote-write.", _url, commands=("run",), show=_shown_one_url),
     Option("pushgateway_job", "Pushgateway 'job' of the grouping key (default {default}); the "

@@ -10,6 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
+from sidecar.sources.engine.families import ENGINES, FIGURES
+
 Kind = Literal["gauge", "counter", "histogram"]
 
 
@@ -230,6 +232,10 @@ METRICS: tuple[MetricSpec, ...] = (
     _m("inference_request_duration_seconds", "histogram", "seconds", "app",
        "app: sidecar.client observe()",
        "Request latency histogram, merged over the processes using the GPU."),
+    # engine: the serving engine's own figures, from --engine-metrics-url
+    *(_m(name, kind, unit, "engine", "engine endpoint: see *Engine families* below",  # type: ignore[arg-type]
+         f"{help} Labels engine, endpoint and, where the engine names it, model.")
+      for name, (kind, unit, help) in FIGURES.items()),
     # self
     _m("gpu_sidecar_up", "gauge", "boolean", "self", "agent",
        "1 while the agent runs, 0 in the last cycle of a run stopped by a signal (the pod "
@@ -254,6 +260,16 @@ METRICS: tuple[MetricSpec, ...] = (
        "NVML reads that failed, by reason (gpu_lost, nvml_error)."),
     _m("gpu_sidecar_cycle_overruns_total", "counter", "cycles", "self", "agent",
        "Cycles that started late because the previous one ran past its slot."),
+    _m("gpu_sidecar_engine_up", "gauge", "boolean", "self", "agent",
+       "Per --engine-metrics-url (label endpoint; engine once recognised): 1 while its last read "
+       "is current, 0 while it fails or its figures are older than two intervals and a timeout."),
+    _m("gpu_sidecar_engine_read_failures_total", "counter", "errors", "self", "agent",
+       "Reads of an engine endpoint that gave no figures, by reason (unreachable, timeout, "
+       "too_large, malformed, not_an_engine, redirect, credentials, http_status); every reason "
+       "exists at 0 from the start."),
+    _m("gpu_sidecar_engine_read_duration_seconds", "gauge", "seconds", "self", "agent",
+       "How long the last read of an engine endpoint took, fetch and parse (its reader thread's "
+       "time, never the cycle's)."),
     _m("gpu_sidecar_paused_seconds_total", "counter", "seconds", "self", "agent",
        "Time the agent's schedule missed although its cycles were short: the process was "
        "stopped (SIGSTOP) or not scheduled (a frozen cgroup, a suspended VM, CPU throttling); "
@@ -510,6 +526,19 @@ _OTEL_NAMES: dict[str, tuple[str, tuple[tuple[str, str], ...], Instrument | None
     "gpu_xid_errors_total": _errors("xid"),
     "gpu_last_xid": ("gpu.xid.last", (), None),
     "inference_request_duration_seconds": ("gpu.app.request.duration", (), None),
+    "engine_request_duration_seconds": ("gen_ai.server.request.duration", (), None),
+    "engine_time_to_first_token_seconds": ("gen_ai.server.time_to_first_token", (), None),
+    "engine_inter_token_latency_seconds": ("gen_ai.server.time_per_output_token", (), None),
+    "engine_request_queue_duration_seconds": ("gpu.engine.request.queue.duration", (), None),
+    "engine_kv_cache_usage_ratio": ("gpu.engine.kv_cache.usage", (), None),
+    "engine_requests_running": ("gpu.engine.requests", (("gpu.engine.request.state", "running"),),
+                                "updowncounter"),
+    "engine_requests_waiting": ("gpu.engine.requests", (("gpu.engine.request.state", "waiting"),),
+                                "updowncounter"),
+    "engine_preemptions_total": ("gpu.engine.preemptions", (), None),
+    "gpu_sidecar_engine_up": ("gpu.sidecar.engine.up", (), None),
+    "gpu_sidecar_engine_read_failures_total": ("gpu.sidecar.engine.read.failures", (), None),
+    "gpu_sidecar_engine_read_duration_seconds": ("gpu.sidecar.engine.read.duration", (), None),
     "gpu_sidecar_up": ("gpu.sidecar.up", (), None),
     "gpu_sidecar_info": ("gpu.sidecar.info", (), None),
     "gpu_sidecar_nvml_available": ("gpu.sidecar.nvml.available", (), None),
@@ -572,7 +601,9 @@ POINT_LABELS: dict[str, str] = {"gpu_uuid": "hw.id", "gpu_name": "hw.model", "gp
                                 "version": "gpu.sidecar.version", "mode": "gpu.sidecar.mode",
                                 "job_name": "k8s.job.name", "job_index": "gpu.job.index",
                                 "figure": "gpu.run.figure", "xid": "gpu.xid.code",
-                                "condition": "gpu.run.condition"}
+                                "condition": "gpu.run.condition",
+                                "model": "gen_ai.request.model", "engine": "gpu.engine.name",
+                                "endpoint": "gpu.engine.endpoint"}
 # added to every point of a GPU (one with a gpu_uuid label): the hardware conventions require
 # hw.type, and every GPU the agent reads is NVIDIA's (NVML)
 GPU_ATTRIBUTES: tuple[tuple[str, str], ...] = (("hw.type", "gpu"), ("hw.vendor", "NVIDIA"))
@@ -611,7 +642,7 @@ def render_markdown() -> str:
     lines += ["The dcgm-exporter column names DCGM's field for the same quantity (its unit where it",
               "differs; * marks dcgm-exporter's default set), for dashboards and alerts that move",
               "over; `-` where DCGM has none.", ""]
-    for layer in ("compute", "memory", "io", "health", "app", "self", "run"):
+    for layer in ("compute", "memory", "io", "health", "app", "engine", "self", "run"):
         lines += [f"## {layer}", "", "| name | type | unit | source | meaning | dcgm-exporter |",
                   "|---|---|---|---|---|---|"]
         for m in METRICS:
@@ -620,8 +651,42 @@ def render_markdown() -> str:
                 lines.append(f"| `{m.name}` | {m.kind} | {m.unit} | {m.source} | {m.help} "
                              f"| {dcgm} |")
         lines.append("")
+        if layer == "engine":
+            lines += _render_engines()
     lines += _render_otel()
     return "\n".join(lines)
+
+
+def _render_engines() -> list[str]:
+    """The engine families each engine series is read from, per engine and release."""
+    lines = [
+        "### Engine families",
+        "",
+        "With `--engine-metrics-url` the agent reads the engine's own Prometheus endpoint once",
+        "per interval, recognises the engine by its families, and forwards only these, mapped to",
+        "the series above (every other family is dropped before parsing, so the series stay",
+        "these few whatever the engine adds). Labels the engine adds beyond the model (vLLM's",
+        "`engine` core index, a finish reason, Triton's model `version`) are summed over; the",
+        "KV-cache usage takes the fullest core. At most 16 models per endpoint, 64 buckets per",
+        "histogram. Where the engine has two names for a figure (vLLM renamed two), the first",
+        "present is read. Triton's durations are cumulative microsecond counters: they become",
+        "histograms with the `+Inf` bucket only, whose `_sum` over `_count` is the mean (no",
+        "quantile). Engine series carry the pod's labels, not a GPU's: the verdict applies them",
+        "to every GPU of the pod.",
+        "",
+        "| series | engine | family | its type | releases | scale |",
+        "|---|---|---|---|---|---|",
+    ]
+    for name in FIGURES:
+        for engine in ENGINES:
+            for fam in engine.figures.get(name, ()):
+                count = f" over {' + '.join(f'`{c}`' for c in fam.count)}" if fam.count else ""
+                lines.append(f"| `{name}` | {engine.name} | `{fam.name}`{count} | "
+                             f"{fam.kind.replace('_', ' ')} | {fam.versions} | "
+                             f"{'-' if fam.scale == 1 else f'x {fam.scale:g}'} |")
+    lines += ["", "Default endpoints: " + ", ".join(f"{e.name} `{e.default_url}`" for e in ENGINES)
+              + ".", ""]
+    return lines
 
 
 def _render_otel() -> list[str]:

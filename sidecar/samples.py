@@ -181,11 +181,11 @@ class LatencyHistogram:
     the last entry is +Inf."""
 
     bounds: tuple[float, ...]
-    counts: tuple[int, ...]
+    counts: tuple[float, ...]  # whole numbers from the app; an engine's text may say 3.0
     sum_seconds: float
 
     @property
-    def count(self) -> int:
+    def count(self) -> float:
         return self.counts[-1]
 
 

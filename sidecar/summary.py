@@ -154,9 +154,10 @@ def _ints(d: dict[str, Any]) -> dict[str, int]:
 def quantile(q: float, cumulative: dict[float, float]) -> float | None:
     """The q-quantile of a cumulative histogram (upper bound -> count, ``inf`` included),
     interpolated linearly within its bucket as Prometheus' ``histogram_quantile`` does: a
-    quantile in the +Inf bucket is the highest finite bound."""
+    quantile in the +Inf bucket is the highest finite bound, and a histogram of fewer than two
+    buckets has none (Triton's durations: a sum and a count)."""
     bounds = sorted(cumulative)
-    if not bounds or bounds[-1] != math.inf or cumulative[math.inf] <= 0:
+    if len(bounds) < 2 or bounds[-1] != math.inf or cumulative[math.inf] <= 0:
         return None
     rank = q * cumulative[math.inf]
     lower, below = 0.0, 0.0

@@ -50,6 +50,13 @@ class Thresholds:
     # corrected single-bit errors: a trend to watch, nothing failed), 13/31/43/45 (the app's
     # faults: an exception or illegal access in its kernels, its channel torn down)
     critical_xids: tuple[int, ...] = (48, 64, 74, 79, 94, 95, 119, 120)
+    # -- the serving engine (``kv-cache`` and ``queueing``, from --engine-metrics-url)
+    # the KV cache is full at this share of its blocks in use...
+    kv_cache_full_ratio: float = 0.9
+    # ...while requests are preempted or wait (on average at least this many waiting)
+    kv_cache_waiting_requests: float = 1.0
+    # the queue takes at least this share of the request latency's p99 (queueing)
+    queue_share_ratio: float = 0.5
 
     def pcie_saturated(self, tx_ratio: float | None, rx_ratio: float | None) -> bool:
         return max(tx_ratio or 0.0, rx_ratio or 0.0) > self.pcie_util_ratio
@@ -126,6 +133,21 @@ class Thresholds:
         row remap is not: it waits for the next reset (GPURowRemapPending, a warning)."""
         return (any(n > 0 and self.critical_xid(c) for c, n in xids_in_window.items())
                 or (ecc_uncorrected_increase or 0) > 0 or (remap_failed or 0) > 0)
+
+    def kv_cache_full(self, usage: float | None, preemptions: float | None,
+                      waiting: float | None) -> bool:
+        """The engine's KV cache is the limit (GPUEngineKVCacheFull): nearly every block in use
+        while requests are preempted (their cache freed, to be recomputed) or wait for room. A
+        full cache alone is not: vLLM fills it by design when there is work."""
+        return (usage is not None and usage >= self.kv_cache_full_ratio
+                and ((preemptions or 0) > 0 or (waiting or 0) >= self.kv_cache_waiting_requests))
+
+    def queueing(self, queue_share: float | None, p99_s: float | None) -> bool:
+        """Requests are slow because they wait (GPUEngineQueueing): p99 above the objective and
+        the engine's queue time at least ``queue_share_ratio`` of it. Judged only where no GPU
+        layer explains the latency: then the GPU is not the limit, the engine's admission is."""
+        return self.slow(p99_s) and queue_share is not None \
+            and queue_share >= self.queue_share_ratio
 
 
 THRESHOLDS = Thresholds()

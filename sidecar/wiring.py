@@ -33,6 +33,7 @@ from sidecar.urls import host_port, redact_url
 if TYPE_CHECKING:
     from sidecar.simulate.scenarios import Scenario
     from sidecar.sinks.http import HttpOptions
+    from sidecar.sources.engine import EngineSource, Fetched
 
 log = structlog.get_logger("sidecar.wiring")
 
@@ -315,6 +316,69 @@ def sampling(cfg: config.Config, *, listen: bool = True
         yield source, scenario, state
 
 
+@contextlib.contextmanager
+def engines(cfg: config.Config, scenario: Scenario | None) -> Iterator[EngineSource | None]:
+    """The serving engines' metrics endpoints, read by threads of their own while in the block;
+    with a scenario that has a serving engine and no --engine-metrics-url, the simulated one."""
+    from sidecar.sources.engine import EngineEndpoint, EngineSource
+
+    with contextlib.ExitStack() as stack:
+        urls = list(cfg.engine_metrics_url)
+        if not urls and scenario is not None and scenario.engine is not None \
+                and not cfg.no_simulated_app:
+            from sidecar.simulate.engine import SimulatedEngine
+
+            sim = SimulatedEngine(scenario.engine)
+            sim.start()
+            stack.callback(sim.stop)
+            urls = [sim.url]
+        if not urls:
+            yield None
+            return
+        source = EngineSource([
+            EngineEndpoint(url, _engine_fetch(cfg), interval_s=cfg.interval,
+                           timeout_s=cfg.engine_metrics_timeout) for url in urls])
+        source.start()
+        stack.callback(source.stop)
+        if scenario is not None:  # a demo's first cycle already shows the engine
+            _wait_for(lambda: len(source.current()) == len(urls), 2.0)
+        yield source
+
+
+def _engine_fetch(cfg: config.Config) -> Callable[[str], Fetched]:
+    """A GET of an engine endpoint through ``sinks.http`` (its own session, no redirect
+    followed, the timeout over the whole request, the answer read up to the bound), as the
+    engine source's ``Fetched``. No credentials or headers of the receivers go to an engine."""
+    from sidecar.sinks.answers import Retryable
+    from sidecar.sinks.http import Http, HttpOptions
+    from sidecar.sources.engine import Fetched
+
+    limit, timeout = cfg.engine_metrics_max_bytes, cfg.engine_metrics_timeout
+    http = Http(HttpOptions(timeout_s=timeout, max_answer_bytes=limit))
+    # identity: the bound is on what the engine sends, and a gzip bomb is not read
+    headers = {"Accept": "text/plain;version=0.0.4", "Accept-Encoding": "identity"}
+
+    def fetch(url: str) -> Fetched:
+        began = time.monotonic()
+        try:
+            got = http.request("GET", url, headers=headers)
+        except Retryable as exc:
+            if time.monotonic() - began >= 0.95 * timeout:
+                return Fetched(problem=("timeout", f"no answer within {timeout:g} s "
+                                        "(--engine-metrics-timeout)"))
+            return Fetched(problem=("unreachable", str(exc)))
+        if len(got.content) > limit:
+            return Fetched(problem=("too_large", f"the answer is longer than {limit} bytes "
+                                    "(--engine-metrics-max-bytes): not parsed"))
+        if got.unread is not None:
+            return Fetched(problem=("timeout", f"the answer was not read whole within "
+                                    f"{timeout:g} s (--engine-metrics-timeout)"))
+        return Fetched(status=got.status_code, body=got.content,
+                       location=got.headers.get("Location") or "")
+
+    return fetch
+
+
 def run(cfg: config.Config) -> int:
     with simulated_paths(cfg) as cfg:
         return _run(cfg)
@@ -331,13 +395,14 @@ def _run(cfg: config.Config) -> int:
     signals.install()  # already done by the entry point; again for callers of main()
     # before the socket is bound: the socket is what the app's start waits for
     inject_placement.apply(cfg)
-    with sampling(cfg) as (source, scenario, state):
+    with sampling(cfg) as (source, scenario, state), engines(cfg, scenario) as engine:
         sinks = build_sinks(cfg, cfg.spool_dir)
         mode = "simulated" if scenario is not None else ("nvml" if source else "app-only")
         # a Job's run summary so far, beside the spool: an agent restarted mid-run goes on with it
         checkpoint = (Checkpoint(Path(cfg.spool_dir) / "run-summary.json", cfg.push_interval)
                       if cfg.batch_job else None)
-        agent = Agent(cfg, source=source, app=state, sinks=sinks, mode=mode, checkpoint=checkpoint)
+        agent = Agent(cfg, source=source, app=state, sinks=sinks, mode=mode, checkpoint=checkpoint,
+                      engine=engine)
         for sink in sinks:
             sink.start()
         if stop.is_set():

@@ -26,6 +26,7 @@ from sidecar.views.diagnose import report
 from sidecar.views.table import cells, render
 from sidecar.views.verdict import (
     ALL_KINDS,
+    ENGINE_KINDS,
     HEALTH_KINDS,
     KINDS,
     PRECEDENCE,
@@ -313,7 +314,7 @@ def test_c2c_below_the_line_is_nothing_and_io_counts_as_judged_without_pcie():
 
 def test_the_precedence_is_documented_and_keeps_the_seeds_order():
     assert tuple(ALL_KINDS) == PRECEDENCE
-    assert set(PRECEDENCE) == set(KINDS) | set(HEALTH_KINDS)
+    assert set(PRECEDENCE) == set(KINDS) | set(HEALTH_KINDS) | set(ENGINE_KINDS)
     assert [k for k in PRECEDENCE if k in KINDS] == list(KINDS)  # the seed's, unchanged
     doc = verdict_module.__doc__ or ""
     at = [doc.index(f"- ``{key}``") for key in PRECEDENCE]
@@ -338,27 +339,43 @@ def cycles_with(kinds: set[str]) -> list[Figures]:
         bad.update(fragmentation=0.7, alloc_reserved=16 * GiB)
     if "low-occupancy" in kinds:
         bad["occupancy"] = 0.1
+    if "kv-cache" in kinds:
+        bad.update(kv_usage=0.95, waiting=3.0, preemptions=0.0, engine="vllm")
+    slow = kinds & {"low-occupancy", "queueing"}
     first = healthy(**bad)
-    later = replace(first, latency=SLOW if "low-occupancy" in kinds else QUIET,
+    later = replace(first, latency=SLOW if slow else QUIET,
                     retries=4.0 if "allocator-retries" in kinds else 0.0,
-                    xids=((48, 1.0),) if "hardware-fault" in kinds else None)
+                    xids=((48, 1.0),) if "hardware-fault" in kinds else None,
+                    preemptions=5.0 if "kv-cache" in kinds else first.preemptions,
+                    **({"engine_latency": SLOW, "queue": SLOW, "engine": "vllm"}
+                       if "queueing" in kinds else {}))
     last = replace(later, available=False) if "gpu-lost" in kinds else later
     return [first, later, last]
 
 
-@pytest.mark.parametrize(("first", "second"), list(itertools.combinations(PRECEDENCE, 2)))
+# queueing is said only where nothing else is found: it takes part in no pair
+FOUND_TOGETHER = tuple(k for k in PRECEDENCE if k != "queueing")
+
+
+@pytest.mark.parametrize(("first", "second"), list(itertools.combinations(FOUND_TOGETHER, 2)))
 def test_of_two_findings_the_more_fundamental_comes_first_and_shows_in_the_table(first, second):
     v = verdict_of(*cycles_with({first, second}))
     assert keys(v) == [first, second]
     assert cells(v)["verdict"] == f"{v.findings[0].short} +1"
 
 
+@pytest.mark.parametrize("other", FOUND_TOGETHER)
+def test_queueing_is_said_only_where_nothing_else_explains_the_latency(other):
+    assert keys(verdict_of(*cycles_with({"queueing"}))) == ["queueing"]
+    assert keys(verdict_of(*cycles_with({other, "queueing"}))) == [other]
+
+
 def test_a_gpu_with_every_finding_lists_them_in_precedence_order():
-    cycles = cycles_with(set(PRECEDENCE))
-    assert keys(verdict_of(*cycles)) == list(PRECEDENCE)
-    assert f"LOST +{len(PRECEDENCE) - 1}" in render([{UUID: c} for c in cycles], "title")
-    readable = cycles_with(set(PRECEDENCE) - {"gpu-lost"})
-    assert re.search(rf"\| HW FAULT \+{len(PRECEDENCE) - 2}$",
+    cycles = cycles_with(set(FOUND_TOGETHER))
+    assert keys(verdict_of(*cycles)) == list(FOUND_TOGETHER)
+    assert f"LOST +{len(FOUND_TOGETHER) - 1}" in render([{UUID: c} for c in cycles], "title")
+    readable = cycles_with(set(FOUND_TOGETHER) - {"gpu-lost"})
+    assert re.search(rf"\| HW FAULT \+{len(FOUND_TOGETHER) - 2}$",
                      render([{UUID: c} for c in readable], "t"), re.M)
 
 

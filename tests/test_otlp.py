@@ -221,10 +221,19 @@ def test_the_mapping_names_the_semantic_conventions_figures_with_their_units():
     assert otel["gpu_pcie_tx_bytes_per_second"].attributes == (("network.io.direction", "transmit"),)
     assert otel["gpu_pcie_rx_bytes_per_second"].attributes == (("network.io.direction", "receive"),)
     assert otel["inference_request_duration_seconds"].instrument == "histogram"
+    # the GenAI conventions' server metrics, histograms in seconds
+    for ours, theirs in (("engine_request_duration_seconds", "gen_ai.server.request.duration"),
+                         ("engine_time_to_first_token_seconds",
+                          "gen_ai.server.time_to_first_token"),
+                         ("engine_inter_token_latency_seconds",
+                          "gen_ai.server.time_per_output_token")):
+        assert (otel[ours].name, otel[ours].unit, otel[ours].instrument) == \
+            (theirs, "s", "histogram")
+    assert metrics.POINT_LABELS["model"] == "gen_ai.request.model"
     assert {m.name for m in metrics.METRICS} <= set(metrics._OTEL_NAMES), "name it deliberately"
     for m in metrics.METRICS:
         o = otel[m.name]
-        assert o.name.startswith(("hw.", "gpu.")), o.name
+        assert o.name.startswith(("hw.", "gpu.", "gen_ai.server.")), o.name
         assert o.instrument == m.kind or (m.kind == "gauge" and o.instrument == "updowncounter")
     # no two Prometheus names land on the same OTel metric and attributes
     assert len({(o.name, o.attributes) for o in otel.values()}) == len(otel)

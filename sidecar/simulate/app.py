@@ -85,8 +85,8 @@ class SimulatedApp:
         """One round, as the client sends it: every GPU in one datagram."""
         elapsed = self.clock() - self._start
         parts = [profile_messages(self.profile, gpu, self.pid, elapsed) for gpu in self.gpus]
-        round_ = protocol.Round(self.pid, tuple(self.gpus), tuple(a for a, _ in parts),
-                                tuple(h for _, h in parts))
+        latencies = tuple(h for _, h in parts) if self.profile.publishes_latency else ()
+        round_ = protocol.Round(self.pid, tuple(self.gpus), tuple(a for a, _ in parts), latencies)
         for data in protocol.split_round(round_):
             self.send(data)
 

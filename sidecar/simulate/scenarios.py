@@ -45,6 +45,28 @@ class AppProfile:
     latency_median_s: float = 0.060
     latency_p99_s: float = 0.090
     requests_per_second: float = 40.0
+    publishes_latency: bool = True  # False: a server whose latency only its engine reports
+
+
+@dataclass(frozen=True)
+class EngineProfile:
+    """What the simulated serving engine's metrics endpoint (vLLM's format) says."""
+
+    model_name: str = "Simulated/Llama-3.1-8B-Instruct"
+    requests_per_second: float = 12.0
+    tokens_per_request: float = 200.0
+    running: float = 48.0
+    waiting: float = 0.0
+    kv_cache_usage: float = 0.6
+    preemptions_per_second: float = 0.0
+    latency_median_s: float = 1.8
+    latency_p99_s: float = 4.0
+    queue_median_s: float = 0.02
+    queue_p99_s: float = 0.15
+    ttft_median_s: float = 0.12
+    ttft_p99_s: float = 0.45
+    itl_median_s: float = 0.018
+    itl_p99_s: float = 0.040
 
 
 @dataclass(frozen=True)
@@ -55,6 +77,7 @@ class Scenario:
     app: AppProfile
     missing: frozenset[str] = frozenset()
     driver_version: str | None = None  # None: the stand-in's default (a current driver)
+    engine: EngineProfile | None = None  # a serving engine's metrics endpoint, simulated
 
     def nvml(self, **kwargs: object) -> FakeNvml:
         if self.driver_version is not None:
@@ -153,7 +176,7 @@ def _gh200(scenario: str, index: int, **load: object) -> FakeGpu:
 
 DEFAULT_GPUS = {"healthy": 2, "pcie-saturated": 2, "fragmented": 2, "low-occupancy": 2,
                 "gpu-lost": 4, "old-driver": 2, "throttled": 2, "pcie-degraded": 2,
-                "hardware-fault": 4, "grace-hopper": 1}
+                "hardware-fault": 4, "grace-hopper": 1, "kv-cache-full": 1, "queueing": 1}
 SCENARIOS = tuple(DEFAULT_GPUS)  # the names --simulate takes
 GPU_LOST_AT_S = 1.0
 GPU_LOST_INDEX = 2
@@ -251,4 +274,25 @@ def build(name: str, gpus: int | None = None) -> Scenario:
                          c2c_rx=Signal(0.90 * GH200_C2C, 0.02, 19)) for i in range(n)),
             AppProfile(**DEGRADED_APP),
         )
+    if name == "kv-cache-full":
+        return Scenario(
+            name, "vLLM's KV cache 98 % full: requests wait and are preempted; p99 9 s while the "
+            "GPU layers are comfortable.",
+            tuple(_h200(name, i, utilization=Signal(93, 0.02, 29), sm_occupancy=Signal(52, 0.05, 37),
+                        memory_used=Signal(131 * GiB, 0.005, 45)) for i in range(n)),
+            AppProfile(reserved_bytes=120 * GiB, publishes_latency=False),
+            engine=EngineProfile(kv_cache_usage=0.98, running=61, waiting=23,
+                                 preemptions_per_second=0.8, latency_median_s=3.5,
+                                 latency_p99_s=9.0, queue_median_s=0.6, queue_p99_s=2.5,
+                                 ttft_median_s=0.9, ttft_p99_s=3.0))
+    if name == "queueing":
+        return Scenario(
+            name, "Requests wait in vLLM's queue for most of their p99 (7 of 8 s) while the GPU "
+            "runs half full and the KV cache has room.",
+            tuple(_h200(name, i, utilization=Signal(58, 0.04, 29), sm_occupancy=Signal(41, 0.05, 37))
+                  for i in range(n)),
+            AppProfile(publishes_latency=False),
+            engine=EngineProfile(kv_cache_usage=0.45, running=16, waiting=40,
+                                 latency_median_s=2.8, latency_p99_s=8.0, queue_median_s=2.0,
+                                 queue_p99_s=7.0, ttft_median_s=2.1, ttft_p99_s=7.2))
     raise KeyError(name)

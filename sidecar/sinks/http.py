@@ -73,6 +73,7 @@ class HttpOptions:
     headers: tuple[tuple[str, str], ...] = ()
     initial_backoff_s: float = 0.5
     max_backoff_s: float = Config.retry_max_backoff
+    max_answer_bytes: int = ANSWER_MAX_BYTES  # an answer's body is read up to this, no further
 
 
 class SecretFile:
@@ -451,13 +452,13 @@ class Http:
                 return _kind(exc, watch), exc
             except ValueError as exc:  # a header or path the HTTP library cannot send as is
                 return "headers", exc
-            return self._read(answer, url, watch)
+            return self._read(answer, url, watch, self.options.max_answer_bytes)
         finally:
             timer.cancel()
             _current.watch = None
 
     @staticmethod
-    def _read(answer: requests.Response, url: str, watch: _Watch) -> Response:
+    def _read(answer: requests.Response, url: str, watch: _Watch, limit: int) -> Response:
         """The whole answer within the deadline. Its status is what counts: a body that cannot be
         read (too slow, cut, too long) leaves it as it is, said in ``unread``, so that a 2xx
         stays final."""
@@ -468,8 +469,8 @@ class Http:
             for chunk in answer.raw.stream(CHUNK_BYTES, decode_content=False):
                 chunks.append(chunk)
                 size += len(chunk)
-                if size > ANSWER_MAX_BYTES:
-                    unread = f"answer longer than {ANSWER_MAX_BYTES} bytes: the rest not read"
+                if size > limit:
+                    unread = f"answer longer than {limit} bytes: the rest not read"
                     break
                 if watch.left() <= 0:
                     raise TimeoutError("deadline")

@@ -62,7 +62,10 @@ def report(verdicts: Mapping[str, Verdict], *, seconds: float, samples: int, lab
                f"the window with the SM clock below {t.throttle_clock_ratio:.0%} of its maximum "
                f"and utilization above {t.busy_utilization_ratio:.0%}; a PCIe link below its "
                f"maximum carrying over {t.pcie_degraded_traffic_ratio:.0%} of the link as "
-               f"trained; NVLink-C2C above {t.pcie_util_ratio:.0%} of its maximum",
+               f"trained; NVLink-C2C above {t.pcie_util_ratio:.0%} of its maximum; an engine's KV "
+               f"cache at {t.kv_cache_full_ratio:.0%} with preemptions or waiting requests; an "
+               f"engine's queue time at {t.queue_share_ratio:.0%} of p99 above "
+               f"{ms(t.p99_latency_s)}",
                100, subsequent_indent="  ")]
     for uuid, v in verdicts.items():
         out += ["", *_block(uuid, v)]
@@ -96,8 +99,11 @@ def _block(uuid: str, v: Verdict) -> list[str]:
                f"; C2C RX {pct(m.c2c_rx_ratio)} ({gbps(m.c2c_rx)}), TX {pct(m.c2c_tx_ratio)} "
                f"({gbps(m.c2c_tx)}) of {gbps(m.c2c_max)}"),
             *_health(v),
-            f"  app:     p50 {ms(w.p50)}, p99 {ms(w.p99)} over {w.requests:.0f} requests{since}"
+            (f"  app:     p50 {ms(w.p50)}, p99 {ms(w.p99)} over {w.requests:.0f} requests{since}"
+             + (" (the engine's latency: the app publishes none)"
+                if m.latency_source == "engine" else ""))
             if w.p99 is not None else "  app:     no request latency",
+            *_engine(v),
         ]
     for n, f in enumerate(v.findings, 1):
         tag = f"{n}. " if len(v.findings) > 1 else ""
@@ -105,6 +111,22 @@ def _block(uuid: str, v: Verdict) -> list[str]:
     for note in v.notes:
         lines += _wrapped("note:", note)
     return lines
+
+
+def _engine(v: Verdict) -> list[str]:
+    """The serving engine's figures (--engine-metrics-url), where there is one."""
+    w, m = v.window, v.window.mean
+    if not m.engine:
+        return []
+    return _wrapped("engine:", (
+        f"{m.engine}: KV cache {pct(m.kv_usage)}, requests running {_num(m.running)}, waiting "
+        f"{_num(m.waiting)}, preemptions {_count(w.increases.get('preemptions'))}; p99 request "
+        f"{ms(w.engine_p99)}, queue {ms(w.queue_p99)}, time to first token {ms(w.ttft_p99)}, "
+        f"inter-token {ms(w.itl_p99)}"))
+
+
+def _num(value: float | None) -> str:
+    return "absent" if value is None else f"{value:.1f}"
 
 
 def _link(v: Verdict) -> str:
@@ -206,7 +228,8 @@ def diagnose(cfg: Config, *, t: Thresholds | None = None) -> int:
                         effect="app figures (fragmentation, retries, latency) are not judged")
             source, scenario, state = stack.enter_context(wiring.sampling(cfg, listen=False))
         mode = "simulated" if scenario is not None else ("nvml" if source else "app-only")
-        agent = Agent(cfg, source=source, app=state, sinks=[], mode=mode)
+        engine = stack.enter_context(wiring.engines(cfg, scenario))
+        agent = Agent(cfg, source=source, app=state, sinks=[], mode=mode, engine=engine)
         summary, seconds = sample_window(agent, cfg.duration, cfg.interval, signals.STOP)
     interrupted = signals.STOP.is_set()
     code_interrupted = 128 + (signals.received[0] if signals.received else 2)

@@ -26,16 +26,30 @@ findings are listed, and the table shows the first, in this order):
 - ``pcie`` (IO): either direction above ``pcie_util_ratio`` of the link, averaged over the window;
 - ``c2c`` (IO): on Grace Hopper and Grace Blackwell, NVLink-C2C (the host link there) above
   ``pcie_util_ratio`` of its maximum in either direction;
+- ``kv-cache`` (engine): the serving engine's KV cache at ``kv_cache_full_ratio`` or more
+  (the window's mean) while requests were preempted during the window or waited (on average at
+  least ``kv_cache_waiting_requests``). After the GPU's own faults and links (a throttled GPU or
+  a saturated link slows the engine too), before the allocator's figures: an engine that
+  preempts recomputes work, whatever the allocator says;
 - ``fragmentation`` (memory): ``fragmented()`` on the window's mean ratio and allocator cache;
 - ``allocator-retries`` (memory): any allocator retry or OOM during the window;
 - ``low-occupancy`` (compute): mean SM occupancy below ``occupancy_ratio`` *and* the window's
   p99 above ``p99_latency_s``;
+- ``queueing`` (engine): p99 above ``p99_latency_s`` with the engine's queue time at least
+  ``queue_share_ratio`` of it (p99 over p99; mean over mean for an engine without buckets), and
+  nothing above found: the GPU layers are unsaturated, so the engine's admission is the limit.
+  Last because any other finding explains why requests wait;
 - ``none``: nothing crossed a threshold. A layer that could not be judged (no GPM before Hopper
   or on an old driver, no app figures) is said in a note, never passed off as healthy; it does
   not change the exit code, which says whether a bottleneck was found.
 
 ``KINDS`` holds the seed's five kinds in their order, ``HEALTH_KINDS`` the four the health layer
-and the Grace IO figures brought, and ``ALL_KINDS`` every kind in ``PRECEDENCE`` order.
+and the Grace IO figures brought, ``ENGINE_KINDS`` the serving engine's two, and ``ALL_KINDS``
+every kind in ``PRECEDENCE`` order.
+
+The latency the seed's rule joins is the app's histogram (``sidecar.client``, per GPU) or, when
+the app publishes none, the engine's request latency (the pod's, applied to each of its GPUs);
+``Figures.latency_source`` says which, and a note says it.
 """
 
 from __future__ import annotations
@@ -125,6 +139,22 @@ class Figures:
     last_xid: float | None = None
     # Xid code -> count since the agent started, by code (absent until the GPU's first Xid)
     xids: tuple[tuple[int, float], ...] | None = None
+    # the serving engine's (--engine-metrics-url), the pod's and so every GPU's of it: its
+    # histograms as cumulative buckets, its counters and gauges summed over endpoints and models
+    latency_source: str = ""  # "app" or "engine": whose histogram ``latency`` is
+    engine: str = ""  # the engines seen, e.g. "vllm"
+    engine_latency: tuple[tuple[float, ...], tuple[float, ...]] | None = None
+    queue: tuple[tuple[float, ...], tuple[float, ...]] | None = None
+    ttft: tuple[tuple[float, ...], tuple[float, ...]] | None = None
+    itl: tuple[tuple[float, ...], tuple[float, ...]] | None = None
+    engine_latency_sum: float | None = None
+    engine_latency_count: float | None = None
+    queue_sum: float | None = None
+    queue_count: float | None = None
+    kv_usage: float | None = None
+    running: float | None = None
+    waiting: float | None = None
+    preemptions: float | None = None
 
     def link_below_max(self) -> bool:
         """The PCIe link trained below its maximum generation or width (both figures present)."""
@@ -182,16 +212,30 @@ _FIELD_OF = {
     "gpu_last_xid": "last_xid",
 }
 _BUCKET = "inference_request_duration_seconds_bucket"
+# engine series -> (Figures field, how endpoints and models combine)
+_ENGINE_HISTS = {"engine_request_duration_seconds": "engine_latency",
+                 "engine_request_queue_duration_seconds": "queue",
+                 "engine_time_to_first_token_seconds": "ttft",
+                 "engine_inter_token_latency_seconds": "itl"}
+_ENGINE_NUMBERS = {"engine_request_duration_seconds_sum": "engine_latency_sum",
+                   "engine_request_duration_seconds_count": "engine_latency_count",
+                   "engine_request_queue_duration_seconds_sum": "queue_sum",
+                   "engine_request_queue_duration_seconds_count": "queue_count",
+                   "engine_kv_cache_usage_ratio": "kv_usage", "engine_requests_running": "running",
+                   "engine_requests_waiting": "waiting", "engine_preemptions_total": "preemptions"}
+_HISTS = ("latency", "engine_latency", "queue", "ttft", "itl")
 _XID = "gpu_xid_errors_total"
 _COUNTERS = ("retries", "ooms")  # the app's: increases from the first cycle that had either
 # NVML's counters: increases from the first value each had in the window
 _HEALTH_COUNTERS = ("ecc_uncorrected", "ecc_corrected", "replays", "l0_recovery",
-                    "pcie_correctable")
+                    "pcie_correctable", "preemptions", "engine_latency_sum", "engine_latency_count",
+                    "queue_sum", "queue_count")
 # a window keeps the last value of these, not a mean: counters, a code, the link's state
 _LAST = (*_COUNTERS, *_HEALTH_COUNTERS, "last_xid", "link_gen", "link_width", "link_gen_now",
          "link_width_now")
 _NUMBERS = tuple(f.name for f in fields(Figures)
-                 if f.name not in ("uuid", "name", "index", "available", "latency", "xids"))
+                 if f.name not in ("uuid", "name", "index", "available", "xids", "latency_source",
+                                   "engine", *_HISTS))
 # a rate above the link as trained at the reading: the link trained down during the interval
 # (traffic stopped, the link went idle), so the reading is no sample of a degraded link
 _RETRAINED_RATIO = 1.05
@@ -205,10 +249,15 @@ def figures_of(series: Iterable[Series]) -> dict[str, Figures]:
     rows: dict[str, dict[str, object]] = {}
     buckets: dict[str, list[tuple[float, float]]] = {}
     xids: dict[str, list[tuple[int, float]]] = {}
+    engine = _EngineFigures()
     for s in series:
         labels = dict(s.labels)
         uuid = labels.get("gpu_uuid")
-        if uuid is None or "pid" in labels:
+        if uuid is None:
+            if s.name.startswith("engine_"):
+                engine.add(s.name, labels, s.value)
+            continue
+        if "pid" in labels:
             continue
         row = rows.setdefault(uuid, {"uuid": uuid, "name": labels.get("gpu_name", ""),
                                      "index": labels.get("gpu_index", "")})
@@ -225,7 +274,61 @@ def figures_of(series: Iterable[Series]) -> dict[str, Figures]:
         rows[uuid]["latency"] = (tuple(b for b, _ in pairs), tuple(c for _, c in pairs))
     for uuid, codes in xids.items():
         rows[uuid]["xids"] = tuple(sorted(codes))
+    pod = engine.figures()
+    for row in rows.values():
+        row.update(pod)
+        if row.get("latency") is not None:
+            row["latency_source"] = "app"
+        elif pod.get("engine_latency") is not None:  # the app publishes none: the engine's
+            row["latency"], row["latency_source"] = pod["engine_latency"], "engine"
     return {uuid: Figures(**row) for uuid, row in rows.items()}  # type: ignore[arg-type]
+
+
+class _EngineFigures:
+    """The engine series of one cycle, combined over endpoints and models into the pod's:
+    histograms summed bucket by bucket (where two layouts differ, the first one seen is kept),
+    requests and preemptions summed, the KV cache the fullest."""
+
+    def __init__(self) -> None:
+        self.names: set[str] = set()
+        self.hists: dict[str, dict[tuple[str, ...], dict[float, float]]] = {}
+        self.numbers: dict[str, float] = {}
+
+    def add(self, name: str, labels: dict[str, str], value: float) -> None:
+        self.names.add(labels.get("engine", ""))
+        stem = name.removesuffix("_bucket")
+        if stem != name and stem in _ENGINE_HISTS:
+            le = labels.get("le", "")
+            key = tuple(sorted(f"{k}={v}" for k, v in labels.items() if k != "le"))
+            bound = float(le) if le != "+Inf" else float("inf")
+            self.hists.setdefault(stem, {}).setdefault(key, {})[bound] = value
+            return
+        field_ = _ENGINE_NUMBERS.get(name)
+        if field_ is None:
+            return
+        if field_ == "kv_usage":
+            self.numbers[field_] = max(self.numbers.get(field_, 0.0), value)
+        else:
+            self.numbers[field_] = self.numbers.get(field_, 0.0) + value
+
+    def figures(self) -> dict[str, object]:
+        if not self.numbers and not self.hists:
+            return {}
+        out: dict[str, object] = {"engine": ",".join(sorted(n for n in self.names if n)),
+                                  **self.numbers}
+        for stem, by_key in self.hists.items():
+            layout: tuple[float, ...] | None = None
+            total: dict[float, float] = {}
+            for per in by_key.values():
+                bounds = tuple(sorted(per))
+                if layout is None:
+                    layout = bounds
+                if bounds == layout:
+                    for b, c in per.items():
+                        total[b] = total.get(b, 0.0) + c
+            bounds = tuple(sorted(total))
+            out[_ENGINE_HISTS[stem]] = (bounds, tuple(total[b] for b in bounds))
+        return out
 
 
 def quantile(q: float, bounds: Sequence[float], counts: Sequence[float]) -> float | None:
@@ -257,6 +360,14 @@ class Window:
     below_max: Figures | None = None
     below_max_samples: int = 0
     link_samples: int = 0
+    # the engine's: p99 of its request latency, queue time, time to first token, inter-token
+    # latency over the window, and the queue's share of the request latency (p99 over p99, or
+    # mean over mean where the engine has no buckets: Triton)
+    engine_p99: float | None = None
+    queue_p99: float | None = None
+    ttft_p99: float | None = None
+    itl_p99: float | None = None
+    queue_share: float | None = None
 
 
 class _Running:
@@ -266,6 +377,7 @@ class _Running:
 
     __slots__ = ("below", "counts", "first", "first_counters", "first_hist", "last",
                  "last_hist", "link_n", "n", "sums", "xid_base")
+    Hist = tuple[tuple[float, ...], tuple[float, ...]]
 
     def __init__(self) -> None:
         self.n = 0
@@ -273,8 +385,8 @@ class _Running:
         self.counts: dict[str, int] = {}
         self.last: Figures | None = None
         self.first_counters: tuple[float | None, float | None] | None = None
-        self.first_hist: tuple[tuple[float, ...], tuple[float, ...]] | None = None
-        self.last_hist: tuple[tuple[float, ...], tuple[float, ...]] | None = None
+        self.first_hist: dict[str, _Running.Hist] = {}  # histogram field -> first, last
+        self.last_hist: dict[str, _Running.Hist] = {}
         self.first: dict[str, float] = {}  # NVML counters: the first value in the window
         self.xid_base: dict[int, float] | None = None  # Xid counts of the first cycle
         self.link_n = 0
@@ -296,10 +408,11 @@ class _Running:
                 self.first.setdefault(name, v)
         if self.first_counters is None and (f.retries is not None or f.ooms is not None):
             self.first_counters = (f.retries, f.ooms)
-        if f.latency is not None:
-            if self.first_hist is None:
-                self.first_hist = f.latency
-            self.last_hist = f.latency
+        for name in _HISTS:
+            hist = getattr(f, name)
+            if hist is not None:
+                self.first_hist.setdefault(name, hist)
+                self.last_hist[name] = hist
         if self.xid_base is None:
             self.xid_base = dict(f.xids or ())
         if nested or not f.link_known():
@@ -363,18 +476,15 @@ def _window(read: _Running, unread: _Running, lost: bool) -> Window:
     first_retries, first_ooms = base.first_counters or (last.retries, last.ooms)
     retries = None if last.retries is None else last.retries - (first_retries or 0)
     ooms = None if last.ooms is None else last.ooms - (first_ooms or 0)
-    p50 = p99 = None
-    requests = 0.0
-    since_start = False
-    if base.first_hist is not None and base.last_hist is not None:
-        (bounds, first), (last_bounds, now) = base.first_hist, base.last_hist
-        counts = tuple(b - a for a, b in zip(first, now, strict=True)) \
-            if bounds == last_bounds else ()
-        if not counts or counts[-1] <= 0 or min(counts) < 0:  # no requests, or a reset
-            counts, since_start = now, True
-        p50, p99 = quantile(0.5, last_bounds, counts), quantile(0.99, last_bounds, counts)
-        requests = counts[-1]
+    p50, p99, requests, since_start = _quantiles(base, "latency")
     increases = {name: _increase(base.first[name], base.sums[name]) for name in base.first}
+    engine_p99, queue_p99, ttft_p99, itl_p99 = (_quantiles(base, name)[1] for name in
+                                                ("engine_latency", "queue", "ttft", "itl"))
+    queue_share = None
+    if queue_p99 is not None and engine_p99:
+        queue_share = queue_p99 / engine_p99
+    elif increases.get("engine_latency_sum") and increases.get("queue_sum") is not None:
+        queue_share = increases["queue_sum"] / increases["engine_latency_sum"]
     xid_base = base.xid_base or {}
     xids = {code: _increase(xid_base.get(code, 0.0), n) for code, n in (last.xids or ())}
     below = base.below
@@ -382,7 +492,24 @@ def _window(read: _Running, unread: _Running, lost: bool) -> Window:
                   ooms=ooms, p50=p50, p99=p99, requests=requests, latency_since_start=since_start,
                   increases=increases, xids=xids,
                   below_max=None if below is None else _means(below),
-                  below_max_samples=0 if below is None else below.n, link_samples=base.link_n)
+                  below_max_samples=0 if below is None else below.n, link_samples=base.link_n,
+                  engine_p99=engine_p99, queue_p99=queue_p99, ttft_p99=ttft_p99, itl_p99=itl_p99,
+                  queue_share=queue_share)
+
+
+def _quantiles(run: _Running, name: str) -> tuple[float | None, float | None, float, bool]:
+    """p50 and p99 of histogram ``name`` over the window, the requests they are taken from, and
+    whether the window saw no increase (then they are of the whole histogram)."""
+    first_hist, last_hist = run.first_hist.get(name), run.last_hist.get(name)
+    if first_hist is None or last_hist is None:
+        return None, None, 0.0, False
+    (bounds, first), (last_bounds, now) = first_hist, last_hist
+    counts = tuple(b - a for a, b in zip(first, now, strict=True)) if bounds == last_bounds else ()
+    since_start = False
+    if not counts or counts[-1] <= 0 or min(counts) < 0:  # no requests, or a reset
+        counts, since_start = now, True
+    return (quantile(0.5, last_bounds, counts), quantile(0.99, last_bounds, counts), counts[-1],
+            since_start)
 
 
 @dataclass(frozen=True)
@@ -484,9 +611,26 @@ HEALTH_KINDS = {  # the health layer's and the Grace IO's: key: (layer, cell, ti
         "batch host copies into large ones that overlap compute on a side stream"),
 }
 
+ENGINE_KINDS = {  # the serving engine's (--engine-metrics-url): key: (layer, cell, title, what to do)
+    "kv-cache": (
+        "engine", "engine: KV", "the engine's KV cache is full",
+        "give the KV cache more room or ask less of it: raise vLLM's --gpu-memory-utilization "
+        "(SGLang: --mem-fraction-static) if the GPU has free memory, shorten --max-model-len "
+        "to what the traffic needs, lower --max-num-seqs so fewer requests share the cache, "
+        "use an FP8 KV cache (--kv-cache-dtype fp8) or prefix caching for shared prompts; "
+        "otherwise add replicas (or tensor-parallel GPUs) so each holds fewer requests"),
+    "queueing": (
+        "engine", "engine: queue", "requests wait in the engine's queue",
+        "the GPU has room and requests wait to be admitted: raise the batch budget (vLLM "
+        "--max-num-seqs, --max-num-batched-tokens; SGLang --max-running-requests; TGI "
+        "--max-batch-total-tokens; Triton's dynamic batcher max_batch_size and queue delay) "
+        "so more requests run at once; if the GPU is already full at a larger batch, add "
+        "replicas and spread the traffic"),
+}
+
 PRECEDENCE = ("gpu-lost", "hardware-fault", "throttled", "pcie-degraded", "pcie", "c2c",
-              "fragmentation", "allocator-retries", "low-occupancy")
-ALL_KINDS = {key: {**KINDS, **HEALTH_KINDS}[key] for key in PRECEDENCE}
+              "kv-cache", "fragmentation", "allocator-retries", "low-occupancy", "queueing")
+ALL_KINDS = {key: {**KINDS, **HEALTH_KINDS, **ENGINE_KINDS}[key] for key in PRECEDENCE}
 
 # the limiting reasons that make a GPU throttled: field: (name, table cell, what to do)
 _REASON_OF = {
@@ -671,6 +815,12 @@ def judge(w: Window, t: Thresholds | None = None) -> Verdict:
          lambda: f"NVLink-C2C RX {pct(m.c2c_rx_ratio)} ({gbps(m.c2c_rx)}), TX "
                  f"{pct(m.c2c_tx_ratio)} ({gbps(m.c2c_tx)}) of the links' {gbps(m.c2c_max)}, "
                  f"above {t.pcie_util_ratio:.0%} (alert GPUC2CSaturated)"),
+        ("kv-cache", t.kv_cache_full(m.kv_usage, w.increases.get("preemptions"), m.waiting),
+         lambda: f"KV cache {pct(m.kv_usage)} in use (at least {t.kv_cache_full_ratio:.0%}) with "
+                 f"{w.increases.get('preemptions') or 0:.0f} preemptions during the window and "
+                 f"{m.waiting or 0:.1f} requests waiting, {m.running or 0:.1f} running on "
+                 f"average; p99 {ms(w.p99)}, of it queue {ms(w.queue_p99)} (engine {m.engine}; "
+                 "alert GPUEngineKVCacheFull)"),
         ("fragmentation", t.fragmented(m.fragmentation, m.alloc_reserved),
          lambda: f"{pct(m.fragmentation)} of the allocator's {gib(m.alloc_reserved)} cache holds "
                  f"no tensor, above {t.fragmentation_ratio:.0%} on a cache over "
@@ -687,7 +837,9 @@ def judge(w: Window, t: Thresholds | None = None) -> Verdict:
                  "GPULowOccupancyAndSlowRequests)"),
     )
     found: list[Finding] = []
-    for key, hit, evidence in checks:
+    for key, hit, evidence in (*checks, ("queueing", None, lambda: _queueing(w, t))):
+        if hit is None:  # queueing: only where nothing above explains the latency
+            hit = not found and t.queueing(w.queue_share, w.p99)
         if not hit:
             continue
         layer, cell, title, remedy = ALL_KINDS[key]
@@ -700,6 +852,18 @@ def judge(w: Window, t: Thresholds | None = None) -> Verdict:
         notes.extend(_unjudged(w, t, found))
     notes.extend(_health_notes(w, t, found))
     return Verdict(w, tuple(found), tuple(notes))
+
+
+def _queueing(w: Window, t: Thresholds) -> str:
+    m = w.mean
+    share = (f"queue p99 {ms(w.queue_p99)} is {pct(w.queue_share)} of the request p99 "
+             f"{ms(w.engine_p99)}" if w.queue_p99 is not None else
+             f"the mean queue time is {pct(w.queue_share)} of the mean request time")
+    return (f"{share} (at least {t.queue_share_ratio:.0%}), p99 above the "
+            f"{ms(t.p99_latency_s)} objective, while no GPU layer is saturated: SM occupancy "
+            f"{pct(m.occupancy)}, utilization {pct(m.utilization)}, KV cache {pct(m.kv_usage)}; "
+            f"{m.waiting or 0:.1f} requests waiting, {m.running or 0:.1f} running on average "
+            f"(engine {m.engine}; alert GPUEngineQueueing)")
 
 
 def _unjudged(w: Window, t: Thresholds, found: list[Finding]) -> Iterable[str]:
@@ -716,16 +880,33 @@ def _unjudged(w: Window, t: Thresholds, found: list[Finding]) -> Iterable[str]:
         yield "clocks not judged: no SM clock or clock-event reasons on this GPU"
     if m.fragmentation is None and m.latency is None:
         yield ("memory (allocator) and latency not judged: no app figures arrived during the "
-               "window (is sidecar.client started in the model server, on this --socket?)")
+               "window (is sidecar.client started in the model server, on this --socket?), and "
+               "no engine latency (--engine-metrics-url)")
     elif w.p99 is None:
         yield "latency not judged: no request was counted"
+    elif m.fragmentation is None:
+        yield ("memory (allocator) not judged: no app figures arrived during the window (is "
+               "the injected publisher or sidecar.client running in the model server?)")
+    if m.latency_source == "engine":
+        yield (f"latency from the engine ({m.engine}'s request latency histogram): the app "
+               "publishes none")
+    elif m.latency_source == "app" and m.engine_latency is not None:
+        yield (f"latency from the app (sidecar.client); the engine ({m.engine}) says p99 "
+               f"{ms(w.engine_p99)}")
     if t.low_occupancy(m.occupancy) and not t.slow(w.p99) and w.p99 is not None:
         yield (f"SM occupancy {pct(m.occupancy)} is low but p99 {ms(w.p99)} meets the "
                f"{ms(t.p99_latency_s)} objective: normal for a small model, not a bottleneck")
     if t.slow(w.p99) and not found:
-        yield (f"p99 {ms(w.p99)} is above the {ms(t.p99_latency_s)} objective, yet no GPU layer "
-               "crossed its threshold: look outside the GPU (CPU pre/post-processing, queueing, "
-               "network)")
+        if m.engine:
+            yield (f"p99 {ms(w.p99)} is above the {ms(t.p99_latency_s)} objective, yet no GPU or "
+                   f"engine layer explains it (queue {pct(w.queue_share)} of it, KV cache "
+                   f"{pct(m.kv_usage)}, time to first token p99 {ms(w.ttft_p99)}, inter-token "
+                   f"p99 {ms(w.itl_p99)}): look outside the GPU and the engine (CPU pre/post-"
+                   "processing, the network, the client)")
+        else:
+            yield (f"p99 {ms(w.p99)} is above the {ms(t.p99_latency_s)} objective, yet no GPU "
+                   "layer crossed its threshold: look outside the GPU (CPU pre/post-processing, "
+                   "queueing, network)")
 
 
 def _health_notes(w: Window, t: Thresholds, found: list[Finding]) -> Iterable[str]:

@@ -1,0 +1,162 @@
+"""Which of a serving engine's own Prometheus families become which engine series of ours.
+
+One table per engine: for each figure of ours, the engine's families that carry it, newest name
+first (vLLM renamed two between releases; both names in use in 2026 are here), with the factor
+to our unit. Only these families are read; every other family the engine exposes is dropped
+before parsing, so what is forwarded stays a fixed, small set of series whatever the engine
+adds. ``docs/metrics.md`` renders this table, with each source family and the versions that
+expose it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+SourceKind = Literal["histogram", "gauge", "counter", "microsecond_counter"]
+
+# our figures: name -> (kind, unit, what it says); the series are named after them
+FIGURES: dict[str, tuple[str, str, str]] = {
+    "engine_request_duration_seconds": (
+        "histogram", "seconds", "End-to-end request latency, arrival to last token, as the engine "
+        "measured it: the latency the verdict joins when the app publishes none."),
+    "engine_time_to_first_token_seconds": (
+        "histogram", "seconds", "Time to the first output token (queue and prefill)."),
+    "engine_inter_token_latency_seconds": (
+        "histogram", "seconds", "Time between two output tokens of a request (decode)."),
+    "engine_request_queue_duration_seconds": (
+        "histogram", "seconds", "Time a request waited in the engine's queue before it was "
+        "scheduled."),
+    "engine_kv_cache_usage_ratio": (
+        "gauge", "ratio", "Share of the KV cache's blocks in use (1 is full); the fullest engine "
+        "core's where the engine runs several."),
+    "engine_requests_running": ("gauge", "requests", "Requests being executed now."),
+    "engine_requests_waiting": ("gauge", "requests", "Requests waiting to be scheduled."),
+    "engine_preemptions_total": (
+        "counter", "requests", "Requests preempted (their KV cache freed, recomputed or swapped "
+        "later) because the KV cache ran out; SGLang's retracted requests."),
+}
+
+
+@dataclass(frozen=True, slots=True)
+class Family:
+    """One family of an engine's exposition that carries one of our figures."""
+
+    name: str  # as exposed; a counter without its _total
+    kind: SourceKind
+    versions: str  # which releases expose it, for the reference
+    scale: float = 1.0  # to our unit
+    count: tuple[str, ...] = ()  # microsecond_counter: the counters whose sum is the count
+
+
+@dataclass(frozen=True, slots=True)
+class Engine:
+    name: str
+    prefix: str  # every family of the engine starts with it: how the engine is recognised
+    model_label: str | None  # the label that names the served model, if the engine has one
+    figures: dict[str, tuple[Family, ...]]  # our figure -> its families, preferred first
+    default_url: str  # the engine's metrics endpoint on localhost with its default port
+    # the labels that tell replicas apart (each serves its own requests): gauges and counters are
+    # summed over them, and the largest taken over any other label (an SGLang tensor-parallel
+    # rank reports the same requests as its peers); None: summed over every label
+    replicas: tuple[str, ...] | None = None
+
+
+def _f(name: str, kind: SourceKind, versions: str, **kw: object) -> Family:
+    return Family(name=name, kind=kind, versions=versions, **kw)  # type: ignore[arg-type]
+
+
+VLLM = Engine(
+    name="vllm", prefix="vllm:", model_label="model_name", replicas=("engine",),
+    default_url="http://127.0.0.1:8000/metrics",
+    figures={
+        "engine_request_duration_seconds": (
+            _f("vllm:e2e_request_latency_seconds", "histogram", "all"),),
+        "engine_time_to_first_token_seconds": (
+            _f("vllm:time_to_first_token_seconds", "histogram", "all"),),
+        "engine_inter_token_latency_seconds": (
+            _f("vllm:inter_token_latency_seconds", "histogram", "0.10.2 and later"),
+            _f("vllm:time_per_output_token_seconds", "histogram",
+               "V0, and V1 before 0.15 (hidden from 0.12)")),
+        "engine_request_queue_duration_seconds": (
+            _f("vllm:request_queue_time_seconds", "histogram", "all"),),
+        "engine_kv_cache_usage_ratio": (
+            _f("vllm:kv_cache_usage_perc", "gauge", "V1, 0.10 and later (a fraction 0..1)"),
+            _f("vllm:gpu_cache_usage_perc", "gauge",
+               "V0, and V1 before 0.12 (hidden in 0.11; a fraction 0..1)")),
+        "engine_requests_running": (_f("vllm:num_requests_running", "gauge", "all"),),
+        "engine_requests_waiting": (_f("vllm:num_requests_waiting", "gauge", "all"),),
+        "engine_preemptions_total": (_f("vllm:num_preemptions", "counter", "all"),),
+    },
+)
+
+SGLANG = Engine(
+    name="sglang", prefix="sglang:", model_label="model_name", replicas=("dp_rank",),
+    default_url="http://127.0.0.1:30000/metrics",
+    figures={
+        "engine_request_duration_seconds": (
+            _f("sglang:e2e_request_latency_seconds", "histogram", "all"),),
+        "engine_time_to_first_token_seconds": (
+            _f("sglang:time_to_first_token_seconds", "histogram", "all"),),
+        "engine_inter_token_latency_seconds": (
+            _f("sglang:inter_token_latency_seconds", "histogram", "all"),),
+        "engine_request_queue_duration_seconds": (
+            _f("sglang:queue_time_seconds", "histogram", "all"),),
+        "engine_kv_cache_usage_ratio": (
+            _f("sglang:token_usage", "gauge", "all (tokens in use over capacity)"),),
+        "engine_requests_running": (_f("sglang:num_running_reqs", "gauge", "all"),),
+        "engine_requests_waiting": (_f("sglang:num_queue_reqs", "gauge", "all"),),
+        "engine_preemptions_total": (
+            _f("sglang:num_retracted_requests", "counter", "0.5.x (retracted requests)"),),
+    },
+)
+
+TGI = Engine(
+    name="tgi", prefix="tgi_", model_label=None,
+    default_url="http://127.0.0.1:80/metrics",  # the image's PORT; 3000 outside it
+    figures={
+        "engine_request_duration_seconds": (_f("tgi_request_duration", "histogram", "all"),),
+        "engine_inter_token_latency_seconds": (
+            _f("tgi_request_mean_time_per_token_duration", "histogram",
+               "all (a request's mean, not each gap)"),),
+        "engine_request_queue_duration_seconds": (
+            _f("tgi_request_queue_duration", "histogram", "all"),),
+        "engine_requests_running": (_f("tgi_batch_current_size", "gauge", "all"),),
+        "engine_requests_waiting": (_f("tgi_queue_size", "gauge", "all"),),
+    },
+)
+
+TRITON = Engine(
+    name="triton", prefix="nv_inference_", model_label="model",
+    default_url="http://127.0.0.1:8002/metrics",
+    figures={
+        "engine_request_duration_seconds": (
+            _f("nv_inference_request_duration_us", "microsecond_counter",
+               "all (cumulative microseconds: a mean, no buckets)", scale=1e-6,
+               count=("nv_inference_request_success",)),),
+        "engine_request_queue_duration_seconds": (
+            _f("nv_inference_queue_duration_us", "microsecond_counter",
+               "all (cumulative microseconds: a mean, no buckets)", scale=1e-6,
+               count=("nv_inference_request_success",)),),
+        "engine_time_to_first_token_seconds": (
+            _f("nv_inference_first_response_histogram_ms", "histogram",
+               "with --metrics-config histogram_latencies=true (milliseconds; 100, 500, "
+               "2000, 5000 by default)", scale=1e-3),),
+        "engine_requests_waiting": (
+            _f("nv_inference_pending_request_count", "gauge", "all"),),
+    },
+)
+
+ENGINES: tuple[Engine, ...] = (VLLM, SGLANG, TGI, TRITON)
+
+
+def source_names() -> frozenset[str]:
+    """Every family name the tables read, as it appears at the start of a sample line or after
+    ``# TYPE``: counters with and without ``_total``, histograms with their parts."""
+    names: set[str] = set()
+    for engine in ENGINES:
+        for families in engine.figures.values():
+            for fam in families:
+                names.add(fam.name)
+                names.update(fam.count)
+    return frozenset(names)
