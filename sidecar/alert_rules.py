@@ -21,7 +21,8 @@ _HEADER = """\
 # allocator's, not device memory usage; PCIe against the device's real link maximum; occupancy
 # only together with degraded latency), plus the allocator's direct symptom, the GPU's health
 # (hardware faults, a pending row remap, throttled clocks, a PCIe link trained down under
-# traffic, NVLink-C2C saturated on Grace) and the agent's own health. Tested with
+# traffic, NVLink-C2C saturated on Grace), the serving engine's (a full KV cache, queueing) and
+# the agent's own health. Tested with
 # `promtool test rules deploy/alerts/gpu-sidecar.tests.yml`.
 # Generated from sidecar/thresholds.py by `python -m sidecar.alert_rules`: edit there, not here.
 # The same groups, as a PrometheusRule for the Prometheus Operator: k8s/monitoring/.
@@ -104,13 +105,26 @@ groups:
       - alert: GPULowOccupancyAndSlowRequests
         # low occupancy alone is normal for small models; it matters when latency suffers too.
         # %(p99_latency_s)s s is the p99 objective used here: set your own.
+        # The latency is the app's (per GPU) or, on a GPU whose app publishes none, the
+        # serving engine's (--engine-metrics-url: the pod's, for each of its GPUs).
         expr: |
-          avg by (namespace, pod, gpu_uuid) (gpu_sm_occupancy_ratio) < %(occupancy_ratio)s
-          and on (namespace, pod, gpu_uuid)
-          histogram_quantile(0.99,
-            sum by (namespace, pod, gpu_uuid, le) (
-              rate(inference_request_duration_seconds_bucket[5m]))
-          ) > %(p99_latency_s)s
+          (
+            avg by (namespace, pod, gpu_uuid) (gpu_sm_occupancy_ratio) < %(occupancy_ratio)s
+            and on (namespace, pod, gpu_uuid)
+            histogram_quantile(0.99,
+              sum by (namespace, pod, gpu_uuid, le) (
+                rate(inference_request_duration_seconds_bucket[5m]))
+            ) > %(p99_latency_s)s
+          )
+          or
+          (
+            avg by (namespace, pod, gpu_uuid) (gpu_sm_occupancy_ratio) < %(occupancy_ratio)s
+            unless on (namespace, pod, gpu_uuid) inference_request_duration_seconds_count
+            and on (namespace, pod)
+            histogram_quantile(0.99,
+              sum by (namespace, pod, le) (rate(engine_request_duration_seconds_bucket[5m]))
+            ) > %(p99_latency_s)s
+          )
         for: 10m
         labels:
           severity: warning
@@ -233,6 +247,61 @@ groups:
             Host memory traffic of {{ $labels.pod }} uses more than %(pcie_percent)s %% of the C2C link to
             the Grace CPU: keep reused data in HBM, prefetch managed memory to the GPU, avoid
             oversubscribing HBM.
+
+  - name: gpu-sidecar.engine
+    rules:
+      - alert: GPUEngineKVCacheFull
+        # the serving engine's KV cache (--engine-metrics-url) at %(kv_cache_percent)s %% or more
+        # while requests are preempted or wait for room: a full cache alone is normal
+        expr: |
+          max by (namespace, pod, engine, endpoint, model) (
+            avg_over_time(engine_kv_cache_usage_ratio[5m])
+          ) >= %(kv_cache_full_ratio)s
+          and on (namespace, pod, engine, endpoint, model)
+          (
+            max by (namespace, pod, engine, endpoint, model) (
+              increase(engine_preemptions_total[5m])) > 0
+            or
+            max by (namespace, pod, engine, endpoint, model) (
+              avg_over_time(engine_requests_waiting[5m])) >= %(kv_cache_waiting_requests)s
+          )
+        for: 5m
+        labels:
+          severity: warning
+        annotations:
+          summary: "KV cache of {{ $labels.model }} on {{ $labels.pod }} at {{ $value | humanizePercentage }}"
+          description: >-
+            The {{ $labels.engine }} engine of {{ $labels.pod }} has no KV-cache room left and
+            preempts or queues requests: raise gpu_memory_utilization, shorten max_model_len,
+            lower the number of concurrent sequences, or add replicas.
+
+      - alert: GPUEngineQueueing
+        # requests spend at least %(queue_share_percent)s %% of the p99 latency waiting in the
+        # engine's queue, p99 above the %(p99_latency_s)s s objective, and the KV cache is not
+        # the reason (GPUEngineKVCacheFull). diagnose also checks that no GPU layer explains it;
+        # an engine without queue buckets (Triton: cumulative durations only) is not judged here
+        expr: |
+          (
+            histogram_quantile(0.99, sum by (namespace, pod, engine, endpoint, model, le) (
+              rate(engine_request_queue_duration_seconds_bucket[5m])))
+            / on (namespace, pod, engine, endpoint, model)
+            histogram_quantile(0.99, sum by (namespace, pod, engine, endpoint, model, le) (
+              rate(engine_request_duration_seconds_bucket[5m])))
+          ) >= %(queue_share_ratio)s
+          and on (namespace, pod, engine, endpoint, model)
+          histogram_quantile(0.99, sum by (namespace, pod, engine, endpoint, model, le) (
+            rate(engine_request_duration_seconds_bucket[5m]))) > %(p99_latency_s)s
+          unless on (namespace, pod, engine, endpoint, model)
+          avg_over_time(engine_kv_cache_usage_ratio[5m]) >= %(kv_cache_full_ratio)s
+        for: 10m
+        labels:
+          severity: warning
+        annotations:
+          summary: "Requests of {{ $labels.model }} on {{ $labels.pod }} wait {{ $value | humanizePercentage }} of their p99 in the queue"
+          description: >-
+            The {{ $labels.engine }} engine of {{ $labels.pod }} admits requests too slowly for
+            the traffic: raise the batch budget (max_num_seqs, max_num_batched_tokens) if the
+            GPU has room, or add replicas.
 
   - name: gpu-sidecar.batch
     rules:
@@ -368,6 +437,8 @@ def _values(t: Thresholds) -> dict[str, object]:
     values["throttle_clock_percent"] = f"{100 * t.throttle_clock_ratio:g}"
     values["busy_percent"] = f"{100 * t.busy_utilization_ratio:g}"
     values["pcie_degraded_percent"] = f"{100 * t.pcie_degraded_traffic_ratio:g}"
+    values["kv_cache_percent"] = f"{100 * t.kv_cache_full_ratio:g}"
+    values["queue_share_percent"] = f"{100 * t.queue_share_ratio:g}"
     values["throttle_reasons_expr"] = "\n            or\n".join(
         f'            label_replace(avg_over_time(gpu_clocks_event_{reason}_ratio[5m])'
         f' > {t.throttle_ratio:g},\n              "reason", "{name}", "", "")'

@@ -222,7 +222,7 @@ def test_a_threshold_changed_in_thresholds_py_changes_the_rules_promtool_runs(tm
     assert rule(rules, "GPUPCIeSaturated")["expr"].rstrip().endswith(") > 0.65")
     assert "more than 65 % of the PCIe link" in rule(rules, "GPUPCIeSaturated")["annotations"][
         "description"]
-    assert rule(rules, "GPULowOccupancyAndSlowRequests")["expr"].rstrip().endswith(") > 0.4")
+    assert rule(rules, "GPULowOccupancyAndSlowRequests")["expr"].count(") > 0.4\n") == 2
     shipped = yaml.safe_load((ALERTS / "gpu-sidecar.rules.yml").read_text())
     assert rule(shipped, "GPUPCIeSaturated")["expr"].rstrip().endswith(") > 0.8")
     check = run(need("promtool"), "check", "rules", str(tmp_path / alert_rules.RULES_FILE))
@@ -276,8 +276,8 @@ def substitute(expr: str) -> str:
 def test_dashboard_is_importable_and_has_the_promised_rows_and_variables():
     d = dashboard()
     rows = [p["title"] for p in d["panels"] if p["type"] == "row"]
-    assert rows == ["Compute", "Memory", "IO", "Health", "App latency", "Agent health",
-                    "Batch runs"]
+    assert rows == ["Compute", "Memory", "IO", "Health", "App latency", "Serving engine",
+                    "Agent health", "Batch runs"]
     names = [v["name"] for v in d["templating"]["list"]]
     assert {"namespace", "pod", "gpu"} <= set(names)
     assert d["uid"] and d["schemaVersion"] >= 36
@@ -298,6 +298,12 @@ def test_every_dashboard_query_returns_data_from_a_real_victoriametrics(tmp_path
                        "--remote-write-url", vm.write_url, "--spool-dir", str(tmp_path / "sp2"),
                        "--pod-namespace", "ml", "--pod-name", "llm-0", "--node-name", "n2"])
         grace.start()
+        # and a pod whose serving engine (simulated vLLM) is read, for the engine row
+        engine = Agent(["--simulate", "kv-cache-full", "--interval", "0.5", "--push-interval",
+                        "1", "--remote-write-url", vm.write_url, "--spool-dir",
+                        str(tmp_path / "sp3"), "--pod-namespace", "ml", "--pod-name", "llm-0",
+                        "--node-name", "n3"])
+        engine.start()
         # the data the panels judge: every series they need (but the run summary's, printed by
         # the last cycle; "or on() vector(0)" needs none) in two cycles at least, and 12
         # cycles for rates and increases
@@ -307,16 +313,17 @@ def test_every_dashboard_query_returns_data_from_a_real_victoriametrics(tmp_path
                    if not name.startswith("gpu_run_")}
 
         def missing() -> set[str]:
-            seen = Counter(name for name, _ in {(n, ts) for a in (agent, grace)
+            seen = Counter(name for name, _ in {(n, ts) for a in (agent, grace, engine)
                                                 for n, _, ts, _ in a.sampled()})
             return {name for name in queried if seen[name] < 2}
 
-        until(lambda: (min(agent.cycles(), grace.cycles()) >= 12 and not missing())
-              or agent.proc.poll() is not None or grace.proc.poll() is not None,
+        until(lambda: (min(agent.cycles(), grace.cycles(), engine.cycles()) >= 12
+                       and not missing())
+              or any(a.proc.poll() is not None for a in (agent, grace, engine)),
               interval=0.2, what=lambda: f"12 cycles with every queried series (at "
                                          f"{agent.cycles()}; missing {sorted(missing())})")
-        assert agent.stop() == 0 and grace.stop() == 0
-        vm.settled(len(agent.sampled()) + len(grace.sampled()))
+        assert agent.stop() == 0 and grace.stop() == 0 and engine.stop() == 0
+        vm.settled(len(agent.sampled()) + len(grace.sampled()) + len(engine.sampled()))
         failures = []
         # series first written in the agent's last cycle (the run summary) can take VictoriaMetrics
         # a few seconds to index for queries, after /api/v1/export already shows them
