@@ -5,7 +5,8 @@ FROM python:3.12-slim-bookworm AS build
 WORKDIR /src
 COPY pyproject.toml README.md ./
 COPY sidecar ./sidecar
-RUN python -m venv /opt/gpu-sidecar \
+# python3, not python: the name every Debian-based Python has (python:*-slim has both)
+RUN python3 -m venv /opt/gpu-sidecar \
  && /opt/gpu-sidecar/bin/pip install --no-cache-dir --upgrade pip==24.3.1 \
  && /opt/gpu-sidecar/bin/pip install --no-cache-dir .
 

@@ -17,7 +17,7 @@ import structlog
 
 from sidecar import __version__, signals
 from sidecar.config import Config
-from sidecar.log import log_count
+from sidecar.log import Episodes, log_count
 from sidecar.samples import GpuIdentity, GpuSample, Labels, Series, gpu_labels, sample_series
 from sidecar.sinks import Sink
 from sidecar.sources.app_socket import NO_FIGURES, AppState
@@ -27,6 +27,8 @@ from sidecar.summary import Checkpoint, RunSummary
 
 log = structlog.get_logger("sidecar.agent")
 
+# no app message this long after the start is said once (no_app_announced)
+NO_APP_AFTER_S = 30.0
 # rates and GPM averages need two readings (GPM's at least 0.1 s apart): --once and probe wait
 # this long between them, and a run takes its first sample this long after the priming reading
 PRIME_WINDOW_S = 0.25
@@ -63,6 +65,13 @@ class Agent:
         self.paused_s = 0.0  # slots missed while the process did not run, in seconds
         self.stopping = False  # the last cycle of a stopped run says gpu_sidecar_up 0
         self.last_cycle_s = 0.0
+        self.cycles = 0
+        # called with each cycle's series once the sinks have them (the status file)
+        self.on_cycle: Callable[[list[Series]], None] | None = None
+        self._started = clock()
+        self._no_app_said = False
+        self._app_heard = False  # the app announced a GPU at some point
+        self._app_quiet = Episodes()
         self._identities: dict[str, GpuIdentity] = {}
         self._warned_missing: set[str] = set()
         self._selection: tuple[str, ...] = ()
@@ -91,6 +100,7 @@ class Agent:
             chosen = list(self._identities)
         else:
             chosen = self.app.announced()
+            self._watch_announced(chosen)
         if tuple(chosen) != self._selection:
             self._selection = tuple(chosen)
             log.info("gpus_selected", mode=self.config.gpus, gpus=chosen)
@@ -105,6 +115,37 @@ class Agent:
         if self.config.gpus != "announced":
             self._fixed_selection = chosen  # named or visible: decided once, logged once
         return chosen
+
+    def _watch_announced(self, chosen: list[str]) -> None:
+        """--gpus announced: the GPUs exported are the app's; its going quiet is said (once per
+        episode), since the GPUs' NVML series stop with its figures."""
+        if chosen:
+            self._app_heard = True
+            if self._app_quiet.ended():
+                log.info("app_publishing_again", gpus=chosen)
+        elif self._app_heard and self._app_quiet.started():
+            log.warning("app_quiet", silent_for_s=self.config.app_stale_after,
+                        effect="--gpus announced: the GPUs the app announced are no longer "
+                               "exported, their NVML series included, until it publishes again",
+                        hint="expected if the model server stopped; to export the GPUs "
+                             "whatever the app does, run with --gpus visible")
+
+    def _watch_app(self) -> None:
+        """No app message at all this long after the start: said once, with where to look."""
+        if self._no_app_said or self.app.accepted or \
+                self.clock() - self._started < NO_APP_AFTER_S:
+            return
+        self._no_app_said = True
+        announced = self.config.gpus == "announced"
+        log.warning("no_app_announced", socket=self.config.socket, waited_s=NO_APP_AFTER_S,
+                    effect=("no GPU is exported until the app announces one (--gpus announced)"
+                            if announced else "no allocator or app latency figures"),
+                    hint="is a publisher running in the model server? With the k8s component "
+                         "the app container needs PYTHONPATH starting with the injected "
+                         "publisher's directory (python/ beside the socket), GPU_SIDECAR_SOCKET "
+                         "set to this socket and the socket's volume mounted; or call "
+                         "sidecar.client.start() in the app. `gpu-sidecar status` shows what "
+                         "arrives and what is rejected")
 
     def identity(self, uuid: str) -> GpuIdentity:
         return self._identities.get(uuid) or GpuIdentity(uuid=uuid, name="unknown (no NVML)",
@@ -145,6 +186,8 @@ class Agent:
     def cycle(self, *, last: bool = False) -> list[Series]:
         """One cycle to every sink; the ``last`` one of a run also carries the run summary."""
         started = self.clock()
+        self.cycles += 1
+        self._watch_app()
         samples, available = self.collect()
         series: list[Series] = []
         for sample in samples:
@@ -170,6 +213,8 @@ class Agent:
                 self.checkpoint.discard()
             else:
                 self.checkpoint.save(self.summary)
+        if self.on_cycle is not None:
+            self.on_cycle(series)
         return series
 
     def _emit_failed(self, sink: Sink, exc: Exception, count: int) -> None:

@@ -297,7 +297,7 @@ groups:
         labels:
           severity: warning
         annotations:
-          summary: "Requests of {{ $labels.model }} on {{ $labels.pod }} wait {{ $value | humanizePercentage }} of their p99 in the queue"
+          summary: "{{ $labels.model }} on {{ $labels.pod }}: {{ $value | humanizePercentage }} of p99 queued"
           description: >-
             The {{ $labels.engine }} engine of {{ $labels.pod }} admits requests too slowly for
             the traffic: raise the batch budget (max_num_seqs, max_num_batched_tokens) if the

@@ -1,4 +1,4 @@
-"""Command line (Contract 3): ``gpu-sidecar run``, ``probe``, ``diagnose`` and
+"""Command line (Contract 3): ``gpu-sidecar run``, ``probe``, ``diagnose``, ``status`` and
 ``resend-rejected``."""
 
 from __future__ import annotations
@@ -53,6 +53,14 @@ configuration error.
 """ + OPTIONS_NOTE
 
 
+STATUS_EPILOG = """\
+Exit codes: 0 the agent's status, current; 1 the status is older than three intervals (at least
+30 s: the agent's cycles have stopped) or, with --alive, missing; 2 no status to read (no agent
+runs on this socket's directory) or a configuration error.
+
+""" + OPTIONS_NOTE
+
+
 class _Parser(argparse.ArgumentParser):
     """argparse quotes what it could not parse, values included (``--heder X-Api-Key=secret``):
     its errors keep the option names and mask every value."""
@@ -77,8 +85,8 @@ def _parser() -> argparse.ArgumentParser:
         "this pod and writes timestamped series. With nothing configured: stdout.",
     )
     parser.add_argument("--version", action="version", version=config.version_line())
-    sub = parser.add_subparsers(dest="command", required=True, metavar="{run,diagnose,probe,resend-rejected}",
-                                parser_class=_Parser)
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser,
+                                metavar="{run,diagnose,probe,status,resend-rejected}")
     run = sub.add_parser("run", help="run the agent", epilog=EPILOG,
                          formatter_class=argparse.RawDescriptionHelpFormatter,
                          description="Sample every --interval seconds and write the series.")
@@ -104,6 +112,15 @@ def _parser() -> argparse.ArgumentParser:
         "once accepted. Give the configuration the agent runs with (in a pod: kubectl exec into "
         "the sidecar container, whose environment has it). Runs beside a running agent.")
     config.add_arguments(resend, "resend-rejected")
+    status = sub.add_parser(
+        "status", help="what the running agent knows: sinks, app processes, GPUs, engines",
+        epilog=STATUS_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="Read the status the running agent writes beside its socket (status.json) "
+        "and print it: per sink the last success, backlog and failures; per app process the "
+        "last message, and the app's rejected messages by reason; the GPUs exported and why; "
+        "per engine endpoint whether it is read. Give the agent's --socket (in a pod: kubectl "
+        "exec into the sidecar container, whose environment has it).")
+    config.add_arguments(status, "status")
     return parser
 
 
@@ -125,9 +142,17 @@ def main(argv: Sequence[str] | None = None) -> int:
             from sidecar.views.diagnose import diagnose
 
             return diagnose(cfg)
+        if args.command == "status":
+            from sidecar.views.status import status
+
+            return status(cfg, alive=cfg.alive)
         if args.command == "resend-rejected":
             signals.restore_defaults()
             return wiring.resend_rejected(cfg)
+        if cfg.dry_run:
+            from sidecar.views.dry_run import dry_run
+
+            return dry_run(cfg)
         return wiring.run(cfg)
     except config.ConfigError as exc:  # found once NVML was open
         return _fail(args.command, "configuration_error", f"configuration error: {exc}", 2)

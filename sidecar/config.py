@@ -92,6 +92,9 @@ class Config:
     engine_metrics_url: tuple[str, ...] = ()
     engine_metrics_timeout: float = 2.0
     engine_metrics_max_bytes: int = 4 * 1024 * 1024
+    alive: bool = False
+    dry_run: bool = False
+    metrics_listen: str = ""
 
     @property
     def has_receivers(self) -> bool:
@@ -405,6 +408,19 @@ def _label(text: str) -> str:
     return text
 
 
+def _listen_address(text: str) -> str:
+    """HOST:PORT to listen on: an IPv4 address, [IPv6], a host name, or empty for every
+    address; the port 1..65535."""
+    host, sep, port = text.rpartition(":")
+    if not sep or not port.isdigit() or not 1 <= int(port) <= 65535:
+        raise ValueError("must be HOST:PORT with a port from 1 to 65535, e.g. 0.0.0.0:9400")
+    bare = host[1:-1] if host.startswith("[") and host.endswith("]") else host
+    if bare and not (_HOST.fullmatch(bare) or (":" in bare and host.startswith("["))):
+        raise ValueError("has a host that is no address or host name (an IPv6 address goes "
+                         "in [brackets])")
+    return text
+
+
 def _job_name(text: str) -> str:
     """A Job's name as the label batch.kubernetes.io/job-name carries it: it becomes a path
     segment of the Pushgateway's grouping URL, where '.' or '..' would be normalised away."""
@@ -429,9 +445,10 @@ OPTIONS: tuple[Option, ...] = (
            "(every GPU NVML shows this container) or a comma-separated list of GPU/MIG UUIDs.", _gpus,
            commands=("run", "probe", "diagnose")),
     Option("socket", "Path of the app's Unix datagram socket (default {default}; the client "
-           "reads {env} too). With --simulate and no path given, a private temporary one.",
+           "reads {env} too). With --simulate and no path given, a private temporary one. The "
+           "agent writes its status (gpu-sidecar status) beside it, as status.json.",
            _socket_path,
-           commands=("run", "probe", "diagnose")),
+           commands=("run", "probe", "diagnose", "status")),
     Option("inject", "Place the injected publisher at start, before the socket is bound: a "
            "standard-library copy of the app-side publisher and a sitecustomize.py in "
            "--inject-dir, so that an app container with that directory on its PYTHONPATH "
@@ -481,6 +498,15 @@ OPTIONS: tuple[Option, ...] = (
            "configured, e.g. to watch what is pushed.", _bool, flag_only=True, commands=("run",)),
     Option("once", "Take one sample cycle, print it and exit.", _bool, flag_only=True,
            commands=("run",)),
+    Option("dry_run", "Check the configuration, NVML, the socket path, the spool volume, each "
+           "receiver (one request that stores nothing: an empty remote-write or OTLP request, "
+           "a Pushgateway status read) and each engine endpoint, print what was found and exit: "
+           "0 all good, 1 a check failed, 2 configuration error.", _bool, flag_only=True,
+           commands=("run",)),
+    Option("metrics_listen", "Also serve the last cycle's series on http://ADDR/metrics in the "
+           "Prometheus text format, for a Prometheus that scrapes (HOST:PORT, e.g. "
+           "0.0.0.0:9400 or 127.0.0.1:9400; off by default: no port is opened unless given).",
+           _listen_address, commands=("run",)),
     Option("duration", "Seconds diagnose samples before it judges (1..3600; default {default}). The "
            "shipped alerts wait 3 to 10 minutes before firing; a longer window is steadier.",
            _seconds(1, 3600), commands=("diagnose",)),
@@ -489,17 +515,20 @@ OPTIONS: tuple[Option, ...] = (
            _choice(*SCENARIOS), commands=("run", "probe", "diagnose")),
     Option("simulate_gpus", "Number of simulated GPUs (1..16; default per scenario).", _gpu_count,
            commands=("run", "probe", "diagnose")),
-    Option("no_simulated_app", "With --simulate: do not start the simulated model server, so "
-           "that a real app (sidecar.client) is the only publisher on the socket.", _bool,
-           flag_only=True, commands=("run",)),
+    Option("no_simulated_app", "With --simulate: do not start the simulated model server (nor "
+           "its simulated engine endpoint), so that a real app (sidecar.client) is the only "
+           "publisher on the socket.", _bool, flag_only=True, commands=("run", "diagnose")),
     Option("log_format", "Log format on stderr (default {default}): 'auto' (JSON unless stderr "
            "is a terminal), 'json' or 'console'.", _choice("auto", "json", "console"),
-           commands=("run", "probe", "diagnose", "resend-rejected")),
+           commands=("run", "probe", "diagnose", "resend-rejected", "status")),
     Option("log_level", "Log level: debug, info, warning or error (default {default} for run; "
-           "warning for probe, diagnose and resend-rejected, whose printed report says what info "
-           "would).",
+           "warning for probe, diagnose, resend-rejected and status, whose printed report says "
+           "what info would).",
            _choice("debug", "info", "warning", "error"),
-           commands=("run", "probe", "diagnose", "resend-rejected")),
+           commands=("run", "probe", "diagnose", "resend-rejected", "status")),
+    Option("alive", "Only say whether the agent's cycles run: exit 0 while its status file is "
+           "younger than three intervals (at least 30 s), 1 otherwise; for a liveness probe.",
+           _bool, flag_only=True, commands=("status",)),
     Option("pod_namespace", "Label 'namespace' on every series (downward API: "
            "metadata.namespace).", _label, commands=("run",)),
     Option("pod_name", "Label 'pod' on every series (downward API: metadata.name).", _label,
@@ -685,11 +714,20 @@ def build(command: str, args: argparse.Namespace, env: Mapping[str, str] = os.en
     if config.pushgateway_delete_on_exit and config.batch_job:
         raise ConfigError("--pushgateway-delete-on-exit would delete the group that keeps the run "
                           "summary of --batch-job: leave it off for Jobs (it is for Deployments)")
+    if config.once and config.metrics_listen:
+        raise ConfigError("--once exits after one cycle, which leaves nothing to scrape: drop "
+                          "--metrics-listen (GPU_SIDECAR_METRICS_LISTEN) or --once")
+    if config.once and config.dry_run:
+        raise ConfigError("--once and --dry-run exclude each other: --dry-run takes no sample")
     clash = sorted({k for k, _ in config.extra_label} & RESERVED_LABELS)
     if clash:
         raise ConfigError(f"--extra-label may not set {', '.join(clash)}: the agent sets those")
     if config.once and config.has_receivers:
-        raise ConfigError("--once prints to stdout; it does not combine with receivers")
+        raise ConfigError("--once prints one cycle to stdout and exits: it does not combine with "
+                          "receivers (--remote-write-url / GPU_SIDECAR_REMOTE_WRITE_URL, "
+                          "--otlp-url / GPU_SIDECAR_OTLP_URL, --pushgateway-url / "
+                          "GPU_SIDECAR_PUSHGATEWAY_URL); drop --once to push, or unset the "
+                          "receiver to print; --dry-run checks the receivers without pushing")
     return config
 
 

@@ -48,6 +48,8 @@ CONDITIONS = ("pcie_saturated", "fragmented", "low_occupancy")
 _RESERVED = "gpu_allocator_reserved_bytes"
 _AVAILABLE = "gpu_sidecar_gpu_available"  # 0 in a cycle the GPU was selected but not read
 _BUCKET = "inference_request_duration_seconds_bucket"
+# the serving engine's (the pod's): the run's latency on a GPU whose app publishes none
+_ENGINE_BUCKET = "engine_request_duration_seconds_bucket"
 _WATCHED = frozenset((*RATIOS, *COUNTERS, _RESERVED, _AVAILABLE))
 STATE_VERSION = 1
 
@@ -206,6 +208,7 @@ class RunSummary:
     def add(self, series: list[Series]) -> None:
         figures: dict[Labels, dict[str, float]] = {}
         buckets: dict[Labels, dict[float, float]] = {}
+        engine: dict[float, float] = {}  # summed over endpoints and models
         ts = None
         for s in series:
             ts = s.timestamp_ms
@@ -214,6 +217,13 @@ class RunSummary:
             elif s.name == _BUCKET:
                 gpu, bound = self._bucket_of(s.labels)
                 buckets.setdefault(gpu, {})[bound] = s.value
+            elif s.name == _ENGINE_BUCKET:
+                _, bound = self._bucket_of(s.labels)
+                engine[bound] = engine.get(bound, 0.0) + s.value
+        if engine:
+            for labels in figures:
+                if any(k == "gpu_uuid" for k, _ in labels):
+                    buckets.setdefault(labels, engine)
         if ts is None:
             return
         if self.start_ms is None:

@@ -70,10 +70,17 @@ def build_sinks(cfg: config.Config, spool_root: str) -> list[Sink]:
     """The configured receivers, or stdout when there are none."""
     from sidecar.sinks.stdout import StdoutSink
 
-    if not cfg.has_receivers:
-        return [StdoutSink(cfg.output)]
-    http = _http_options(cfg)
     sinks: list[Sink] = []
+    if cfg.metrics_listen:  # an output of its own: with no receiver, nothing goes to stdout
+        from sidecar.sinks.scrape import ListenError, ScrapeSink
+
+        try:
+            sinks.append(ScrapeSink(cfg.metrics_listen))
+        except ListenError as exc:
+            raise config.ConfigError(str(exc.strerror)) from None
+    if not cfg.has_receivers:
+        return sinks if sinks and not cfg.stdout else [*sinks, StdoutSink(cfg.output)]
+    http = _http_options(cfg)
     if cfg.remote_write_url:
         from sidecar.sinks.remote_write import RemoteWriteSink, sink_name
 
@@ -380,11 +387,17 @@ def _engine_fetch(cfg: config.Config) -> Callable[[str], Fetched]:
 
 
 def run(cfg: config.Config) -> int:
+    temporary_spool = bool(cfg.simulate) and cfg.spool_dir == config.Config.spool_dir
     with simulated_paths(cfg) as cfg:
-        return _run(cfg)
+        return _run(cfg, temporary_spool=temporary_spool)
 
 
-def _run(cfg: config.Config) -> int:
+TEMPORARY_SPOOL_EFFECT = ("LOST at exit: with --simulate and no --spool-dir the spool is a "
+                          "temporary directory, removed with this run; give --spool-dir to keep "
+                          "what a receiver did not take")
+
+
+def _run(cfg: config.Config, *, temporary_spool: bool = False) -> int:
     log.info("starting", version=__version__, config=config.describe(cfg))
     if cfg.insecure_skip_verify:
         log.warning("tls_verification_disabled",
@@ -397,12 +410,19 @@ def _run(cfg: config.Config) -> int:
     inject_placement.apply(cfg)
     with sampling(cfg) as (source, scenario, state), engines(cfg, scenario) as engine:
         sinks = build_sinks(cfg, cfg.spool_dir)
+        if temporary_spool:
+            for sink in sinks:
+                if hasattr(sink, "left_in_spool_effect"):
+                    sink.left_in_spool_effect = TEMPORARY_SPOOL_EFFECT  # type: ignore[attr-defined]
         mode = "simulated" if scenario is not None else ("nvml" if source else "app-only")
         # a Job's run summary so far, beside the spool: an agent restarted mid-run goes on with it
         checkpoint = (Checkpoint(Path(cfg.spool_dir) / "run-summary.json", cfg.push_interval)
                       if cfg.batch_job else None)
         agent = Agent(cfg, source=source, app=state, sinks=sinks, mode=mode, checkpoint=checkpoint,
                       engine=engine)
+        from sidecar.views.status import StatusWriter, status_path
+
+        agent.on_cycle = StatusWriter(status_path(cfg.socket), agent)
         for sink in sinks:
             sink.start()
         if stop.is_set():

@@ -4,10 +4,13 @@ kubernetes-validate, promtool, and a real VictoriaMetrics for every dashboard qu
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import os
 import re
+import shutil
 import subprocess
+import sys
 import time
 from collections import Counter
 from pathlib import Path
@@ -52,10 +55,20 @@ def test_dockerfile_follows_the_rules_for_a_gpu_sidecar_image():
 
 # -- Kubernetes --------------------------------------------------------------------------------
 
-def render(path: Path) -> list[dict]:
+TARGETS = ["base", *[f"overlays/{o}" for o in OVERLAYS]]
+DEFAULT_TARGETS = [t for t in TARGETS if t != "overlays/scrape"]  # scrape: opt-in, on quickstart
+WORKLOADS = ("Deployment", "StatefulSet", "Job")
+
+
+@functools.cache
+def _kustomize(path: Path) -> str:
     proc = run(need("kubectl"), "kustomize", str(path))
     assert proc.returncode == 0, proc.stderr
-    return [d for d in yaml.safe_load_all(proc.stdout) if d]
+    return proc.stdout
+
+
+def render(path: Path) -> list[dict]:
+    return [d for d in yaml.safe_load_all(_kustomize(path)) if d]
 
 
 def validate(docs: list[dict]) -> subprocess.CompletedProcess:
@@ -70,14 +83,62 @@ def sidecar_of(doc: dict, where: str = "initContainers") -> dict:
     return found[0]
 
 
-@pytest.mark.parametrize("target", ["base", *[f"overlays/{o}" for o in OVERLAYS]])
+def the_sidecar(doc: dict) -> dict:
+    """gpu-sidecar, native (an init container) or not (overlays/legacy)."""
+    spec = doc["spec"]["template"]["spec"]
+    (found,) = [c for c in spec.get("initContainers", []) + spec["containers"]
+                if c["name"] == "gpu-sidecar"]
+    return found
+
+
+def apps_of(doc: dict) -> list[dict]:
+    return [c for c in doc["spec"]["template"]["spec"]["containers"] if c["name"] != "gpu-sidecar"]
+
+
+def workloads(docs: list[dict]) -> list[dict]:
+    return [d for d in docs if d["kind"] in WORKLOADS]
+
+
+def environment(container: dict, docs: list[dict]) -> dict[str, object]:
+    """The container's environment as the kubelet builds it: the ConfigMaps of envFrom in order
+    (a later one wins for a key in both), then env, which wins over all; a valueFrom stays as
+    written. A ConfigMap referenced but not rendered must be optional."""
+    maps = {d["metadata"]["name"]: d.get("data", {}) for d in docs if d["kind"] == "ConfigMap"}
+    out: dict[str, object] = {}
+    for source in container.get("envFrom", []):
+        ref = source["configMapRef"]
+        if ref["name"] in maps:
+            out.update(maps[ref["name"]])
+        else:
+            assert ref.get("optional") is True, f"{ref['name']} is neither rendered nor optional"
+    for e in container.get("env", []):
+        out[e["name"]] = e["value"] if "value" in e else e["valueFrom"]
+    return out
+
+
+def agent_env(doc: dict, docs: list[dict]) -> dict[str, object]:
+    return environment(the_sidecar(doc), docs)
+
+
+def copy_of_k8s(tmp_path: Path) -> Path:
+    """A copy of k8s/ to edit as a user would; kustomize paths stay inside it."""
+    copy = tmp_path / "k8s"
+    shutil.copytree(K8S, copy)
+    return copy
+
+
+def edited(path: Path, old: str, new: str) -> None:
+    text = path.read_text()
+    assert text.count(old) == 1, f"{old!r} is not one line of {path}"
+    path.write_text(text.replace(old, new))
+
+
+@pytest.mark.parametrize("target", TARGETS)
 def test_every_kustomization_renders_and_validates_strictly(target):
     docs = render(K8S / target)
     proc = validate(docs)
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    for doc in docs:
-        if doc["kind"] not in ("Deployment", "Job", "StatefulSet"):
-            continue
+    for doc in workloads(docs):
         native = target != "overlays/legacy"
         c = sidecar_of(doc, "initContainers" if native else "containers")
         assert c.get("restartPolicy") == ("Always" if native else None)
@@ -93,57 +154,222 @@ def test_every_kustomization_renders_and_validates_strictly(target):
         assert pod["terminationGracePeriodSeconds"] > int(env["GPU_SIDECAR_SHUTDOWN_TIMEOUT"]["value"])
         volumes = {v["name"] for v in pod["volumes"]}
         assert {"gpu-sidecar-run", "gpu-sidecar-spool"} <= volumes
-        apps = [x for x in pod["containers"] if x["name"] != "gpu-sidecar"]
-        for app in apps:  # the app sees the socket
+        for app in apps_of(doc):  # the app sees the socket
             assert any(m["name"] == "gpu-sidecar-run" for m in app.get("volumeMounts", []))
-        options = {k.removeprefix("GPU_SIDECAR_").lower() for k in env if k.startswith("GPU_SIDECAR_")}
+        # every variable, from env or from a ConfigMap, names an option the agent has
         from sidecar.config import OPTION_BY_NAME
 
+        seen = environment(c, docs)
+        options = {k.removeprefix("GPU_SIDECAR_").lower() for k in seen if k.startswith("GPU_SIDECAR_")}
         assert options <= set(OPTION_BY_NAME), options - set(OPTION_BY_NAME)
 
 
 def test_strict_validation_is_not_vacuous():
     docs = render(K8S / "base")
-    docs[0]["spec"]["template"]["spec"]["initContainers"][0]["restartPolicyy"] = "Always"
+    workloads(docs)[0]["spec"]["template"]["spec"]["initContainers"][0]["restartPolicyy"] = "Always"
     assert validate(docs).returncode != 0
 
 
 def test_base_has_a_deployment_and_a_job_and_the_job_can_complete():
-    kinds = {d["kind"] for d in render(K8S / "base")}
-    assert kinds == {"Deployment", "Job"}
-    job = next(d for d in render(K8S / "base") if d["kind"] == "Job")
+    docs = render(K8S / "base")
+    assert {d["kind"] for d in workloads(docs)} == {"Deployment", "Job"}
+    # and nothing else but the component's defaults for the agent
+    assert [d["metadata"]["name"] for d in docs if d["kind"] not in WORKLOADS] == \
+        [next(d["metadata"]["name"] for d in docs if d["kind"] == "ConfigMap")]
+    job = next(d for d in docs if d["kind"] == "Job")
     assert sidecar_of(job)["restartPolicy"] == "Always"  # a native sidecar does not block completion
 
 
 def test_overlays_configure_what_they_say():
-    rw = {e["name"]: e for e in sidecar_of(render(K8S / "overlays/remote-write-victoriametrics")[0])["env"]}
-    assert rw["GPU_SIDECAR_REMOTE_WRITE_URL"]["value"].endswith("/api/v1/write")
-    assert rw["GPU_SIDECAR_BEARER_TOKEN_FILE"]["value"].startswith("/var/run/secrets/")
-    for workload in render(K8S / "overlays/pushgateway"):
-        pg = {e["name"]: e for e in sidecar_of(workload)["env"]}
-        assert pg["GPU_SIDECAR_PUSHGATEWAY_URL"]["value"].endswith(":9091")
+    docs = render(K8S / "overlays/remote-write-victoriametrics")
+    for workload in workloads(docs):
+        rw = agent_env(workload, docs)
+        assert rw["GPU_SIDECAR_REMOTE_WRITE_URL"].endswith("/api/v1/write")
+        assert "GPU_SIDECAR_BEARER_TOKEN_FILE" not in rw  # only when asked for: see below
+    docs = render(K8S / "overlays/pushgateway")
+    for workload in workloads(docs):
+        pg = agent_env(workload, docs)
+        assert pg["GPU_SIDECAR_PUSHGATEWAY_URL"].endswith(":9091")
         if workload["kind"] == "Job":  # grouped by the Job, kept at exit for its run summary
             assert "GPU_SIDECAR_PUSHGATEWAY_DELETE_ON_EXIT" not in pg
-            assert pg["GPU_SIDECAR_BATCH_JOB"]["valueFrom"]["fieldRef"]["fieldPath"] == \
+            assert pg["GPU_SIDECAR_BATCH_JOB"]["fieldRef"]["fieldPath"] == \
                 "metadata.labels['batch.kubernetes.io/job-name']"
         else:  # a Deployment's pod group goes with the pod
-            assert pg["GPU_SIDECAR_PUSHGATEWAY_DELETE_ON_EXIT"]["value"] == "true"
+            assert pg["GPU_SIDECAR_PUSHGATEWAY_DELETE_ON_EXIT"] == "true"
             assert "GPU_SIDECAR_BATCH_JOB" not in pg
-    nv = {e["name"]: e["value"] for e in sidecar_of(render(K8S / "overlays/nvml-node-gpus")[0])["env"]
-          if "value" in e}
-    assert nv["NVIDIA_VISIBLE_DEVICES"] == "all" and nv["NVIDIA_DRIVER_CAPABILITIES"] == "utility"
-    assert nv["GPU_SIDECAR_NO_NVML"] == "false" and nv["GPU_SIDECAR_GPUS"] == "announced"
+    docs = render(K8S / "overlays/nvml-node-gpus")
+    for workload in workloads(docs):
+        nv = agent_env(workload, docs)
+        assert nv["NVIDIA_VISIBLE_DEVICES"] == "all" and nv["NVIDIA_DRIVER_CAPABILITIES"] == "utility"
+        assert nv["GPU_SIDECAR_NO_NVML"] == "false" and nv["GPU_SIDECAR_GPUS"] == "announced"
+        assert workload["spec"]["template"]["spec"]["runtimeClassName"] == "nvidia"
     assert "SECURITY CAVEAT" in (K8S / "overlays/nvml-node-gpus/kustomization.yaml").read_text()
-    for workload in render(K8S / "overlays/otlp"):  # the Job too: it is patched alike
-        otlp = {e["name"]: e for e in sidecar_of(workload)["env"]}
-        assert otlp["GPU_SIDECAR_OTLP_URL"]["value"].endswith(":4318/v1/metrics")
+    assert "SECURITY CAVEAT" in (K8S / "components/nvml-node-gpus/kustomization.yaml").read_text()
+    docs = render(K8S / "overlays/otlp")
+    for workload in workloads(docs):  # the Job too: it is configured alike
+        otlp = agent_env(workload, docs)
+        assert otlp["GPU_SIDECAR_OTLP_URL"].endswith(":4318/v1/metrics")
         assert "GPU_SIDECAR_POD_NAME" in otlp  # the resource's k8s.pod.name, from the base
     legacy = render(K8S / "overlays/legacy")
-    assert {d["kind"] for d in legacy} == {"Deployment"}
+    assert {d["kind"] for d in workloads(legacy)} == {"Deployment"}
     assert "What is lost" in (K8S / "overlays/legacy/kustomization.yaml").read_text()
 
 
-WORKLOADS = ("Deployment", "StatefulSet", "Job")
+# -- the quick start: all three layers, the receiver in one line, no Secret ---------------------
+
+QUICKSTART = K8S / "overlays/quickstart"
+RECEIVER_LINE = re.compile(r"^\s+- (GPU_SIDECAR_(?:REMOTE_WRITE|OTLP|PUSHGATEWAY)_URL=\S+)$", re.M)
+
+
+def test_the_quickstart_sidecar_reads_nvml_without_taking_a_gpu_from_the_app():
+    docs = render(QUICKSTART)
+    assert {d["kind"] for d in workloads(docs)} == {"Deployment", "Job"}
+    for doc in workloads(docs):
+        env = agent_env(doc, docs)
+        assert env["GPU_SIDECAR_NO_NVML"] == "false"  # compute and IO layers from NVML
+        # management access to the node's GPUs through the NVIDIA runtime, no compute
+        assert env["NVIDIA_VISIBLE_DEVICES"] == "all"
+        assert env["NVIDIA_DRIVER_CAPABILITIES"] == "utility"
+        assert doc["spec"]["template"]["spec"]["runtimeClassName"] == "nvidia"
+        assert env["GPU_SIDECAR_GPUS"] == "announced"  # exported: only the app's GPUs
+        resources = sidecar_of(doc)["resources"]
+        assert not any("nvidia.com" in k for part in resources.values() for k in part)
+        (app,) = apps_of(doc)  # the app keeps its device-plugin GPU
+        assert app["resources"]["limits"]["nvidia.com/gpu"] == "1"
+        assert "GPU_SIDECAR_INJECT" not in env  # the memory layer: the injected publisher
+    assert "SECURITY CAVEAT" in (K8S / "components/nvml-node-gpus/kustomization.yaml").read_text()
+
+
+def test_the_quickstart_receiver_is_one_line_of_its_kustomization(tmp_path):
+    text = (QUICKSTART / "kustomization.yaml").read_text()
+    (line,) = RECEIVER_LINE.findall(text)
+    name, url = line.split("=", 1)
+    docs = render(QUICKSTART)
+    for doc in workloads(docs):
+        sidecar = sidecar_of(doc)
+        assert environment(sidecar, docs)[name] == url
+        assert name not in {e["name"] for e in sidecar["env"]}  # from the ConfigMap, not a patch
+    # the user edits that line and the image, and nothing else
+    copy = copy_of_k8s(tmp_path)
+    quickstart = copy / "overlays/quickstart/kustomization.yaml"
+    edited(quickstart, line, f"{name}=https://vm.example.net/api/v1/write")
+    edited(quickstart, "newName: ghcr.io/gpu-sidecar/gpu-sidecar", "newName: registry.example.net/gs")
+    edited(quickstart, 'newTag: "0.1.0"', 'newTag: "7.7"')
+    docs = render(copy / "overlays/quickstart")
+    for doc in workloads(docs):
+        assert environment(sidecar_of(doc), docs)[name] == "https://vm.example.net/api/v1/write"
+        assert sidecar_of(doc)["image"] == "registry.example.net/gs:7.7"
+
+
+@pytest.mark.parametrize("target", TARGETS)
+def test_no_kustomization_needs_a_secret_that_may_not_exist(target):
+    docs = render(K8S / target)
+    for doc in workloads(docs):
+        pod = doc["spec"]["template"]["spec"]
+        for volume in pod.get("volumes", []):
+            if "secret" in volume:
+                assert volume["secret"].get("optional") is True, volume["name"]
+            for source in volume.get("projected", {}).get("sources", []):
+                assert "secret" not in source or source["secret"].get("optional") is True
+        for c in pod["containers"] + pod.get("initContainers", []):
+            for e in c.get("env", []):
+                ref = e.get("valueFrom", {}).get("secretKeyRef")
+                assert ref is None or ref.get("optional") is True, (c["name"], e["name"])
+            for source in c.get("envFrom", []):
+                assert "secretRef" not in source or source["secretRef"].get("optional") is True
+    assert not [d for d in docs if d["kind"] == "Secret"]
+
+
+def test_remote_write_authenticates_with_the_secret_only_once_asked_to(tmp_path):
+    overlay = K8S / "overlays/remote-write-victoriametrics"
+    text = (overlay / "kustomization.yaml").read_text()
+    (secret,) = re.findall(r"kubectl create secret generic (\S+) --from-literal=(\w+)=", text)
+    copy = copy_of_k8s(tmp_path)
+    line = re.search(r"^(\s+)# (- GPU_SIDECAR_BEARER_TOKEN_FILE=\S+)$", text, re.M)
+    edited(copy / "overlays/remote-write-victoriametrics/kustomization.yaml", line.group(0),
+           line.group(1) + line.group(2))  # uncommented, as the comment says
+    docs = render(copy / "overlays/remote-write-victoriametrics")
+    for doc in workloads(docs):
+        token_file = environment(sidecar_of(doc), docs)["GPU_SIDECAR_BEARER_TOKEN_FILE"]
+        (volume,) = [v for v in doc["spec"]["template"]["spec"]["volumes"] if "secret" in v]
+        assert volume["secret"]["secretName"] == secret[0]
+        (mount,) = [m for m in sidecar_of(doc)["volumeMounts"] if m["name"] == volume["name"]]
+        assert token_file == f"{mount['mountPath']}/{secret[1]}" and mount["readOnly"] is True
+
+
+@pytest.mark.parametrize("target", TARGETS)
+def test_every_series_is_labelled_with_the_app_container_whose_gpus_they_are(target):
+    docs = render(K8S / target)
+    for doc in workloads(docs):
+        env = {e["name"]: e.get("value") for e in the_sidecar(doc)["env"]}
+        assert env["GPU_SIDECAR_POD_CONTAINER"] == apps_of(doc)[0]["name"]
+
+
+def test_the_container_label_follows_a_renamed_app_container(tmp_path):
+    copy = copy_of_k8s(tmp_path)
+    edited(copy / "base/inference-deployment.yaml", "- name: server", "- name: vllm")
+    docs = render(copy / "overlays/quickstart")
+    deployment = next(d for d in docs if d["kind"] == "Deployment")
+    assert environment(sidecar_of(deployment), docs)["GPU_SIDECAR_POD_CONTAINER"] == "vllm"
+
+
+HEARTBEAT_STALE_FLOOR_S = 30  # `gpu-sidecar status --alive`: stale past max(3 x interval, 30 s)
+
+
+@pytest.mark.parametrize("target", TARGETS)
+def test_the_liveness_probe_restarts_only_an_agent_stuck_for_90_seconds(target):
+    docs = render(K8S / target)
+    for doc in workloads(docs):
+        c = the_sidecar(doc)
+        probe = c["livenessProbe"]
+        assert probe["exec"]["command"] == ["gpu-sidecar", "status", "--alive"]
+        assert c["startupProbe"]["exec"]["command"] == ["test", "-S", "/run/gpu-sidecar/app.sock"]
+        interval = float(environment(c, docs).get("GPU_SIDECAR_INTERVAL", 5))
+        stale = max(3 * interval, HEARTBEAT_STALE_FLOOR_S)
+        period, failures = probe["periodSeconds"], probe["failureThreshold"]
+        # after the last cycle: stale, then `failures` failed probes in a row, the first of them
+        # anywhere from at once to one period later
+        assert stale + (failures - 1) * period >= 90
+        assert stale + failures * period <= 180  # but a stuck agent does get restarted
+        # from start-up (liveness begins once the startupProbe passed), before any heartbeat
+        assert probe.get("initialDelaySeconds", 0) + (failures - 1) * period >= 90
+        assert probe["timeoutSeconds"] >= 5  # a second interpreter, under the container's CPU limit
+
+
+def test_the_liveness_probe_runs_a_command_the_agent_has():
+    proc = run(sys.executable, "-m", "sidecar", "status", "--help")
+    assert proc.returncode == 0 and "--alive" in proc.stdout, proc.stdout + proc.stderr
+
+
+# -- scraping: an opt-in overlay and a PodMonitor ----------------------------------------------
+
+def test_only_the_scrape_overlay_serves_metrics_and_the_podmonitor_finds_it():
+    monitor = yaml.safe_load((K8S / "monitoring/podmonitor.yaml").read_text())
+    assert monitor["apiVersion"] == "monitoring.coreos.com/v1" and monitor["kind"] == "PodMonitor"
+    (endpoint,) = monitor["spec"]["podMetricsEndpoints"]
+    assert endpoint["path"] == "/metrics"
+    assert endpoint["honorLabels"] is True  # the agent's container label, not the scrape's
+    assert monitor["spec"]["namespaceSelector"] == {"any": True}
+    selector = monitor["spec"]["selector"]["matchLabels"]
+    docs, quickstart = render(K8S / "overlays/scrape"), render(QUICKSTART)
+    for doc in workloads(docs):
+        labels = doc["spec"]["template"]["metadata"]["labels"]
+        assert selector.items() <= labels.items()
+        assert not selector.items() <= doc["spec"].get("selector", {}).get("matchLabels", {}).items()
+        sidecar = sidecar_of(doc)
+        (port,) = [p for p in sidecar["ports"] if p["name"] == endpoint["port"]]
+        listen = environment(sidecar, docs)["GPU_SIDECAR_METRICS_LISTEN"]
+        assert listen == f"0.0.0.0:{port['containerPort']}"
+        (pushing,) = [d for d in workloads(quickstart)
+                      if (d["kind"], d["metadata"]["name"]) == (doc["kind"], doc["metadata"]["name"])]
+        assert environment(sidecar, docs)["GPU_SIDECAR_REMOTE_WRITE_URL"] == \
+            agent_env(pushing, quickstart)["GPU_SIDECAR_REMOTE_WRITE_URL"]  # and still pushes
+    for target in DEFAULT_TARGETS:  # off by default
+        docs = render(K8S / target)
+        for doc in workloads(docs):
+            c = the_sidecar(doc)
+            assert "GPU_SIDECAR_METRICS_LISTEN" not in environment(c, docs) and "ports" not in c
+            assert not selector.items() <= doc["spec"]["template"]["metadata"]["labels"].items()
 
 
 @pytest.mark.parametrize("version", ["1.34.0", "1.35.0"])
@@ -165,9 +391,8 @@ def test_dra_overlay_gives_the_app_and_the_sidecar_the_same_claim_and_nothing_mo
     assert templates["pod-gpus"]["apiVersion"] == "resource.k8s.io/v1"
     request = templates["pod-gpus"]["spec"]["spec"]["devices"]["requests"][0]["exactly"]
     assert request["deviceClassName"] == "gpu.nvidia.com"
-    workloads = [d for d in docs if d["kind"] in WORKLOADS]
-    assert {d["kind"] for d in workloads} == {"Deployment", "Job"}
-    for doc in workloads:
+    assert {d["kind"] for d in workloads(docs)} == {"Deployment", "Job"}
+    for doc in workloads(docs):
         pod = doc["spec"]["template"]["spec"]
         claims = {c["name"]: c for c in pod["resourceClaims"]}
         assert claims == {"gpus": {"name": "gpus", "resourceClaimTemplateName": "pod-gpus"}}
@@ -180,12 +405,12 @@ def test_dra_overlay_gives_the_app_and_the_sidecar_the_same_claim_and_nothing_mo
             resources = c.get("resources", {})
             assert not any("nvidia.com" in k for part in ("limits", "requests")
                            for k in resources.get(part, {})), c["name"]
-            assert not [e for e in c.get("env", []) if e["name"].startswith("NVIDIA_VISIBLE")]
+            assert not [k for k in environment(c, docs) if k.startswith("NVIDIA_VISIBLE")]
             sc = c.get("securityContext", {})
             assert not sc.get("privileged") and "add" not in sc.get("capabilities", {})
             assert not any(m["mountPath"].startswith("/dev") for m in c.get("volumeMounts", []))
         assert not any("hostPath" in v for v in pod["volumes"])
-        env = {e["name"]: e.get("value") for e in sidecar_of(doc)["env"]}
+        env = environment(sidecar_of(doc), docs)
         assert env["GPU_SIDECAR_NO_NVML"] == "false" and env["GPU_SIDECAR_GPUS"] == "visible"
 
 
@@ -401,11 +626,11 @@ spec:
 """
 
 
-def _render_with_component(tmp_path: Path) -> tuple[list[dict], list[dict]]:
+def _render_with_component(tmp_path: Path, more: str = "") -> tuple[list[dict], list[dict]]:
     (tmp_path / "workloads.yaml").write_text(APP_WORKLOADS)
     component = os.path.relpath(COMPONENT, tmp_path)  # kustomize takes no absolute root
     (tmp_path / "kustomization.yaml").write_text(
-        f"resources: [workloads.yaml]\ncomponents: [{component}]\n")
+        f"resources: [workloads.yaml]\ncomponents: [{component}]\n{more}")
     return [d for d in yaml.safe_load_all(APP_WORKLOADS) if d], render(tmp_path)
 
 
@@ -416,7 +641,8 @@ def _sidecar_env(doc: dict) -> dict[str, str]:
 def test_the_component_gives_each_app_container_only_environment_and_a_read_only_mount(tmp_path):
     sources, docs = _render_with_component(tmp_path)
     assert validate(docs).returncode == 0, validate(docs).stdout
-    assert sorted(d["kind"] for d in docs) == ["Deployment", "Job", "StatefulSet"]  # no Pod
+    # no Pod; the one ConfigMap is the agent's defaults
+    assert sorted(d["kind"] for d in docs) == ["ConfigMap", "Deployment", "Job", "StatefulSet"]
     by_name = {d["metadata"]["name"]: d for d in docs}
     for source in sources:
         doc = by_name[source["metadata"]["name"]]
@@ -445,14 +671,32 @@ def test_the_component_gives_each_app_container_only_environment_and_a_read_only
                 {m["name"]: m for m in old.get("volumeMounts", [])}
 
 
-@pytest.mark.parametrize("target", ["base", *[f"overlays/{o}" for o in OVERLAYS]])
+def test_the_component_takes_the_agent_options_from_a_configmap_beside_it(tmp_path):
+    """The README's way: the receiver (and any option) in a configMapGenerator next to the
+    workloads; a key there wins over the component's default for it."""
+    _, docs = _render_with_component(tmp_path, """\
+configMapGenerator:
+  - name: gpu-sidecar-config
+    literals:
+      - GPU_SIDECAR_REMOTE_WRITE_URL=http://vm.example.net:8428/api/v1/write
+      - GPU_SIDECAR_NO_NVML=false
+""")
+    assert validate(docs).returncode == 0, validate(docs).stdout
+    defaults = next(d for d in docs if d["metadata"]["name"].startswith("gpu-sidecar-defaults"))
+    assert defaults["data"]["GPU_SIDECAR_NO_NVML"] == "true"
+    for doc in workloads(docs):
+        env = environment(sidecar_of(doc), docs)
+        assert env["GPU_SIDECAR_REMOTE_WRITE_URL"] == "http://vm.example.net:8428/api/v1/write"
+        assert env["GPU_SIDECAR_NO_NVML"] == "false"
+        assert env["GPU_SIDECAR_LOG_FORMAT"] == defaults["data"]["GPU_SIDECAR_LOG_FORMAT"]
+
+
+@pytest.mark.parametrize("target", TARGETS)
 def test_every_kustomization_gives_its_apps_the_injected_publisher_and_the_agent_none(target):
-    for doc in render(K8S / target):
-        if doc["kind"] not in WORKLOADS:
-            continue
-        native = target != "overlays/legacy"
-        sidecar = sidecar_of(doc, "initContainers" if native else "containers")
-        env = {e["name"]: e.get("value") for e in sidecar["env"]}
+    docs = render(K8S / target)
+    for doc in workloads(docs):
+        sidecar = the_sidecar(doc)
+        env = environment(sidecar, docs)
         assert "PYTHONPATH" not in env and "GPU_SIDECAR_INJECT" not in env
         (own,) = [m for m in sidecar["volumeMounts"] if m["name"] == "gpu-sidecar-run"]
         assert not own.get("readOnly")  # the agent writes there: socket and placed files

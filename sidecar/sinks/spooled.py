@@ -109,6 +109,9 @@ class SpooledSink:
         self._url_confirmed = (spool.dir / URL_CONFIRMED).exists()
         self.last_push_seconds = 0.0
         self.last_success_time = 0.0
+        # what happens to batches left at exit: the next start sends them, unless the spool is
+        # a temporary directory (a demo's) that goes with this run
+        self.left_in_spool_effect = "sent by the next start on this spool"
         self._lock = threading.Lock()
         self._wake = threading.Event()
         self._stop = threading.Event()
@@ -233,7 +236,7 @@ class SpooledSink:
         left = len(self.spool)
         if left:
             self.log.warning("shutdown_left_in_spool", sink=self.name, batches=left,
-                        bytes=self.spool.bytes(), effect="sent by the next start on this spool")
+                             bytes=self.spool.bytes(), effect=self.left_in_spool_effect)
         if self.set_aside_this_run:
             self.log.warning("shutdown_with_batches_set_aside", sink=self.name,
                              batches=self.set_aside_this_run,
@@ -358,6 +361,9 @@ class SpooledSink:
             self.spool.remove(b)
         self.samples_pushed += samples
         self.batches_pushed += len(batches)
+        if not self.last_success_time:  # the first of this run: the receiver takes what we send
+            self.log.info("push_first_delivered", sink=self.name, url=redact(self.url),
+                          samples=samples, batches=len(batches), attempts=attempts)
         self.last_success_time = time.time()
         if self._failing_since is not None:
             self.log.info("receiver_recovered", sink=self.name,

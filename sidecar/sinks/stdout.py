@@ -31,8 +31,9 @@ def _number(value: float) -> str:
     return repr(int(value)) if value.is_integer() and abs(value) < 1e15 else repr(value)
 
 
-def prometheus_text(series: list[Series]) -> str:
-    """Text exposition format 0.0.4 with explicit millisecond timestamps, families grouped."""
+def prometheus_text(series: list[Series], *, timestamps: bool = True) -> str:
+    """Text exposition format 0.0.4 with explicit millisecond timestamps (for a scrape, none:
+    the scraper stamps them), families grouped."""
     families: dict[str, list[Series]] = {}
     for s in series:
         families.setdefault(_family(s.name), []).append(s)
@@ -45,7 +46,8 @@ def prometheus_text(series: list[Series]) -> str:
         for s in members:
             labels = ",".join(f'{k}="{_escape(v)}"' for k, v in s.labels)
             head = f"{s.name}{{{labels}}}" if labels else s.name
-            out.append(f"{head} {_number(s.value)} {s.timestamp_ms}")
+            out.append(f"{head} {_number(s.value)} {s.timestamp_ms}" if timestamps
+                       else f"{head} {_number(s.value)}")
     return "\n".join(out) + "\n"
 
 

@@ -85,6 +85,7 @@ class AppState:
         # (re-inserted on every message), so the slot to reclaim is always the first
         self._pids: dict[str, dict[int, float]] = {}
         self._reject_log: dict[str, tuple[float, int]] = {}
+        self._last_rejection: dict[str, tuple[float, str]] = {}  # reason -> (wall time, detail)
 
     def feed(self, data: bytes) -> protocol.Message | None:
         """Validate and store one datagram; None when it was rejected (and counted)."""
@@ -104,6 +105,7 @@ class AppState:
         now = self.clock()
         with self._lock:
             self.rejected[exc.reason] += 1
+            self._last_rejection[exc.reason] = (time.time(), str(exc)[:300])
             last, suppressed = self._reject_log.get(exc.reason, (-1e18, 0))
             if now - last < REJECT_LOG_EVERY_S:
                 self._reject_log[exc.reason] = (last, suppressed + 1)
@@ -249,6 +251,24 @@ class AppState:
         merged = self._merged[message.gpu] = _Merged(
             message.bounds, [0] * (len(message.bounds) + 1), 0.0, now, retired)
         return merged
+
+    def processes(self) -> list[dict[str, object]]:
+        """Each publishing process with its GPUs and how long ago it was last heard (for
+        ``gpu-sidecar status``), most recently heard first."""
+        now = self.clock()
+        heard: dict[int, tuple[float, list[str]]] = {}
+        with self._lock:
+            for gpu, pids in self._pids.items():
+                for pid, when in pids.items():
+                    last, gpus = heard.get(pid, (when, []))
+                    heard[pid] = (max(last, when), [*gpus, gpu])
+        return [{"pid": pid, "gpus": sorted(gpus), "last_message_s_ago": round(now - when, 1)}
+                for pid, (when, gpus) in sorted(heard.items(), key=lambda kv: -kv[1][0])]
+
+    def last_rejections(self) -> dict[str, tuple[float, str]]:
+        """The last rejected message of each reason: when (wall clock) and what was wrong."""
+        with self._lock:
+            return dict(self._last_rejection)
 
     def announced(self) -> list[str]:
         with self._lock:

@@ -21,7 +21,7 @@ import os
 import textwrap
 import time
 from collections import deque
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TextIO
 
@@ -203,13 +203,43 @@ def render(cycles: Sequence[Mapping[str, Figures]], title: str, t: Thresholds | 
     rows = [row(verdicts[uuid], cols) for uuid in order]
     if not order:
         rows = wrap("no GPU selected yet: waiting for the app to announce its GPUs (--gpus)")
-    tail = wrap(legend(cols))
+    tail = [*_engine_line(verdicts, wrap), *wrap(legend(cols))]
     if height is None or len(head) + len(rows) + len(tail) <= height:
         return "\n".join(head + rows + tail)
+    # short of lines: the legend goes, the title and the note of GPUs left out take one line
+    # each, and at least one GPU is shown (a small terminal still answers "is it healthy?")
     urgent = sorted(order, key=lambda u: not (verdicts[u].window.lost or verdicts[u].findings))
-    shown = max(height - len(head) - len(wrap(MORE.format(n=len(order)))), 0)
-    more = wrap(MORE.format(n=len(order) - shown))
-    return "\n".join(head + [row(verdicts[u], cols) for u in urgent[:shown]] + more)
+    head = [_one_line(title, width), *header(cols)]
+    fits = height - len(head)
+    if fits >= len(order):
+        return "\n".join(head + rows[:max(fits, 1)])
+    shown = max(fits - 1, 1)
+    more = _one_line(MORE.format(n=len(order) - shown), width)
+    return "\n".join(head + [row(verdicts[u], cols) for u in urgent[:shown]] + [more])
+
+
+def _one_line(text: str, width: int | None) -> str:
+    if width is None or len(text) <= width:
+        return text
+    return text[: max(width - 1, 1)] + "…"
+
+
+def _engine_line(verdicts: Mapping[str, Verdict], wrap: Callable[[str], list[str]]
+                 ) -> list[str]:
+    """The serving engine's figures (the pod's, the same for every GPU), when one is read."""
+    v = next((v for v in verdicts.values() if v.window.mean.engine), None)
+    if v is None:
+        return []
+    w, m = v.window, v.window.mean
+    preempted = w.increases.get("preemptions")
+    whose = " (p50/p99 above are the engine's: the app publishes none)" \
+        if m.latency_source == "engine" else ""
+    return wrap(f"engine {m.engine}: KV cache {_pct(m.kv_usage)}, running "
+                f"{'-' if m.running is None else f'{m.running:.0f}'}, waiting "
+                f"{'-' if m.waiting is None else f'{m.waiting:.0f}'}, preempted "
+                f"{'-' if preempted is None else f'+{preempted:.0f}'}; p99 request "
+                f"{_seconds(w.engine_p99)}, queue {_seconds(w.queue_p99)}, first token "
+                f"{_seconds(w.ttft_p99)}{whose}")
 
 
 def title_of(series: Sequence[Series], gpus: Mapping[str, Figures]) -> str:

@@ -30,7 +30,7 @@ log = structlog.get_logger("sidecar.engine")
 # why a read gave no figures; every reason is exported at 0 from the start
 REASONS = ("unreachable", "timeout", "too_large", "malformed", "not_an_engine", "redirect",
            "credentials", "http_status")
-_HINTS = {
+HINTS = {
     "unreachable": "is the engine running, and is its metrics port right? (vLLM serves /metrics "
                    "on its API port, SGLang needs --enable-metrics, Triton uses port 8002)",
     "timeout": "the engine answers too slowly: raise --engine-metrics-timeout, or check the "
@@ -171,7 +171,7 @@ class EngineEndpoint:
             log.warning("engine_metrics_failing", endpoint=self.label, reason=reason,
                         detail=detail, failures=self.failures[reason],
                         effect="no engine figures until it answers; GPU sampling goes on",
-                        hint=_HINTS[reason])
+                        hint=HINTS[reason])
 
     # -- what a cycle takes --------------------------------------------------------------------
 

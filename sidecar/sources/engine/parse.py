@@ -66,7 +66,7 @@ def relevant(text: str) -> tuple[str, set[str]]:
             if len(words) >= 3 and words[1] in ("HELP", "TYPE") and _family_of(words[2]):
                 kept.append(line)
             continue
-        name = line.split("{", 1)[0].split(None, 1)[0] if line.strip() else ""
+        name = (line.split("{", 1)[0].split(None, 1) or [""])[0]  # "{...": no name
         if not name:
             continue
         prefixes.add(_prefix(name))

@@ -1,0 +1,162 @@
+"""``gpu-sidecar run --dry-run``: check what a start would need, say what was found, exit.
+
+Nothing is sampled, spooled or stored: NVML is opened and closed, the socket's and the spool's
+directories are checked for writing with a file created and removed (the socket is not bound:
+a running agent may hold it), each receiver gets one request that stores nothing (an empty
+remote-write or OTLP request, which the spooled sinks also use to tell a wrong URL from bad
+data; the Pushgateway's status page), and each engine endpoint one read. Exit 0 when every check
+passed, 1 when one failed (each said with what to do), 2 for a configuration error (before any
+check, like ``run``).
+"""
+
+from __future__ import annotations
+
+import shutil
+import sys
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from sidecar.urls import redact_url
+
+if TYPE_CHECKING:
+    from sidecar.config import Config
+
+Check = tuple[bool, str]  # passed, what was found
+
+
+def dry_run(cfg: Config, *, out: Callable[[str], object] = sys.stdout.write) -> int:
+    checks: list[tuple[str, Check]] = [
+        ("configuration", (True, _configuration(cfg))),
+        ("NVML", _nvml(cfg)),
+        ("app socket", _writable_dir(Path(cfg.socket).parent, "the socket's directory")),
+        ("spool", _spool(cfg)),
+    ]
+    checks += [(f"receiver {redact_url(url)}", _receiver(cfg, kind, url))
+               for kind, url in _receivers(cfg)]
+    checks += [(f"engine {redact_url(url)}", _engine(cfg, url)) for url in cfg.engine_metrics_url]
+    failed = [name for name, (ok, _) in checks if not ok]
+    for name, (ok, found) in checks:
+        out(f"{'ok    ' if ok else 'FAILED'} {name}: {found}\n")
+    out(f"dry run: {len(checks) - len(failed)} of {len(checks)} checks passed"
+        + (f"; failed: {', '.join(failed)}\n" if failed else "; nothing was sampled or sent\n"))
+    return 1 if failed else 0
+
+
+def _configuration(cfg: Config) -> str:
+    receivers = [redact_url(u) for _, u in _receivers(cfg)]
+    return (f"--interval {cfg.interval:g} s, --gpus {cfg.gpus}, "
+            + (f"receivers: {', '.join(receivers)}" if receivers else "no receiver: stdout")
+            + (f", /metrics on {cfg.metrics_listen}" if cfg.metrics_listen else ""))
+
+
+def _receivers(cfg: Config) -> list[tuple[str, str]]:
+    return ([("remote_write", u) for u in cfg.remote_write_url]
+            + [("otlp", u) for u in cfg.otlp_url]
+            + ([("pushgateway", cfg.pushgateway_url)] if cfg.pushgateway_url else []))
+
+
+def _nvml(cfg: Config) -> Check:
+    if cfg.no_nvml:
+        return True, "not used (--no-nvml): the app's figures only"
+    from sidecar import wiring
+    from sidecar.sources.nvml import NvmlUnavailable
+
+    try:
+        with wiring.nvml(cfg) as (source, _):
+            assert source is not None
+            devices = source.devices()
+    except NvmlUnavailable as exc:
+        return False, str(exc)
+    except Exception as exc:  # a named GPU not visible, and the like: said as the run would
+        return False, str(exc)
+    names = ", ".join(f"GPU {d.index} {d.name}" for d in devices) or "no GPU visible"
+    return bool(devices), f"{len(devices)} GPU(s): {names}" + (
+        "" if devices else " (check NVIDIA_VISIBLE_DEVICES and the container runtime)")
+
+
+def _writable_dir(path: Path, what: str) -> Check:
+    """Writable if it exists (a file created and removed), or creatable: its nearest existing
+    parent writable (nothing is created then)."""
+    existing = path
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    try:
+        if not existing.is_dir():
+            raise NotADirectoryError(20, "not a directory")
+        with tempfile.NamedTemporaryFile(dir=existing, prefix=".gpu-sidecar-dry-run-"):
+            pass
+    except OSError as exc:
+        return False, (f"{what} {path} is not writable ({existing}: {exc.strerror}); it must be "
+                       "a volume the agent's user can write (an emptyDir in Kubernetes)")
+    if existing != path:
+        return True, f"{what} {path} does not exist yet; the agent can create it in {existing}"
+    return True, f"{what} {path} is writable"
+
+
+def _spool(cfg: Config) -> Check:
+    if not (cfg.remote_write_url or cfg.otlp_url):
+        return True, "not used (no remote-write or OTLP receiver)"
+    ok, found = _writable_dir(Path(cfg.spool_dir), "the spool directory")
+    if not ok:
+        return ok, found
+    free = shutil.disk_usage(cfg.spool_dir).free
+    need = cfg.spool_max_bytes * (len(cfg.remote_write_url) + len(cfg.otlp_url))
+    if free < need:
+        return True, (f"{found}; NOTE: {free} bytes free, less than the {need} bytes the spool "
+                      "may use (--spool-max-bytes per receiver): a long outage fills the volume "
+                      "first")
+    return True, f"{found}, {free} bytes free"
+
+
+def _receiver(cfg: Config, kind: str, url: str) -> Check:
+    from sidecar import wiring
+    from sidecar.sinks.answers import REMOTE_WRITE, Refused, Retryable
+    from sidecar.sinks.http import Http
+
+    http = Http(wiring._http_options(cfg))
+    try:
+        if kind == "pushgateway":
+            status = url.rstrip("/") + "/api/v1/status"
+            response = http.request("GET", status)
+            http.check(response, REMOTE_WRITE)  # the policy its pushes use
+            return True, f"the Pushgateway answers (GET {redact_url(status)}: {response.status_code})"
+        codec = _codec(kind)
+        response = http.request("POST", url, data=codec.compress(b""), headers=codec.headers)
+        http.check(response, codec.policy)
+        return True, (f"takes an empty {kind.replace('_', '-')} request (HTTP "
+                      f"{response.status_code}): the URL and credentials are right")
+    except Refused as exc:
+        return False, f"refused: {exc} ({exc.hint})" if exc.hint else f"refused: {exc}"
+    except Retryable as exc:
+        return False, f"no answer: {exc}"
+    finally:
+        http.close()
+
+
+def _codec(kind: str):  # type: ignore[no-untyped-def]
+    if kind == "remote_write":
+        from sidecar.sinks.remote_write import RemoteWriteCodec
+
+        return RemoteWriteCodec()
+    from sidecar.sinks.otlp import OtlpCodec, default_resource
+
+    return OtlpCodec(default_resource())
+
+
+def _engine(cfg: Config, url: str) -> Check:
+    from sidecar import wiring
+    from sidecar.sources.engine import EngineEndpoint
+    from sidecar.sources.engine.endpoint import HINTS
+
+    endpoint = EngineEndpoint(url, wiring._engine_fetch(cfg), interval_s=cfg.interval,
+                              timeout_s=cfg.engine_metrics_timeout)
+    endpoint.read_once()
+    figures = endpoint.current()
+    if figures is None:
+        reason = next((r for r, n in endpoint.failures.items() if n), "unknown")
+        return False, f"{reason}: {HINTS.get(reason, '')}"
+    return True, (f"{figures.engine}: {', '.join(sorted(figures.figures))}"
+                  + (f"; models {', '.join(figures.models)}" if figures.models else ""))
+
