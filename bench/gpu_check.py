@@ -1,4 +1,4 @@
-"""The real-GPU check of shared/GPU-CHECK.md, as one prepared script (not run by CI).
+"""The real-GPU check of docs/gpu-check.md, as one prepared script (not run by CI).
 
 On a machine with an NVIDIA GPU, torch, nvidia-ml-py and requests (the lent H200 has those), and
 the other dependencies carried as wheels (structlog, tenacity, cramjam), from the repo root:

@@ -625,7 +625,7 @@ def render_markdown() -> str:
         "a test fails when this file is out of date.",
         "",
         "Every GPU series carries `gpu_uuid`, `gpu_name`, `gpu_index` and, when configured, `namespace`,",
-        "`pod`, `container`, `node` (see the README, *Pod identity*). Series from the app are one set",
+        "`pod`, `container`, `node` (see docs/configuration.md, *Pod identity*). Series from the app are one set",
         "per GPU whatever the number of processes on it: bytes summed over the GPU's live processes,",
         "ratios computed from those sums, the largest free block of any one process, retries and",
         "OOMs as counters that survive process restarts, and `gpu_app_processes`; no `pid` label.",

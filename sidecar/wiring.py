@@ -283,6 +283,17 @@ def simulated_paths(cfg: config.Config) -> Iterator[config.Config]:
     Chosen before anything is logged, so the start-up line names the paths actually used."""
     with contextlib.ExitStack() as stack:
         paths: dict[str, str] = {}
+        if cfg.simulate and (cfg.socket == protocol.DEFAULT_SOCKET_PATH
+                             or cfg.spool_dir == config.Config.spool_dir):
+            try:
+                tempfile.gettempdir()
+                tempfile.TemporaryDirectory(prefix="gpu-sidecar-check-").cleanup()
+            except OSError:
+                raise config.ConfigError(
+                    "--simulate makes a private temporary socket and spool in the temporary "
+                    "directory (TMPDIR, /tmp), and none is writable here (a read-only root "
+                    "file system?): give --socket and --spool-dir on writable volumes, or mount "
+                    "a tmpfs on /tmp (docker run --tmpfs /tmp)") from None
         if cfg.simulate and cfg.socket == protocol.DEFAULT_SOCKET_PATH:
             paths["socket"] = os.path.join(
                 stack.enter_context(tempfile.TemporaryDirectory(prefix="gpu-sidecar-")), "app.sock")

@@ -33,7 +33,25 @@ def probe(cfg: config.Config) -> int:
         print()
         print("app layer (fragmentation, allocator, latency): published by the model server over "
               f"the app socket at run time ({_socket_at_run_time(cfg)}); probe reads none.")
+        if _held(cfg.socket):
+            print(f"a running agent holds {cfg.socket}: `gpu-sidecar status --socket "
+                  f"{cfg.socket}` says what it receives (processes, rejections by reason), "
+                  "pushes and exports")
     return 0
+
+
+def _held(path: str) -> bool:
+    """Whether an agent listens on the socket (a datagram socket that takes a connect)."""
+    import socket
+
+    probe_sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    try:
+        probe_sock.connect(path)
+        return True
+    except OSError:
+        return False
+    finally:
+        probe_sock.close()
 
 
 def _socket_at_run_time(cfg: config.Config) -> str:
