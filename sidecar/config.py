@@ -222,6 +222,20 @@ def _urls(text: str) -> tuple[str, ...]:
     return urls
 
 
+def _engine_urls(text: str) -> tuple[str, ...]:
+    """Engine endpoints: URLs like the receivers', but with no credentials (none is ever sent to
+    an engine, and a URL's user-info would be)."""
+    urls = _urls(text)
+    for n, u in enumerate(urls, 1):
+        if "@" in urlsplit(u).netloc:
+            raise ValueError(f"URL {n} of {len(urls)} holds credentials (user@): the agent sends "
+                             "none to an engine; expose its metrics without authentication on "
+                             "localhost" if len(urls) > 1 else "holds credentials (user@): the "
+                             "agent sends none to an engine; expose its metrics without "
+                             "authentication on localhost")
+    return urls
+
+
 def _url(text: str) -> str:
     """An http(s) URL with a host and a valid port, if any.
 
@@ -551,7 +565,7 @@ OPTIONS: tuple[Option, ...] = (
            "Triton :8002), read once per --interval by a thread of its own: its latency, queue "
            "and KV-cache figures become the engine_* series and join the verdict. Repeat the "
            "flag or separate with commas for several engines. With --simulate kv-cache-full or "
-           "queueing and none given, the simulated engine's.", _urls,
+           "queueing and none given, the simulated engine's.", _engine_urls,
            commands=("run", "diagnose"), repeatable=True, show=_shown_urls),
     Option("engine_metrics_timeout", "Seconds one read of an engine endpoint may take, "
            "connecting and reading the whole answer (0.1..60; default {default}); it never "
@@ -756,6 +770,7 @@ def describe(config: Config) -> dict[str, Any]:
     out = {f.name: getattr(config, f.name) for f in fields(config)}
     out["remote_write_url"] = [redact_url(u) for u in config.remote_write_url]
     out["otlp_url"] = [redact_url(u) for u in config.otlp_url]
+    out["engine_metrics_url"] = [redact_url(u) for u in config.engine_metrics_url]
     if config.pushgateway_url:
         out["pushgateway_url"] = redact_url(config.pushgateway_url)
     out["header"] = [k for k, _ in config.header]

@@ -388,9 +388,9 @@ def _engine_fetch(cfg: config.Config) -> Callable[[str], Fetched]:
         if len(got.content) > limit:
             return Fetched(problem=("too_large", f"the answer is longer than {limit} bytes "
                                     "(--engine-metrics-max-bytes): not parsed"))
-        if got.unread is not None:
+        if got.unread is not None:  # too slow, or cut on the way (said in the detail)
             return Fetched(problem=("timeout", f"the answer was not read whole within "
-                                    f"{timeout:g} s (--engine-metrics-timeout)"))
+                                    f"{timeout:g} s (--engine-metrics-timeout): {got.unread}"))
         return Fetched(status=got.status_code, body=got.content,
                        location=got.headers.get("Location") or "")
 

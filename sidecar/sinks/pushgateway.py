@@ -203,7 +203,7 @@ class PushgatewaySink:
         self._unpushed = False
         self.pushes += 1
         if not self.last_success_time:  # the first of this run
-            log.info("push_first_delivered", sink=self.name, url=redact(self.url))
+            log.info("first_push_delivered", sink=self.name, url=redact(self.url))
         self.last_success_time = time.time()
         if self.summary_at_exit and any(is_summary(s.name) for s in self._latest.series):
             self._summary_pushed = True

@@ -2,14 +2,17 @@
 
 Off by default: no port is opened unless asked. The sink keeps only the last cycle (a scrape
 reads the present; history is the push sinks' job) and renders it when a scrape asks, without
-timestamps, as a scraped target's samples are stamped by the scraper. Anything but ``GET
-/metrics`` is a 404; the server is a thread of its own, so a slow scraper never holds a cycle.
+timestamps, as a scraped target's samples are stamped by the scraper. A GET of any other path
+is a 404 (another method a 501); the server is a thread of its own, so a slow scraper never
+holds a cycle.
 """
 
 from __future__ import annotations
 
+import socket
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
 
 import structlog
 
@@ -18,6 +21,35 @@ from sidecar.sinks.stdout import prometheus_text
 
 log = structlog.get_logger("sidecar.scrape")
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+SCRAPE_TIMEOUT_S = 10.0  # a connection idle this long is closed
+MAX_CONNECTIONS = 8  # scrapes served at once; more are closed unanswered
+
+
+class _Server(ThreadingHTTPServer):
+    """At most ``MAX_CONNECTIONS`` threads, whatever connects; a scraper that goes away in the
+    middle of an answer is no traceback on the agent's stderr (its log is JSON)."""
+
+    daemon_threads = True
+
+    def __init__(self, address: tuple[str, int], handler: Any, *, family: int) -> None:
+        self.address_family = family
+        self._slots = threading.BoundedSemaphore(MAX_CONNECTIONS)
+        super().__init__(address, handler)
+
+    def process_request(self, request: Any, client_address: Any) -> None:
+        if not self._slots.acquire(blocking=False):
+            self.shutdown_request(request)
+            return
+        super().process_request(request, client_address)
+
+    def process_request_thread(self, request: Any, client_address: Any) -> None:
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self._slots.release()
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        pass  # the scraper hung up: nothing for the agent to do
 
 
 class ListenError(OSError):
@@ -40,6 +72,8 @@ class ScrapeSink:
         sink = self
 
         class Handler(BaseHTTPRequestHandler):
+            timeout = SCRAPE_TIMEOUT_S  # an idle or trickling scraper is let go
+
             def do_GET(self) -> None:
                 if self.path.split("?", 1)[0] != "/metrics":
                     self.send_error(404, "only /metrics is served here")
@@ -56,19 +90,11 @@ class ScrapeSink:
 
         host, port = _split(address)
         try:
-            server_class = ThreadingHTTPServer
-            if ":" in host:
-                import socket
-
-                class _V6(ThreadingHTTPServer):
-                    address_family = socket.AF_INET6
-
-                server_class = _V6
-            self._server = server_class((host, port), Handler)
+            self._server = _Server((host, port), Handler,
+                                   family=socket.AF_INET6 if ":" in host else socket.AF_INET)
         except OSError as exc:
             raise ListenError(exc.errno, f"cannot listen on {address} (--metrics-listen): "
                               f"{exc.strerror}; give a free port of this host") from None
-        self._server.daemon_threads = True
         self._thread = threading.Thread(target=self._server.serve_forever, name="metrics-listen",
                                         daemon=True)
 
@@ -90,7 +116,8 @@ class ScrapeSink:
         pass
 
     def close(self, deadline: float) -> bool:
-        self._server.shutdown()
+        if self._thread.is_alive():  # shutdown() waits for serve_forever, which may never have run
+            self._server.shutdown()
         self._server.server_close()
         return True
 

@@ -362,7 +362,7 @@ class SpooledSink:
         self.samples_pushed += samples
         self.batches_pushed += len(batches)
         if not self.last_success_time:  # the first of this run: the receiver takes what we send
-            self.log.info("push_first_delivered", sink=self.name, url=redact(self.url),
+            self.log.info("first_push_delivered", sink=self.name, url=redact(self.url),
                           samples=samples, batches=len(batches), attempts=attempts)
         self.last_success_time = time.time()
         if self._failing_since is not None:

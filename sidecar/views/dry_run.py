@@ -33,6 +33,8 @@ def dry_run(cfg: Config, *, out: Callable[[str], object] = sys.stdout.write) -> 
         ("app socket", _writable_dir(Path(cfg.socket).parent, "the socket's directory")),
         ("spool", _spool(cfg)),
     ]
+    if cfg.metrics_listen:
+        checks.append(("--metrics-listen", _listen(cfg.metrics_listen)))
     checks += [(f"receiver {redact_url(url)}", _receiver(cfg, kind, url))
                for kind, url in _receivers(cfg)]
     checks += [(f"engine {redact_url(url)}", _engine(cfg, url)) for url in cfg.engine_metrics_url]
@@ -47,8 +49,19 @@ def dry_run(cfg: Config, *, out: Callable[[str], object] = sys.stdout.write) -> 
 def _configuration(cfg: Config) -> str:
     receivers = [redact_url(u) for _, u in _receivers(cfg)]
     return (f"--interval {cfg.interval:g} s, --gpus {cfg.gpus}, "
-            + (f"receivers: {', '.join(receivers)}" if receivers else "no receiver: stdout")
+            + (f"receivers: {', '.join(receivers)}" if receivers else
+               "no receiver" + ("" if cfg.metrics_listen and not cfg.stdout else ": stdout"))
             + (f", /metrics on {cfg.metrics_listen}" if cfg.metrics_listen else ""))
+
+
+def _listen(address: str) -> Check:
+    from sidecar.sinks.scrape import ListenError, ScrapeSink
+
+    try:
+        ScrapeSink(address).close(0.0)
+    except ListenError as exc:
+        return False, str(exc.strerror)
+    return True, f"{address} can be listened on (/metrics)"
 
 
 def _receivers(cfg: Config) -> list[tuple[str, str]]:
@@ -101,7 +114,9 @@ def _spool(cfg: Config) -> Check:
     ok, found = _writable_dir(Path(cfg.spool_dir), "the spool directory")
     if not ok:
         return ok, found
-    free = shutil.disk_usage(cfg.spool_dir).free
+    # the spool may not exist yet (a first start creates it): the volume it will be made on
+    free = shutil.disk_usage(next(p for p in (Path(cfg.spool_dir), *Path(cfg.spool_dir).parents)
+                                  if p.exists())).free
     need = cfg.spool_max_bytes * (len(cfg.remote_write_url) + len(cfg.otlp_url))
     if free < need:
         return True, (f"{found}; NOTE: {free} bytes free, less than the {need} bytes the spool "

@@ -1,7 +1,7 @@
 """``gpu-sidecar status``: what the running agent knows, read from beside it.
 
 The agent writes a small JSON file, ``status.json`` beside its app socket (the socket's volume,
-writable while the root file system is read-only), after its cycles: at most once a second,
+writable while the root file system is read-only), after its cycles: at most twice a second,
 replaced in one rename so a reader never sees half of it. It is built from the cycle's own
 series (the figures a receiver gets) and the app socket's state: per sink the last success,
 backlog and failures; per app process the last message, and the rejections by reason; the GPUs
@@ -15,9 +15,11 @@ leave the cycles running).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sys
+import tempfile
 import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
@@ -65,21 +67,30 @@ class StatusWriter:
             _write(self.path, snapshot(self.agent, series, started_at=self.started_at,
                                        written_at=self.wall()))
             self._failed = False
-        except OSError as exc:
-            if not self._failed:  # once per episode: the cycle goes on without it
+        except Exception as exc:  # never the cycle's end: the status is a report
+            if not self._failed:  # once per episode
                 self._failed = True
                 import structlog
 
                 structlog.get_logger("sidecar.status").warning(
-                    "status_write_failed", path=str(self.path), error=exc.strerror,
+                    "status_write_failed", path=str(self.path),
+                    error=getattr(exc, "strerror", None) or type(exc).__name__,
                     effect="gpu-sidecar status and the liveness probe read an old status",
                     hint="the socket's directory must be writable by the agent")
 
 
 def _write(path: Path, data: dict[str, Any]) -> None:
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(data, separators=(",", ":")))
-    os.replace(tmp, path)
+    """A new file (O_EXCL: never one the app's container placed in the shared directory), then
+    one rename over the old status: a reader sees the old or the new, whole."""
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(json.dumps(data, separators=(",", ":")))
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
 
 
 def snapshot(agent: Agent, series: Iterable[Series], *, started_at: float,
@@ -92,7 +103,9 @@ def snapshot(agent: Agent, series: Iterable[Series], *, started_at: float,
         labels = dict(s.labels)
         name = s.name
         if "sink" in labels:
-            sink = sinks.setdefault(labels["sink"], {"pushed_samples": 0, "last_success_at": None,
+            # pushed_samples None: a sink that counts no samples (the Pushgateway's, which
+            # replaces a group rather than appending samples)
+            sink = sinks.setdefault(labels["sink"], {"pushed_samples": None, "last_success_at": None,
                                                      "failures": {}, "spool_bytes": {},
                                                      "spool_batches": 0, "dropped": {}})
             if name == "gpu_sidecar_samples_pushed_total":
@@ -122,9 +135,11 @@ def snapshot(agent: Agent, series: Iterable[Series], *, started_at: float,
     selected = list(agent._selection) if agent._selection else list(available)
     why = {"announced": "announced by the app", "visible": "visible to NVML"}.get(
         cfg.gpus, "named with --gpus")
+    left_out = {"announced": "not announced by the app (--gpus announced)"}.get(
+        cfg.gpus, "not named with --gpus")
     gpus = [{"uuid": u, **available.get(u, {}), "why": why} for u in selected]
     not_exported = [{"uuid": i.uuid, "index": i.index, "name": i.name,
-                     "why": "not announced by the app (--gpus announced)"}
+                     "why": left_out}
                     for i in agent._identities.values() if i.uuid not in selected]
     app = agent.app
     return {
@@ -196,9 +211,10 @@ def report(data: dict[str, Any], age: float) -> str:
         backlog = (f"; backlog {s.get('spool_batches', 0):.0f} batches, "
                    f"{spool.get('pending', 0):.0f} bytes pending, {spool.get('rejected', 0):.0f} "
                    "set aside") if spool else ""
-        lines.append(f"  {name}: last success {_ago(s.get('last_success_at'), now)}, "
-                     f"{s.get('pushed_samples', 0):.0f} samples pushed{backlog}; "
-                     f"failures: {failures}")
+        pushed = s.get("pushed_samples")
+        lines.append(f"  {name}: last success {_ago(s.get('last_success_at'), now)}"
+                     + (f", {pushed:.0f} samples pushed" if pushed is not None else "")
+                     + f"{backlog}; failures: {failures}")
     if not data.get("sinks"):
         lines.append("  stdout only (no receiver configured)")
     app = data.get("app", {})

@@ -3,10 +3,10 @@
 The agent's cycle never waits for an engine: each endpoint has a reader thread that GETs it once
 per interval (``--engine-metrics-timeout`` bounds the whole request, ``--engine-metrics-max-bytes``
 the answer), parses what came and keeps the last figures; a cycle only copies them. Figures
-older than two intervals and a timeout are not exported: a stalled engine's last reading is not
-passed off as current. Every failure is counted by reason; a failing endpoint is logged when
-the condition starts and when it ends (at the 1st, 10th, 100th... episode of a flapping one),
-never once per read.
+older than two intervals and a timeout (a read that hangs) are not exported, nor any after a
+failed read: a stalled engine's last reading is not passed off as current. Every failure is
+counted by reason; a failing endpoint is logged when the condition starts and when it ends
+(at the 1st, 10th, 100th... episode of a flapping one), never once per read.
 """
 
 from __future__ import annotations
@@ -63,10 +63,11 @@ Fetch = Callable[[str], Fetched]
 
 
 def endpoint_label(url: str) -> str:
-    """host:port of the URL, its label on every series: two engines in a pod stay apart."""
+    """host:port of the URL (and its path, unless /metrics), its label on every series: two
+    engines in a pod stay apart."""
     parts = urlsplit(url)
     host = parts.netloc.rpartition("@")[2]
-    return host if parts.port or parts.path in ("", "/metrics") else host + parts.path
+    return host if parts.path in ("", "/", "/metrics") else host + parts.path
 
 
 class EngineEndpoint:
@@ -121,7 +122,7 @@ class EngineEndpoint:
         if problem is None:
             try:
                 figures, prefixes = figures_of(got.body.decode("utf-8", "replace"))
-            except Malformed as exc:
+            except (Malformed, ValueError) as exc:  # the parser's own errors included
                 problem = ("malformed", f"not the Prometheus text format: {exc}")
             else:
                 if figures is None:
@@ -147,8 +148,15 @@ class EngineEndpoint:
             return "http_status", f"HTTP {got.status}"
         return None
 
+    @property
+    def engine_name(self) -> str:
+        """The engine last recognised here ("" before): kept while it fails, so that its
+        gpu_sidecar_engine_up series reads 0 rather than changing its labels."""
+        return self._found
+
     def _succeeded(self, figures: EngineFigures) -> None:
-        self.last, self.last_ok_at = figures, self.clock()
+        self.last_ok_at = self.clock()
+        self.last = figures
         if self._failing.ended():
             log.info("engine_metrics_recovered", endpoint=self.label, engine=figures.engine,
                      failed_for_s=round(self.clock() - (self._failing_since or self.clock()), 1))
@@ -163,6 +171,7 @@ class EngineEndpoint:
 
     def _failed(self, reason: str, detail: str) -> None:
         self.failures[reason] += 1
+        self.last = None  # the engine's state is unknown now: no figure passes for current
         started = self._failing.started()
         if self._failing_since is None:
             self._failing_since = self.clock()
@@ -177,11 +186,10 @@ class EngineEndpoint:
 
     def current(self) -> EngineFigures | None:
         """The last figures, unless they are older than two intervals and a timeout."""
-        if self.last is None or self.last_ok_at is None:
+        last, at = self.last, self.last_ok_at  # once: the reader thread may change them
+        if last is None or at is None or self.clock() - at > self.stale_after_s:
             return None
-        if self.clock() - self.last_ok_at > self.stale_after_s:
-            return None
-        return self.last
+        return last
 
 
 def _figures_of(engine: str) -> list[str]:
@@ -214,8 +222,7 @@ class EngineSource:
             figures = e.current()
             if figures is not None:
                 out.extend(engine_series(figures, e.label, pod, ts))
-            labels = tuple(sorted((*pod, ("endpoint", e.label),
-                                   ("engine", figures.engine if figures else ""))))
+            labels = tuple(sorted((*pod, ("endpoint", e.label), ("engine", e.engine_name))))
             out.append(Series(name="gpu_sidecar_engine_up", labels=labels,
                               value=1.0 if figures is not None else 0.0, timestamp_ms=ts))
             out.append(Series(name="gpu_sidecar_engine_read_duration_seconds",

@@ -11,7 +11,9 @@ KV-cache usage taking the fullest core instead.
 
 from __future__ import annotations
 
+import itertools
 import math
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
@@ -22,9 +24,13 @@ from sidecar.sources.engine.families import ENGINES, Engine, Family, source_name
 
 MAX_MODELS = 16  # models per endpoint: beyond, the rest are left out and said
 MAX_BUCKETS = 64  # buckets per histogram: a family with more is left out and said
+MAX_MODEL_CHARS = 128  # a longer model name is cut to this (a label on every engine series)
+_MAX_PREFIXES = 32  # metric-name prefixes kept to say what another program's text holds
 _KNOWN = source_names()
 _PARTS = ("_bucket", "_sum", "_count", "_total", "_created")
 _TAKE_MAX = frozenset({"engine_kv_cache_usage_ratio"})
+# a sample line's metric name (text format 0.0.4, which the agent asks for: no quoted names)
+_NAME = re.compile(r"[a-zA-Z_:][a-zA-Z0-9_:]*")
 
 
 class Malformed(ValueError):
@@ -57,19 +63,24 @@ def _family_of(name: str) -> str | None:
 
 def relevant(text: str) -> tuple[str, set[str]]:
     """The lines of the families we read, and every metric-name prefix seen (to recognise an
-    engine that exposes none of them, or tell a text of another program)."""
+    engine that exposes none of them, or tell a text of another program). A line that is no
+    sample of the text format (HTML, JSON, bytes) makes the whole text ``Malformed``."""
     kept: list[str] = []
     prefixes: set[str] = set()
-    for line in text.splitlines():
+    for number, line in enumerate(text.split("\n"), 1):  # \n only: a label may hold U+2028
+        line = line.removesuffix("\r")
         if line.startswith("#"):
             words = line.split(None, 3)
             if len(words) >= 3 and words[1] in ("HELP", "TYPE") and _family_of(words[2]):
                 kept.append(line)
             continue
-        name = (line.split("{", 1)[0].split(None, 1) or [""])[0]  # "{...": no name
-        if not name:
+        if not line.strip() or line.lstrip().startswith("#"):  # blank, or an indented comment
             continue
-        prefixes.add(_prefix(name))
+        name = (line.split("{", 1)[0].split(None, 1) or [""])[0]
+        if not _NAME.fullmatch(name):  # every line is checked, not only the kept ones
+            raise Malformed(f"line {number} is not a sample of the text format")
+        if len(prefixes) < _MAX_PREFIXES:
+            prefixes.add(_prefix(name)[:40])
         if _family_of(name):
             kept.append(line)
     return "\n".join(kept) + "\n", prefixes
@@ -150,7 +161,7 @@ def map_engine(engine: Engine, samples: Samples) -> EngineFigures:
 
 
 def _model(labels: Mapping[str, str], model_label: str | None) -> str:
-    return labels.get(model_label, "") if model_label else ""
+    return labels.get(model_label, "")[:MAX_MODEL_CHARS] if model_label else ""
 
 
 def _numbers(fam: Family, samples: Samples, engine: Engine, *,
@@ -163,6 +174,8 @@ def _numbers(fam: Family, samples: Samples, engine: Engine, *,
         if not math.isfinite(value):
             continue
         m = _model(labels, engine.model_label)
+        if fam.kind == "counter" and value < 0:
+            continue  # a counter never is
         if engine.replicas is None:
             replica = tuple(sorted(f"{k}={v}" for k, v in labels.items()))
         else:
@@ -172,6 +185,8 @@ def _numbers(fam: Family, samples: Samples, engine: Engine, *,
     out: dict[str, float] = {}
     for (m, _), value in per_replica.items():
         out[m] = max(out[m], value) if take_max and m in out else out.get(m, 0.0) + value
+    if take_max:  # the KV cache's share: outside 0..1 it is no share
+        out = {m: v for m, v in out.items() if 0.0 <= v <= 1.0}
     return out
 
 
@@ -179,22 +194,35 @@ def _histograms(fam: Family, samples: Samples, model_label: str | None
                 ) -> dict[str, LatencyHistogram]:
     buckets: dict[str, dict[float, float]] = {}
     sums: dict[str, float] = {}
+    bad: set[str] = set()  # models whose buckets cannot be a histogram
     for labels, value in samples.get(f"{fam.name}_bucket", ()):
-        le = labels.get("le")
+        le, m = labels.get("le"), _model(labels, model_label)
         if le is None:
             continue
-        bound = math.inf if le in ("+Inf", "Inf", "inf") else float(le) * fam.scale
-        per = buckets.setdefault(_model(labels, model_label), {})
+        try:
+            bound = math.inf if le in ("+Inf", "Inf", "inf") else float(le) * fam.scale
+        except ValueError:
+            raise Malformed(f"{fam.name}_bucket has le={le[:40]!r}, not a number") from None
+        if math.isnan(bound) or bound < 0 or (math.isinf(bound) and le not in ("+Inf", "Inf",
+                                                                              "inf")) \
+                or not math.isfinite(value) or value < 0:
+            bad.add(m)
+            continue
+        per = buckets.setdefault(m, {})
         per[bound] = per.get(bound, 0.0) + value
     for labels, value in samples.get(f"{fam.name}_sum", ()):
         m = _model(labels, model_label)
+        if not math.isfinite(value):
+            bad.add(m)
         sums[m] = sums.get(m, 0.0) + value * fam.scale
     out: dict[str, LatencyHistogram] = {}
     for m, per in buckets.items():
-        if math.inf not in per:
-            continue  # not a histogram: every histogram has a +Inf bucket
+        if math.inf not in per or m in bad:
+            continue  # not a histogram: every histogram has a +Inf bucket and finite counts
         bounds = tuple(sorted(b for b in per if b != math.inf))
         counts = (*tuple(per[b] for b in bounds), per[math.inf])
+        if any(later < earlier for earlier, later in itertools.pairwise(counts)):
+            continue  # not cumulative (replicas with other bounds summed): no quantile holds
         out[m] = LatencyHistogram(bounds=bounds, counts=counts, sum_seconds=sums.get(m, 0.0))
     return out
 
