@@ -408,6 +408,13 @@ TEMPORARY_SPOOL_EFFECT = ("LOST at exit: with --simulate and no --spool-dir the 
                           "what a receiver did not take")
 
 
+TEMPORARY_SET_ASIDE_EFFECT = ("refused by the receiver for their data in this run, and LOST at "
+                              "exit: with --simulate and no --spool-dir the spool, rejected/ "
+                              "with it, is a temporary directory removed with this run")
+TEMPORARY_SET_ASIDE_HINT = ("give --spool-dir to keep what a receiver refuses, for "
+                            "`gpu-sidecar resend-rejected`")
+
+
 def _run(cfg: config.Config, *, temporary_spool: bool = False) -> int:
     log.info("starting", version=__version__, config=config.describe(cfg))
     if cfg.insecure_skip_verify:
@@ -425,6 +432,8 @@ def _run(cfg: config.Config, *, temporary_spool: bool = False) -> int:
             for sink in sinks:
                 if hasattr(sink, "left_in_spool_effect"):
                     sink.left_in_spool_effect = TEMPORARY_SPOOL_EFFECT  # type: ignore[attr-defined]
+                    sink.set_aside_effect = TEMPORARY_SET_ASIDE_EFFECT  # type: ignore[attr-defined]
+                    sink.set_aside_hint = TEMPORARY_SET_ASIDE_HINT  # type: ignore[attr-defined]
         mode = "simulated" if scenario is not None else ("nvml" if source else "app-only")
         # a Job's run summary so far, beside the spool: an agent restarted mid-run goes on with it
         checkpoint = (Checkpoint(Path(cfg.spool_dir) / "run-summary.json", cfg.push_interval)

@@ -112,6 +112,10 @@ class SpooledSink:
         # what happens to batches left at exit: the next start sends them, unless the spool is
         # a temporary directory (a demo's) that goes with this run
         self.left_in_spool_effect = "sent by the next start on this spool"
+        self.set_aside_effect = ("refused by the receiver for their data in this run: not "
+                                 "delivered, kept for a person to look at")
+        self.set_aside_hint = ("once the cause is fixed, `gpu-sidecar resend-rejected` with the "
+                               "same configuration sends them again")
         self._lock = threading.Lock()
         self._wake = threading.Event()
         self._stop = threading.Event()
@@ -242,10 +246,7 @@ class SpooledSink:
                              batches=self.set_aside_this_run,
                              samples=self.samples_set_aside_this_run,
                              directory=str(self.spool.dir / "rejected"),
-                             effect="refused by the receiver for their data in this run: not "
-                                    "delivered, kept for a person to look at",
-                             hint="once the cause is fixed, `gpu-sidecar resend-rejected` with "
-                                  "the same configuration sends them again")
+                             effect=self.set_aside_effect, hint=self.set_aside_hint)
         return left == 0 and not self.set_aside_this_run
 
     # -- sender thread ---------------------------------------------------------------------

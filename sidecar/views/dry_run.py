@@ -27,6 +27,15 @@ Check = tuple[bool, str]  # passed, what was found
 
 
 def dry_run(cfg: Config, *, out: Callable[[str], object] = sys.stdout.write) -> int:
+    from sidecar import wiring
+
+    # with --simulate and the default paths the run uses a private temporary socket and spool:
+    # those are checked, not /run/gpu-sidecar and /var/lib/gpu-sidecar, which it never touches
+    with wiring.simulated_paths(cfg) as cfg:
+        return _dry_run(cfg, out)
+
+
+def _dry_run(cfg: Config, out: Callable[[str], object]) -> int:
     checks: list[tuple[str, Check]] = [
         ("configuration", (True, _configuration(cfg))),
         ("NVML", _nvml(cfg)),
@@ -143,7 +152,16 @@ def _receiver(cfg: Config, kind: str, url: str) -> Check:
         return True, (f"takes an empty {kind.replace('_', '-')} request (HTTP "
                       f"{response.status_code}): the URL and credentials are right")
     except Refused as exc:
-        return False, f"refused: {exc} ({exc.hint})" if exc.hint else f"refused: {exc}"
+        said = " ".join(str(exc).split())  # one line per check, whatever the receiver's body
+        if kind == "pushgateway":
+            hint = ("is this a Pushgateway? give its base URL (e.g. http://pushgateway:9091), "
+                    "without a path")
+        elif exc.about_data:  # an empty request holds no data: it is the URL that is refused
+            hint = ("even an empty request is refused, so the receiver objects to the URL, not "
+                    f"the data: {_codec(kind).policy.hints.get(404, 'check the URL')}")
+        else:
+            hint = exc.hint
+        return False, f"refused: {said}" + (f" ({hint})" if hint else "")
     except Retryable as exc:
         return False, f"no answer: {exc}"
     finally:

@@ -1,0 +1,71 @@
+"""What --dry-run and a temporary spool say about a wrong URL, a simulated run's paths, a taken
+port and batches set aside (issue #27): the words match what happens."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from tests.conftest import run_cli
+from tests.receivers import LOCAL, Agent, FaultProxy, Pushgateway, VictoriaMetrics, free_port, running
+from tests.waiting import until
+
+
+def dry_run(tmp_path: Path, *extra: str):
+    return run_cli("run", "--dry-run", "--simulate", "healthy",
+                   "--socket", str(tmp_path / "run" / "app.sock"), *extra)
+
+
+def check_line(out: str, name: str) -> str:
+    [line] = [line for line in out.splitlines() if line[7:].startswith(name)]
+    return line
+
+
+def test_dry_run_says_a_refused_empty_request_is_about_the_url_not_the_data(tmp_path):
+    vm, pg = VictoriaMetrics(tmp_path).start(), Pushgateway(tmp_path).start()
+    with running(vm, pg):
+        typo = vm.base + "/api/v1/wirte"
+        got = dry_run(tmp_path, "--remote-write-url", typo, "--spool-dir", str(tmp_path / "sp"))
+        wrong_pg = pg.base + "/metrics"
+        pgw = dry_run(tmp_path, "--pushgateway-url", wrong_pg)
+    assert got.returncode == 1 and pgw.returncode == 1
+    line = check_line(got.stdout, f"receiver {typo}")
+    # nothing was sent but an empty request, and nothing is set aside: the URL is wrong
+    assert "set aside" not in line, line
+    assert "the URL, not the data" in line and "/api/v1/write" in line, line
+    line = check_line(pgw.stdout, f"receiver {wrong_pg}")
+    assert "remote-write" not in line and "Pushgateway" in line, line
+
+
+def test_dry_run_with_simulate_checks_the_paths_the_simulated_run_uses():
+    got = run_cli("run", "--dry-run", "--simulate", "healthy", "--remote-write-url",
+                  f"http://{LOCAL}:{free_port()}/api/v1/write", "--push-timeout", "1")
+    # `run --simulate healthy` binds a private temporary socket and spools in a temporary
+    # directory: a non-root demo user must not be told /run is not writable
+    assert "/run/gpu-sidecar" not in check_line(got.stdout, "app socket"), got.stdout
+    assert "/var/lib/gpu-sidecar" not in check_line(got.stdout, "spool"), got.stdout
+
+
+def test_dry_run_checks_that_metrics_listen_can_be_listened_on(tmp_path):
+    taker = VictoriaMetrics(tmp_path).start()  # any listener holds the port
+    with running(taker):
+        address = f"{LOCAL}:{taker.port}"
+        got = dry_run(tmp_path, "--metrics-listen", address)
+        run = run_cli("run", "--simulate", "healthy", "--metrics-listen", address,
+                      "--socket", str(tmp_path / "r" / "app.sock"))
+    assert run.returncode == 2  # the run refuses to start...
+    assert got.returncode == 1, got.stdout  # ...so the dry run must not say all is well
+    assert "Address already in use" in check_line(got.stdout, "--metrics-listen")
+
+
+def test_batches_set_aside_in_a_temporary_spool_are_said_lost_at_exit(tmp_path):
+    vm = VictoriaMetrics(tmp_path).start()
+    proxy = FaultProxy(vm.write_url, lambda n, body: (400, {}, b"bad data") if n == 0 else None)
+    with running(vm, proxy):
+        agent = Agent(["--simulate", "healthy", "--interval", "0.2", "--push-interval", "0.4",
+                       "--retry-max-backoff", "0.5", "--remote-write-url", proxy.url]).start()
+        until(lambda: agent.logged("batch_refused"), what="a batch set aside")
+        assert agent.stop() == 0
+    [aside] = agent.logged("shutdown_with_batches_set_aside")
+    assert not os.path.exists(aside["directory"]), "the temporary spool went with the run"
+    assert "LOST" in aside["effect"] and "--spool-dir" in aside["hint"], aside
