@@ -112,7 +112,10 @@ class EngineEndpoint:
             except Exception:  # a bug here must not end the reads
                 log.exception("engine_metrics_bug", endpoint=self.label,
                               hint="a bug: please report it with this log line")
-            self._stop.wait(max(0.0, self.interval_s - (self.clock() - began)))
+            took = self.clock() - began
+            # once per interval; a read longer than one is followed by a whole interval's rest,
+            # never by the next read at once (an endpoint slow to parse costs at most half a core)
+            self._stop.wait(self.interval_s - took if took < self.interval_s else self.interval_s)
 
     def read_once(self) -> None:
         began = self.clock()

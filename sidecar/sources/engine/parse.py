@@ -31,6 +31,10 @@ _PARTS = ("_bucket", "_sum", "_count", "_total", "_created")
 _TAKE_MAX = frozenset({"engine_kv_cache_usage_ratio"})
 # a sample line's metric name (text format 0.0.4, which the agent asks for: no quoted names)
 _NAME = re.compile(r"[a-zA-Z_:][a-zA-Z0-9_:]*")
+# the label that names the model, in any engine's text (vLLM and SGLang: model_name; Triton:
+# model): lines of models beyond MAX_MODELS are dropped before parsing, so a text of hundreds of
+# models costs a scan, not a parse
+_MODEL = re.compile(r'[{,]\s*(?:model_name|model)="((?:[^"\\]|\\.)*)"')
 
 
 class Malformed(ValueError):
@@ -62,11 +66,18 @@ def _family_of(name: str) -> str | None:
 
 
 def relevant(text: str) -> tuple[str, set[str]]:
+    kept, prefixes, _ = _relevant(text)
+    return kept, prefixes
+
+
+def _relevant(text: str) -> tuple[str, set[str], bool]:
     """The lines of the families we read, and every metric-name prefix seen (to recognise an
     engine that exposes none of them, or tell a text of another program). A line that is no
     sample of the text format (HTML, JSON, bytes) makes the whole text ``Malformed``."""
     kept: list[str] = []
     prefixes: set[str] = set()
+    models: set[str] = set()
+    too_many = False
     for number, line in enumerate(text.split("\n"), 1):  # \n only: a label may hold U+2028
         line = line.removesuffix("\r")
         if line.startswith("#"):
@@ -82,8 +93,14 @@ def relevant(text: str) -> tuple[str, set[str]]:
         if len(prefixes) < _MAX_PREFIXES:
             prefixes.add(_prefix(name)[:40])
         if _family_of(name):
+            model = _MODEL.search(line)
+            if model is not None and model.group(1) not in models:
+                if len(models) >= MAX_MODELS:
+                    too_many = True
+                    continue
+                models.add(model.group(1))
             kept.append(line)
-    return "\n".join(kept) + "\n", prefixes
+    return "\n".join(kept) + "\n", prefixes, too_many
 
 
 def _prefix(name: str) -> str:
@@ -126,12 +143,16 @@ def _present(fam: Family, samples: Samples) -> bool:
 
 def figures_of(text: str) -> tuple[EngineFigures | None, set[str]]:
     """The engine's figures in ``text`` (None: no engine we know), and the name prefixes seen."""
-    kept, prefixes = relevant(text)
+    kept, prefixes, too_many = _relevant(text)
     samples = samples_of(kept)
     engine = recognise(samples)
     if engine is None:
         return None, prefixes
-    return map_engine(engine, samples), prefixes
+    figures = map_engine(engine, samples)
+    if too_many and "too_many_models" not in figures.left_out:
+        figures = EngineFigures(engine=figures.engine, figures=figures.figures,
+                                left_out=(*figures.left_out, "too_many_models"))
+    return figures, prefixes
 
 
 def map_engine(engine: Engine, samples: Samples) -> EngineFigures:
