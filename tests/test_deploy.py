@@ -19,8 +19,9 @@ import pytest
 import requests
 import yaml
 
-from sidecar import alert_rules
+from sidecar import alert_rules, config
 from sidecar.metrics import BY_NAME
+from sidecar.sources.engine.families import ENGINES
 from sidecar.thresholds import THRESHOLDS
 from tests.conftest import ROOT
 from tests.receivers import Agent, VictoriaMetrics, need, running
@@ -709,3 +710,22 @@ def test_every_kustomization_gives_its_apps_the_injected_publisher_and_the_agent
             assert app_env["GPU_SIDECAR_SOCKET"] == env["GPU_SIDECAR_SOCKET"]
             (mount,) = [m for m in app["volumeMounts"] if m["name"] == "gpu-sidecar-run"]
             assert mount["readOnly"] is True
+
+
+def test_the_component_names_the_one_variable_to_set_for_each_engines_default_port():
+    text = (ROOT / "k8s" / "components" / "gpu-sidecar" / "kustomization.yaml").read_text()
+    for engine in ENGINES:
+        line = f"GPU_SIDECAR_ENGINE_METRICS_URL={engine.default_url}"
+        assert line in text, engine.name
+        # and the agent takes the line as written
+        variable, _, value = line.partition("=")
+        assert config.build("run", config_args(), env={variable: value}).engine_metrics_url == \
+            (engine.default_url,)
+
+
+def config_args():
+    import argparse
+
+    parser = argparse.ArgumentParser()
+    config.add_arguments(parser, "run")
+    return parser.parse_args([])
