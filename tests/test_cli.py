@@ -16,7 +16,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from sidecar import protocol
 from sidecar.config import OPTIONS
-from sidecar.simulate.scenarios import GPU_LOST_INDEX, build
+from sidecar.simulate.scenarios import GPU_LOST_INDEX, OLD_DRIVER_VERSION, build
 from tests.conftest import ROOT, run_cli, send_datagram
 from tests.waiting import until
 
@@ -159,6 +159,8 @@ def test_probe_reports_supported_and_absent_metrics_with_reasons():
     assert proc.returncode == 0, proc.stderr
     out = proc.stdout
     assert "SIMULATED" in out and "Simulated NVIDIA A100" in out
+    # the old driver is said as the scenario's: no current version beside "driver too old?"
+    assert f"NVML driver {OLD_DRIVER_VERSION}," in out
     assert "gpu_sm_occupancy_ratio: GPM unavailable: FunctionNotFound" in out
     assert "PCIe rate from throughput" in out
     assert "compute:" in out and "memory:" in out and "io:" in out
