@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import signal
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -66,3 +68,15 @@ def status_mib(pid: int, key: str) -> float:
             if line.startswith(key + ":"):
                 return int(line.split()[1]) / 1024
     raise KeyError(key)
+
+
+def stop(proc: subprocess.Popen | None, timeout: float = 20.0) -> None:
+    """SIGTERM, as a pod's end sends it; SIGKILL only past ``timeout``."""
+    if proc is None or proc.poll() is not None:
+        return
+    proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()

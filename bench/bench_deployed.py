@@ -95,7 +95,15 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-from _report import cpu_seconds, finish, heading, replace_section, section, status_mib  # noqa: E402
+from _report import (  # noqa: E402
+    cpu_seconds,
+    finish,
+    heading,
+    replace_section,
+    section,
+    status_mib,
+    stop,
+)
 
 SCENARIO = "healthy"
 GPUS = 8
@@ -191,17 +199,6 @@ def spawn(command: list[str], log: Path, tree: Path | None = None) -> subprocess
     with log.open("wb") as out:
         return subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT,
                                 cwd=tree or ROOT, env=child_env(tree))
-
-
-def stop(proc: subprocess.Popen | None, timeout: float = 20.0) -> None:
-    if proc is None or proc.poll() is not None:
-        return
-    proc.send_signal(signal.SIGTERM)
-    try:
-        proc.wait(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
 
 
 def this_file(*args: str) -> list[str]:

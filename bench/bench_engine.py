@@ -85,7 +85,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-from _report import cpu_seconds, heading, replace_section, section, status_mib  # noqa: E402
+from _report import cpu_seconds, heading, replace_section, section, status_mib, stop  # noqa: E402
 
 AGENT = ROOT / ".venv" / "bin" / "gpu-sidecar"
 SCENARIO = "healthy"
@@ -453,17 +453,6 @@ def snapshot() -> tuple[Path, dict]:
     return tree, {"head": git("rev-parse", "--short", "HEAD"),
                   "dirty": [line[3:] for line in dirty.splitlines()],
                   "sha256": digest.hexdigest()[:16], "imports": where}
-
-
-def stop(proc: subprocess.Popen | None, timeout: float = 20.0) -> None:
-    if proc is None or proc.poll() is not None:
-        return
-    proc.send_signal(signal.SIGTERM)
-    try:
-        proc.wait(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
 
 
 def wait_until(condition, timeout: float, what: str) -> None:
