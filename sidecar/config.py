@@ -225,7 +225,14 @@ def _urls(text: str) -> tuple[str, ...]:
 def _engine_urls(text: str) -> tuple[str, ...]:
     """Engine endpoints: URLs like the receivers', but with no credentials (none is ever sent to
     an engine, and a URL's user-info would be)."""
-    urls = _urls(text)
+    try:
+        urls = _urls(text)
+    except ValueError as exc:
+        if "names the receiver of URL" not in str(exc):
+            raise
+        raise ValueError(str(exc).split(" (", 1)[0].replace("receiver", "endpoint")
+                         + ": the engine would be read, and its requests counted, twice; give "
+                         "each endpoint once") from None
     for n, u in enumerate(urls, 1):
         if "@" in urlsplit(u).netloc:
             raise ValueError(f"URL {n} of {len(urls)} holds credentials (user@): the agent sends "

@@ -752,3 +752,13 @@ def test_a_failing_endpoint_never_delays_a_cycle_and_is_said_once_when_it_starts
         grown = during["VmHWM"] - before["VmHWM"]
         assert grown < MEMORY_BOUND, f"peak memory grew {grown >> 20} MiB with 50 MB answers"
         assert during["VmRSS"] - before["VmRSS"] < MEMORY_BOUND
+
+
+def test_an_engine_url_given_twice_or_with_credentials_is_refused_saying_what_to_do():
+    url = "http://127.0.0.1:8000/metrics"
+    twice = run_cli("run", "--once", "--engine-metrics-url", f"{url},{url}")
+    assert twice.returncode == 2
+    assert "names the endpoint of URL 1 again" in twice.stderr and "read" in twice.stderr
+    secret = run_cli("run", "--once", "--engine-metrics-url", "http://user:hunter2@127.0.0.1:8000/metrics")
+    assert secret.returncode == 2
+    assert "sends none to an engine" in secret.stderr and "hunter2" not in secret.stderr
