@@ -80,3 +80,12 @@ def stop(proc: subprocess.Popen | None, timeout: float = 20.0) -> None:
     except subprocess.TimeoutExpired:
         proc.kill()
         proc.wait()
+
+
+def wait_until(condition, timeout: float, what: str) -> None:
+    """Poll ``condition`` every 50 ms until it holds; fail after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"{what} not within {timeout} s")
+        time.sleep(0.05)

@@ -103,6 +103,7 @@ from _report import (  # noqa: E402
     section,
     status_mib,
     stop,
+    wait_until,
 )
 
 SCENARIO = "healthy"
@@ -218,14 +219,6 @@ def scraping_vmagent(tmp: Path, write_url: str, target_port: int):
                                  f"-remoteWrite.tmpDataPath={tmp / 'vmagent-data'}",
                                  "-loggerLevel=WARN"],
                    tmp / "vmagent.log", "/health")
-
-
-def wait_until(condition, timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            raise RuntimeError(f"{what} not within {timeout} s")
-        time.sleep(0.05)
 
 
 def thread_cpu(pid: int) -> dict[int, float]:

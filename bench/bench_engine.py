@@ -85,7 +85,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-from _report import cpu_seconds, heading, replace_section, section, status_mib, stop  # noqa: E402
+from _report import cpu_seconds, heading, replace_section, section, status_mib, stop, wait_until  # noqa: E402
 
 AGENT = ROOT / ".venv" / "bin" / "gpu-sidecar"
 SCENARIO = "healthy"
@@ -289,6 +289,18 @@ def serve_http(ready_path: str, answer, **extra: object) -> None:
     server.serve_forever()
 
 
+def text_answer(body: bytes):
+    """A 200 text/plain answer of ``body`` for ``serve_http``."""
+    def answer(h) -> None:
+        h.send_response(200)
+        h.send_header("Content-Type", "text/plain; version=0.0.4; charset=utf-8")
+        h.send_header("Content-Length", str(len(body)))
+        h.end_headers()
+        h.wfile.write(body)
+
+    return answer
+
+
 def role_huge(ready_path: str) -> None:
     """c: 50 MiB of Prometheus text lines (syntax valid, a family the agent does not read),
     written 1 MiB at a time until the agent hangs up."""
@@ -320,12 +332,7 @@ def role_garbage(ready_path: str) -> None:
     """d: 1 MiB of random bytes as a 200 text/plain answer."""
     body = random.Random(20261201).randbytes(GARBAGE_BYTES)
 
-    def answer(h) -> None:
-        h.send_response(200)
-        h.send_header("Content-Type", "text/plain; version=0.0.4; charset=utf-8")
-        h.send_header("Content-Length", str(len(body)))
-        h.end_headers()
-        h.wfile.write(body)
+    answer = text_answer(body)
 
     serve_http(ready_path, answer)
 
@@ -397,12 +404,7 @@ def role_large(ready_path: str) -> None:
     body = large_text(LARGE_BYTES)
     assert len(body) == LARGE_BYTES
 
-    def answer(h) -> None:
-        h.send_response(200)
-        h.send_header("Content-Type", "text/plain; version=0.0.4; charset=utf-8")
-        h.send_header("Content-Length", str(len(body)))
-        h.end_headers()
-        h.wfile.write(body)
+    answer = text_answer(body)
 
     serve_http(ready_path, answer, bytes=len(body), lines=body.count(b"\n"),
                models=body.count(b"vllm:num_requests_running{"))
@@ -453,14 +455,6 @@ def snapshot() -> tuple[Path, dict]:
     return tree, {"head": git("rev-parse", "--short", "HEAD"),
                   "dirty": [line[3:] for line in dirty.splitlines()],
                   "sha256": digest.hexdigest()[:16], "imports": where}
-
-
-def wait_until(condition, timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            raise RuntimeError(f"{what} not within {timeout} s")
-        time.sleep(0.05)
 
 
 def alive(*procs: subprocess.Popen) -> None:

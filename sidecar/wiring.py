@@ -80,7 +80,7 @@ def build_sinks(cfg: config.Config, spool_root: str) -> list[Sink]:
             raise config.ConfigError(str(exc.strerror)) from None
     if not cfg.has_receivers:
         return sinks if sinks and not cfg.stdout else [*sinks, StdoutSink(cfg.output)]
-    http = _http_options(cfg)
+    http = http_options(cfg)
     if cfg.remote_write_url:
         from sidecar.sinks.remote_write import RemoteWriteSink, sink_name
 
@@ -133,7 +133,7 @@ def resend_rejected(cfg: config.Config) -> int:
         raise config.ConfigError("resend-rejected needs the receivers the batches were meant for: "
                                  "--remote-write-url or --otlp-url (GPU_SIDECAR_REMOTE_WRITE_URL, "
                                  "GPU_SIDECAR_OTLP_URL), as the agent was started with")
-    options = _http_options(cfg)
+    options = http_options(cfg)
     complete = True
     for urls, codec, sink_name in ((cfg.remote_write_url, remote_write.RemoteWriteCodec,
                                     remote_write.sink_name),
@@ -152,7 +152,7 @@ def resend_rejected(cfg: config.Config) -> int:
     return 0 if complete else 1
 
 
-def _http_options(cfg: config.Config) -> HttpOptions:
+def http_options(cfg: config.Config) -> HttpOptions:
     """How the receivers are spoken to (imported here: a stdout-only agent loads no HTTP)."""
     from sidecar.sinks.http import HttpOptions
 
@@ -354,7 +354,7 @@ def engines(cfg: config.Config, scenario: Scenario | None) -> Iterator[EngineSou
             yield None
             return
         source = EngineSource([
-            EngineEndpoint(url, _engine_fetch(cfg), interval_s=cfg.interval,
+            EngineEndpoint(url, engine_fetch(cfg), interval_s=cfg.interval,
                            timeout_s=cfg.engine_metrics_timeout) for url in urls])
         source.start()
         stack.callback(source.stop)
@@ -363,7 +363,7 @@ def engines(cfg: config.Config, scenario: Scenario | None) -> Iterator[EngineSou
         yield source
 
 
-def _engine_fetch(cfg: config.Config) -> Callable[[str], Fetched]:
+def engine_fetch(cfg: config.Config) -> Callable[[str], Fetched]:
     """A GET of an engine endpoint through ``sinks.http`` (its own session, no redirect
     followed, the timeout over the whole request, the answer read up to the bound), as the
     engine source's ``Fetched``. No credentials or headers of the receivers go to an engine."""

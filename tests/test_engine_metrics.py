@@ -615,7 +615,7 @@ def test_a_json_answer_is_a_failed_read_not_an_error_of_the_reader():
     engine = EngineServer(b'{"object":"list","data":[{"id":"meta-llama/Llama-3.1-8B-Instruct",'
                           b'"object":"model","owned_by":"vllm"}]}').start()
     with running(engine):
-        endpoint = EngineEndpoint(engine.url, wiring._engine_fetch(config.Config()),
+        endpoint = EngineEndpoint(engine.url, wiring.engine_fetch(config.Config()),
                                   interval_s=INTERVAL, timeout_s=READ_TIMEOUT)
         endpoint.read_once()
     assert engine.requests

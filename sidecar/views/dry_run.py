@@ -139,7 +139,7 @@ def _receiver(cfg: Config, kind: str, url: str) -> Check:
     from sidecar.sinks.answers import REMOTE_WRITE, Refused, Retryable
     from sidecar.sinks.http import Http
 
-    http = Http(wiring._http_options(cfg))
+    http = Http(wiring.http_options(cfg))
     try:
         if kind == "pushgateway":
             status = url.rstrip("/") + "/api/v1/status"
@@ -183,7 +183,7 @@ def _engine(cfg: Config, url: str) -> Check:
     from sidecar.sources.engine import EngineEndpoint
     from sidecar.sources.engine.endpoint import HINTS
 
-    endpoint = EngineEndpoint(url, wiring._engine_fetch(cfg), interval_s=cfg.interval,
+    endpoint = EngineEndpoint(url, wiring.engine_fetch(cfg), interval_s=cfg.interval,
                               timeout_s=cfg.engine_metrics_timeout)
     endpoint.read_once()
     figures = endpoint.current()

@@ -65,14 +65,10 @@ def _family_of(name: str) -> str | None:
     return None
 
 
-def relevant(text: str) -> tuple[str, set[str]]:
-    kept, prefixes, _ = _relevant(text)
-    return kept, prefixes
-
-
-def _relevant(text: str) -> tuple[str, set[str], bool]:
-    """The lines of the families we read, and every metric-name prefix seen (to recognise an
-    engine that exposes none of them, or tell a text of another program). A line that is no
+def relevant(text: str) -> tuple[str, set[str], bool]:
+    """The lines of the families we read, every metric-name prefix seen (to recognise an
+    engine that exposes none of them, or tell a text of another program), and whether lines of
+    models beyond ``MAX_MODELS`` were left out. A line that is no
     sample of the text format (HTML, JSON, bytes) makes the whole text ``Malformed``."""
     kept: list[str] = []
     prefixes: set[str] = set()
@@ -143,7 +139,7 @@ def _present(fam: Family, samples: Samples) -> bool:
 
 def figures_of(text: str) -> tuple[EngineFigures | None, set[str]]:
     """The engine's figures in ``text`` (None: no engine we know), and the name prefixes seen."""
-    kept, prefixes, too_many = _relevant(text)
+    kept, prefixes, too_many = relevant(text)
     samples = samples_of(kept)
     engine = recognise(samples)
     if engine is None:
