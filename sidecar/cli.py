@@ -15,7 +15,7 @@ import structlog
 from sidecar import config, signals, wiring
 from sidecar.durability.spool import SpoolError
 from sidecar.log import configure
-from sidecar.sources.app_socket import SocketInUse
+from sidecar.sources.app_socket import SocketUnavailable
 from sidecar.sources.nvml import NvmlUnavailable
 
 if TYPE_CHECKING:
@@ -158,7 +158,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _fail(args.command, "configuration_error", f"configuration error: {exc}", 2)
     except NvmlUnavailable as exc:
         return _fail(args.command, "nvml_unavailable", str(exc), 3)
-    except SocketInUse as exc:
+    except SocketUnavailable as exc:
         return _fail(args.command, "app_socket_unavailable", str(exc), 4)
     except SpoolError as exc:
         return _fail(args.command, "spool_unavailable", str(exc), 5)

@@ -1,6 +1,8 @@
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -47,3 +49,42 @@ def send_datagram(path: str, data: bytes) -> None:
         s.sendto(data, path)
     finally:
         s.close()
+
+
+def _descendants(pid: int) -> dict[int, str]:
+    """Live (not zombie) descendants of ``pid`` with their command lines, from /proc."""
+    found: dict[int, str] = {}
+    todo = [pid]
+    while todo:
+        parent = todo.pop()
+        for task in Path(f"/proc/{parent}/task").glob("*"):
+            try:
+                children = (task / "children").read_text().split()
+            except OSError:
+                continue
+            for child in map(int, children):
+                try:
+                    fields = Path(f"/proc/{child}/stat").read_text().rsplit(")", 1)[1].split()
+                    cmd = Path(f"/proc/{child}/cmdline").read_bytes().replace(b"\0", b" ")
+                except OSError:
+                    continue
+                if fields[0] != "Z":
+                    found[child] = cmd.decode(errors="replace").strip()[:200]
+                todo.append(child)
+    return found
+
+
+@pytest.fixture(autouse=True)
+def no_process_left_behind() -> Iterator[None]:
+    """A test stops every process it started, pass or fail: whatever is still running when the
+    test and its fixtures are done is killed here, and the test fails naming it (a leaked agent
+    keeps writing into a reader thread of pytest and skews the tests after it)."""
+    before = set(_descendants(os.getpid()))
+    yield
+    left = {pid: cmd for pid, cmd in _descendants(os.getpid()).items() if pid not in before}
+    for pid in left:
+        with contextlib.suppress(OSError):
+            os.kill(pid, signal.SIGKILL)
+    if left:
+        pytest.fail(f"the test left {len(left)} process(es) running (now killed): "
+                    + "; ".join(f"{pid} {cmd}" for pid, cmd in sorted(left.items())))

@@ -416,6 +416,9 @@ class Agent:
     out: list[str] = field(default_factory=list)
     err: list[str] = field(default_factory=list)
     preexec_fn: Callable[[], None] | None = None  # e.g. a resource limit for the agent alone
+    # a command the agent is started through, e.g. coreutils' ``env --default-signal=HUP``:
+    # signal dispositions the test states itself instead of inheriting pytest's (nohup)
+    wrapper: tuple[str, ...] = ()
     _rows: list[tuple[str, tuple, int, float]] = field(default_factory=list, repr=False)
     _parsed: int = field(default=0, repr=False)
 
@@ -423,7 +426,7 @@ class Agent:
         env = {k: v for k, v in os.environ.items() if not k.startswith("GPU_SIDECAR_")}
         env["PYTHONUNBUFFERED"] = "1"
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "sidecar", "run", "--stdout", "--output", "json",
+            [*self.wrapper, sys.executable, "-m", "sidecar", "run", "--stdout", "--output", "json",
              "--log-format", "json", *self.args],
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT, env=env,
             preexec_fn=self.preexec_fn)

@@ -14,7 +14,13 @@ import pytest
 from sidecar import protocol
 from sidecar.config import Config
 from sidecar.simulate.fake_nvml import ManualClock
-from sidecar.sources.app_socket import AppSocket, AppState, SocketInUse, bind_datagram
+from sidecar.sources.app_socket import (
+    AppSocket,
+    AppState,
+    SocketInUse,
+    SocketUnavailable,
+    bind_datagram,
+)
 from tests.conftest import send_datagram
 from tests.waiting import until
 
@@ -263,7 +269,7 @@ def test_regular_file_at_the_socket_path_is_an_error_not_deleted(sock_path):
     os.makedirs(os.path.dirname(sock_path))
     with open(sock_path, "w") as f:
         f.write("precious")
-    with pytest.raises(SocketInUse, match="not a socket"):
+    with pytest.raises(SocketUnavailable, match="not a socket"):
         bind_datagram(sock_path)
     assert Path(sock_path).read_text() == "precious"
 

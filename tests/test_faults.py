@@ -534,15 +534,41 @@ def test_every_counter_the_alerts_use_exists_at_zero_from_the_first_push(tmp_pat
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT, signal.SIGHUP])
 def test_every_stop_signal_takes_a_last_sample_and_flushes(tmp_path, sig):
+    """Started as the kubelet starts it (every stop signal at its default disposition), whatever
+    the disposition the test run itself inherited (``nohup`` ignores SIGHUP)."""
     vm = VictoriaMetrics(tmp_path).start()
     with running(vm):
-        agent = Agent(args(vm.write_url, tmp_path / "spool", "--push-interval", "60")).start()
-        until(lambda: agent.cycles() >= 3, what="3 cycles sampled, none pushed yet")
-        agent.signal(sig)
-        assert agent.wait() == 0
+        agent = Agent(args(vm.write_url, tmp_path / "spool", "--push-interval", "60"),
+                      wrapper=("env", "--default-signal=HUP,INT,TERM")).start()
+        try:
+            until(lambda: agent.cycles() >= 3, what="3 cycles sampled, none pushed yet")
+            agent.signal(sig)
+            assert agent.wait() == 0
+        finally:
+            agent.stop()
         assert stopped(agent)["all_delivered"] is True
         assert stopped(agent)["signals"] == [sig.name]
         assert stored_equals_sampled_but(vm, agent) == set()
+
+
+def test_an_agent_started_with_sighup_ignored_keeps_it_ignored(tmp_path):
+    """Under ``nohup`` the parent asks for SIGHUP to be ignored: the agent honours that (a
+    terminal closing must not stop it) and still stops on SIGTERM, flushing as always."""
+    agent = Agent(args("http://127.0.0.1:9/api/v1/write", tmp_path / "spool",
+                       "--shutdown-timeout", "1"),
+                  wrapper=("env", "--ignore-signal=HUP")).start()
+    try:
+        until(lambda: agent.cycles() >= 2, what="2 cycles sampled")
+        agent.signal(signal.SIGHUP)
+        after = agent.cycles()
+        until(lambda: agent.cycles() >= after + 2 or agent.proc.poll() is not None,
+              what="2 more cycles after SIGHUP")
+        assert agent.proc.poll() is None, "SIGHUP stopped an agent started with it ignored"
+        agent.signal(signal.SIGTERM)
+        assert agent.wait() == 0
+    finally:
+        agent.stop()
+    assert stopped(agent)["signals"] == ["SIGTERM"]
 
 
 def _spawn(argv: list[str], prefix: tuple[str, ...] = ()) -> subprocess.Popen:
@@ -719,6 +745,23 @@ def test_a_spool_root_owned_by_someone_else_keeps_its_mode_and_the_agent_starts(
     os.chown(root, 12345, 12345)
     _private_root(str(root))
     assert stat.S_IMODE(root.stat().st_mode) == 0o777
+
+
+def test_a_spool_root_the_agent_creates_is_0700_and_one_it_finds_keeps_its_mode(tmp_path):
+    """The agent changes nothing it did not make (docs/reliability.md, what the agent may
+    touch), its own directory included when someone else made it."""
+    found = tmp_path / "found"
+    found.mkdir()
+    found.chmod(0o755)
+    _private_root(str(found))
+    assert stat.S_IMODE(found.stat().st_mode) == 0o755
+    made = tmp_path / "made" / "spool"
+    old = os.umask(0)
+    try:
+        _private_root(str(made))
+    finally:
+        os.umask(old)
+    assert stat.S_IMODE(made.stat().st_mode) == 0o700
 
 
 def test_the_spool_of_an_earlier_release_is_adopted_and_sent(tmp_path):

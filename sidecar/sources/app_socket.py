@@ -340,8 +340,14 @@ def _by_pid(figures: AllocatorFigures) -> int:
     return figures.pid
 
 
-class SocketInUse(RuntimeError):
-    pass
+class SocketUnavailable(RuntimeError):
+    """The app socket cannot be bound here: the agent stops with exit 4 and this message, which
+    says what was wrong and what to do."""
+
+
+class SocketInUse(SocketUnavailable):
+    """A live process (a second agent, or the agent beside which ``diagnose`` runs) holds the
+    socket."""
 
 
 class AppSocket:
@@ -408,15 +414,31 @@ class AppSocket:
 
 
 def bind_datagram(path: str) -> socket.socket:
-    """Bind ``path`` with mode 0660, replacing a stale socket file but never a live one."""
+    """Bind ``path`` with mode 0660, replacing a stale socket file but never a live one.
+
+    Every refusal of the directory (read-only volume, no write permission, full) becomes one
+    ``SocketUnavailable`` naming the path and the fix, never a traceback."""
     directory = os.path.dirname(os.path.abspath(path))
     try:
         os.makedirs(directory, mode=0o770, exist_ok=True)
     except OSError as exc:
-        raise SocketInUse(
+        raise SocketUnavailable(
             f"cannot create the socket directory {directory}: {exc.strerror}; mount a writable "
             "emptyDir there or set --socket / GPU_SIDECAR_SOCKET"
         ) from exc
+    try:
+        return _bind_in(directory, path)
+    except SocketUnavailable:
+        raise
+    except OSError as exc:
+        raise SocketUnavailable(
+            f"cannot bind the app socket {path}: {exc.strerror} (errno {exc.errno}); the "
+            f"directory {directory} must be writable by this user (uid {os.getuid()}): mount a "
+            "writable emptyDir there (not read-only) or set --socket / GPU_SIDECAR_SOCKET"
+        ) from exc
+
+
+def _bind_in(directory: str, path: str) -> socket.socket:
     st = os.stat(directory)
     if st.st_uid == os.getuid() and stat.S_IMODE(st.st_mode) & 0o007:
         os.chmod(directory, stat.S_IMODE(st.st_mode) & ~0o007)
@@ -426,7 +448,7 @@ def bind_datagram(path: str) -> socket.socket:
         existing = None
     if existing is not None:
         if not stat.S_ISSOCK(existing.st_mode):
-            raise SocketInUse(
+            raise SocketUnavailable(
                 f"{path} exists and is not a socket; remove it or choose another --socket path"
             )
         probe = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
@@ -447,9 +469,12 @@ def bind_datagram(path: str) -> socket.socket:
     old = os.umask(0o117)
     try:
         sock.bind(path)
+        os.chmod(path, 0o660)
+    except OSError:
+        sock.close()
+        raise
     finally:
         os.umask(old)
-    os.chmod(path, 0o660)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1 << 20)
     # stop() wakes the receive with an empty datagram; the timeout is only a backstop, long
     # so an idle agent does not wake twice a second for nothing
