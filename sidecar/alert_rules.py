@@ -62,7 +62,9 @@ groups:
             The caching allocator of {{ $labels.pod }} ({{ $labels.namespace }}) on GPU
             {{ $labels.gpu_uuid }} holds memory that no tensor uses: large requests may need
             cudaMalloc, flushes and retries. Look at gpu_allocator_nonreleasable_ratio and
-            gpu_allocator_largest_free_block_bytes; consider expandable_segments.
+            gpu_allocator_largest_free_block_bytes; consider
+            PYTORCH_ALLOC_CONF=expandable_segments:True (PYTORCH_CUDA_ALLOC_CONF before
+            PyTorch 2.8).
 
       - alert: GPUAllocatorRetrying
         # the direct symptom: cudaMalloc failed, the cache was flushed and the call retried

@@ -910,6 +910,17 @@ class FakeNvml:
         _out(ref).value = self.ecc_count(gpu, corrected, volatile, self.now())
         return SUCCESS
 
+    def nvmlDeviceGetEccMode(self, handle: object, current: object, pending: object) -> int:
+        """ECC mode, current and pending: enabled on a GPU with ECC (the data-centre Hopper
+        captures print "Enabled" for both), NOT_SUPPORTED on one without."""
+        dev = self._physical(handle)
+        if isinstance(dev, int):
+            return dev
+        if not dev[1].has_ecc:
+            return NOT_SUPPORTED
+        _out(current).value = _out(pending).value = pynvml.NVML_FEATURE_ENABLED
+        return SUCCESS
+
     def nvmlDeviceGetRemappedRows(self, handle: object, corr: object, unc: object,
                                   pending: object, failure: object) -> int:
         dev = self._physical(handle)
@@ -925,12 +936,16 @@ class FakeNvml:
     # -- NVLink-C2C ------------------------------------------------------------------------------
 
     def nvmlDeviceGetC2cModeInfoV(self, handle: object, ref: object) -> int:
+        """Enabled on a GPU with NVLink-C2C to a Grace CPU; disabled (answered, 0) on other
+        Hopper and later GPUs, as ``nvidia-smi -q`` prints "GPU C2C Mode : Disabled" on an H100
+        SXM and an H200 (tests/realworld/); NOT_SUPPORTED before Hopper."""
         dev = self._physical(handle)
         if isinstance(dev, int):
             return dev
-        if not dev[1].has_c2c:
-            return NOT_SUPPORTED  # GPUs without a C2C link to a Grace CPU
-        _out(ref).isC2cEnabled = 1
+        gpu = dev[1]
+        if not gpu.has_c2c and gpu.architecture < pynvml.NVML_DEVICE_ARCH_HOPPER:
+            return NOT_SUPPORTED
+        _out(ref).isC2cEnabled = int(gpu.has_c2c)
         return SUCCESS
 
     # -- events (Xid) ----------------------------------------------------------------------------

@@ -90,13 +90,69 @@ def simulated_uuid(scenario: str, index: int) -> str:
     return f"GPU-{h[:8]}-{h[8:12]}-{h[12:16]}-{h[16:20]}-{h[20:32]}"
 
 
-def _h200(scenario: str, index: int, **load: object) -> FakeGpu:
+@dataclass(frozen=True)
+class Board:
+    """A GPU model's static properties as a real one of that model reports them: each line is
+    read off its ``nvidia-smi -q`` kept in tests/realworld/ (tests/test_standins_vs_captures.py
+    holds the stand-ins built from it against that capture through pynvml). The load (what the
+    GPU is doing) is the scenario's; what the hardware *is* comes from here, so a share computed
+    on a stand-in is a share of the real link, clock or limit."""
+
+    name: str  # Product Name
+    memory_total: int  # FB Memory Usage: Total (MiB there), bytes here
+    memory_reserved: int  # FB Memory Usage: Reserved (the driver's, nvmlMemory_v2.reserved)
+    sm_clock_max: int  # Max Clocks, MHz
+    memory_clock_max: int
+    video_clock_max: int
+    power_limit: float  # GPU Power Readings: Current Power Limit (the enforced one), W
+    link_generation: int  # GPU Link Info: PCIe Generation Max / Current, Link Width Max / Current
+    link_width: int
+    current_link_generation: int
+    current_link_width: int
+    c2c: bool  # GPU C2C Mode: Enabled (NVLink-C2C to a Grace CPU is the host link)
+    ecc: bool  # ECC Mode: Enabled
+
+    def static(self) -> dict[str, object]:
+        """The ``FakeGpu`` fields this board fixes."""
+        return {"name": f"Simulated {self.name}", "memory_total": self.memory_total,
+                "memory_driver_reserved": self.memory_reserved,
+                "sm_clock_max": self.sm_clock_max, "memory_clock_max": self.memory_clock_max,
+                "video_clock_max": self.video_clock_max, "power_limit": self.power_limit,
+                "link_generation": self.link_generation, "link_width": self.link_width,
+                "current_link_generation": self.current_link_generation,
+                "current_link_width": self.current_link_width, "has_c2c": self.c2c,
+                "has_ecc": self.ecc}
+
+
+MiB = 1024**2
+# tests/realworld/nvidia_smi_q_H100_SXM_driver565_gpu0.txt
+H100_SXM = Board(name="NVIDIA H100 80GB HBM3", memory_total=81559 * MiB,
+                 memory_reserved=454 * MiB, sm_clock_max=1980, memory_clock_max=2619,
+                 video_clock_max=1545, power_limit=700.0, link_generation=5, link_width=16,
+                 current_link_generation=5, current_link_width=16, c2c=False, ecc=True)
+# tests/realworld/nvidia_smi_q_H200_driver550_excerpt.txt (its excerpt has no ECC section: an
+# H200's HBM3e has ECC on, as the H100's)
+H200 = Board(name="NVIDIA H200", memory_total=143771 * MiB, memory_reserved=700 * MiB,
+             sm_clock_max=1980, memory_clock_max=3201, video_clock_max=1545, power_limit=700.0,
+             link_generation=5, link_width=16, current_link_generation=5, current_link_width=16,
+             c2c=False, ecc=True)
+# tests/realworld/nvidia_smi_q_GH200_480GB_driver550.txt: PCIe Gen4 x1, maximum and current (the
+# host link is NVLink-C2C; the PCIe link is a narrow side channel), the enforced limit 700 W of
+# its default 900 W
+GH200 = Board(name="NVIDIA GH200 480GB", memory_total=97871 * MiB, memory_reserved=1103 * MiB,
+              sm_clock_max=1980, memory_clock_max=2619, video_clock_max=1545, power_limit=700.0,
+              link_generation=4, link_width=1, current_link_generation=4, current_link_width=1,
+              c2c=True, ecc=True)
+BOARDS = {"H100 SXM": H100_SXM, "H200": H200, "GH200": GH200}
+
+
+def standin(board: Board, scenario: str, index: int, **load: object) -> FakeGpu:
+    """A simulated GPU of ``board`` under the healthy default load; ``load`` changes any field
+    (a scenario's load, or a fault)."""
     base = FakeGpu(
         uuid=simulated_uuid(scenario, index),
-        name="Simulated NVIDIA H200",
         pci_bus_id=f"00000000:{0x18 + 0x10 * index:02X}:00.0",
         architecture=pynvml.NVML_DEVICE_ARCH_HOPPER,
-        memory_total=141 * GiB,
         memory_used=Signal(70 * GiB, 0.02, 45),
         utilization=Signal(62, 0.05, 29),
         memory_busy=Signal(35, 0.08, 31),
@@ -110,14 +166,18 @@ def _h200(scenario: str, index: int, **load: object) -> FakeGpu:
         nvlink_tx=Signal(20e9, 0.1, 53),
         nvlink_rx=Signal(20e9, 0.1, 59),
         replays_per_second=0.0,
-        sm_clock=Signal(1980.0),
-        memory_clock=Signal(3201.0),
+        sm_clock=Signal(float(board.sm_clock_max)),
+        memory_clock=Signal(float(board.memory_clock_max)),
         power=Signal(450.0, 0.05, 17),
-        power_limit=700.0,
         temperature=Signal(52.0, 0.03, 61),
         memory_temperature=Signal(58.0, 0.03, 67),
+        **board.static(),  # type: ignore[arg-type]
     )
     return replace(base, **load)  # type: ignore[arg-type]
+
+
+def _h200(scenario: str, index: int, **load: object) -> FakeGpu:
+    return standin(H200, scenario, index, **load)
 
 
 def _a100_old(scenario: str, index: int) -> FakeGpu:
@@ -153,24 +213,19 @@ def _a100_old(scenario: str, index: int) -> FakeGpu:
 
 
 def _gh200(scenario: str, index: int, **load: object) -> FakeGpu:
-    """A GH200 480GB superchip's GPU (96 GB HBM3): the host link is NVLink-C2C to Grace."""
-    base = _h200(scenario, index,
-                 name="Simulated NVIDIA GH200 480GB",
-                 pci_bus_id=f"00000009:{0x01 + index:02X}:00.0",
-                 memory_total=96 * GiB,
-                 memory_used=Signal(60 * GiB, 0.02, 45),
-                 memory_clock=Signal(2619.0),
-                 memory_clock_max=2619,
-                 power_limit=900.0,
-                 pcie_tx=Signal(1.0e6, 0.1, 23),  # host traffic goes over C2C, not PCIe
-                 pcie_rx=Signal(2.0e6, 0.1, 19),
-                 nvlink_tx=Signal(0.0),
-                 nvlink_rx=Signal(0.0),
-                 has_c2c=True,
-                 c2c_links=GH200_C2C_LINKS,
-                 c2c_link_max_mb_per_second=GH200_C2C_LINK_MB_PER_SECOND,
-                 c2c_tx=Signal(0.25 * GH200_C2C, 0.05, 23),
-                 c2c_rx=Signal(0.30 * GH200_C2C, 0.05, 19))
+    """A GH200 480GB superchip's GPU (96 GB HBM3): the host link is NVLink-C2C to Grace, and its
+    PCIe link is Gen4 x1 (as the real one reports), carrying almost nothing."""
+    base = standin(GH200, scenario, index,
+                   pci_bus_id=f"00000009:{0x01 + index:02X}:00.0",
+                   memory_used=Signal(60 * GiB, 0.02, 45),
+                   pcie_tx=Signal(1.0e6, 0.1, 23),  # host traffic goes over C2C, not PCIe
+                   pcie_rx=Signal(2.0e6, 0.1, 19),
+                   nvlink_tx=Signal(0.0),
+                   nvlink_rx=Signal(0.0),
+                   c2c_links=GH200_C2C_LINKS,
+                   c2c_link_max_mb_per_second=GH200_C2C_LINK_MB_PER_SECOND,
+                   c2c_tx=Signal(0.25 * GH200_C2C, 0.05, 23),
+                   c2c_rx=Signal(0.30 * GH200_C2C, 0.05, 19))
     return replace(base, **load)  # type: ignore[arg-type]
 
 

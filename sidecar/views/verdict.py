@@ -284,6 +284,12 @@ def figures_of(series: Iterable[Series]) -> dict[str, Figures]:
     return {uuid: Figures(**row) for uuid, row in rows.items()}  # type: ignore[arg-type]
 
 
+def exported_verdicts(series: Iterable[Series]) -> dict[str, str]:
+    """Each GPU's verdict as the agent exported it in one cycle (``gpu_verdict`` at 1)."""
+    return {dict(s.labels).get("gpu_uuid", ""): dict(s.labels).get("verdict", "")
+            for s in series if s.name == "gpu_verdict" and s.value == 1}
+
+
 class _EngineFigures:
     """The engine series of one cycle, combined over endpoints and models into the pod's:
     histograms summed bucket by bucket (where two layouts differ, the first one seen is kept),
@@ -425,6 +431,33 @@ class _Running:
             self.below.add(f, nested=True)
 
 
+    def merge(self, newer: _Running) -> None:
+        """Fold in ``newer``, the aggregates of the cycles that came after this one's: the
+        result is what one ``_Running`` that saw both runs of cycles in order holds. The running
+        agent keeps its window as time buckets and merges those a question spans."""
+        self.n += newer.n
+        for name, v in newer.sums.items():
+            self.sums[name] = v if name in _LAST else self.sums.get(name, 0.0) + v
+        for name, c in newer.counts.items():
+            self.counts[name] = self.counts.get(name, 0) + c
+        if newer.last is not None:
+            self.last = newer.last
+        if self.first_counters is None:
+            self.first_counters = newer.first_counters
+        for name, h in newer.first_hist.items():
+            self.first_hist.setdefault(name, h)
+        self.last_hist.update(newer.last_hist)
+        for name, v in newer.first.items():
+            self.first.setdefault(name, v)
+        if self.xid_base is None:
+            self.xid_base = newer.xid_base
+        self.link_n += newer.link_n
+        if newer.below is not None:
+            if self.below is None:
+                self.below = _Running()
+            self.below.merge(newer.below)
+
+
 class Summary:
     """Each GPU over the cycles given to ``add``, as running aggregates: what ``diagnose`` keeps
     for its window, so its memory does not grow with ``--duration``."""
@@ -444,6 +477,15 @@ class Summary:
     def windows(self) -> dict[str, Window]:
         return {uuid: _window(read, unread, self._lost[uuid])
                 for uuid, (read, unread) in self._gpus.items()}
+
+    def merge(self, newer: Summary) -> None:
+        """Fold in ``newer``, the summary of the cycles after this one's (``_Running.merge``)."""
+        self.cycles += newer.cycles
+        for uuid, (read, unread) in newer._gpus.items():
+            mine = self._gpus.setdefault(uuid, (_Running(), _Running()))
+            mine[0].merge(read)
+            mine[1].merge(unread)
+            self._lost[uuid] = newer._lost[uuid]
 
 
 def summarize(cycles: Iterable[Mapping[str, Figures]]) -> dict[str, Window]:
@@ -565,7 +607,9 @@ KINDS = {  # the seed's kinds, in their order of precedence: key: (layer, table 
         "give --pcie-peak-bytes-per-second a measured peak"),
     "fragmentation": (
         "memory", "mem: frag", "the allocator's cache is fragmented",
-        "set PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True; bucket or pad batch shapes (fixed "
+        "set PYTORCH_ALLOC_CONF=expandable_segments:True (PyTorch 2.8 and newer; before 2.8 "
+        "the older name PYTORCH_CUDA_ALLOC_CONF, which later releases still read); bucket or "
+        "pad batch shapes (fixed "
         "sequence-length buckets) so freed blocks fit the next request; call "
         "torch.cuda.empty_cache() between phases (after loading, after a shape change), not per "
         "request; warm up with the largest batch at start-up"),
@@ -631,6 +675,11 @@ ENGINE_KINDS = {  # the serving engine's (--engine-metrics-url): key: (layer, ce
 PRECEDENCE = ("gpu-lost", "hardware-fault", "throttled", "pcie-degraded", "pcie", "c2c",
               "kv-cache", "fragmentation", "allocator-retries", "low-occupancy", "queueing")
 ALL_KINDS = {key: {**KINDS, **HEALTH_KINDS, **ENGINE_KINDS}[key] for key in PRECEDENCE}
+
+def cell_of(kind: str) -> str:
+    """The table's cell for a verdict kind (``none``: ok)."""
+    return ALL_KINDS[kind][1] if kind in ALL_KINDS else "ok"
+
 
 # the limiting reasons that make a GPU throttled: field: (name, table cell, what to do)
 _REASON_OF = {
