@@ -31,8 +31,14 @@ g. **the largest answer it parses** (beyond the brief's a..f: what the bound mus
    (``lora-0000``...) as fit: everything is kept by the line filter and parsed by
    prometheus_client, then all but 16 models are left out. No outcome is expected of it: what
    happened is shown.
+h. **gzip bomb** (issue #32): HTTP 200, ``Content-Encoding: gzip`` (although the agent asks for
+   identity), about 2 MB on the wire inflating to 2 GiB of blank lines (32 gzip members of 64 MiB
+   each); the agent must stop inflating at 4 MiB: ``too_large``.
+i. **4 MiB of random bytes**: as d, four times as much: ``malformed``.
+j. **4 MiB of ``ab\n``**: 1.4 million lines of a metric name with no value: ``malformed``.
+k. **4 MiB of ``\xff\n``**: 2.1 million lines that are no UTF-8: ``malformed``.
 
-Runs are interleaved a, b, c, d, e, f, g, a, b, ... (``--rounds``), each with fresh processes: the
+Runs are interleaved a, b, ..., k, a, b, ... (``--rounds``), each with fresh processes: the
 agent's first cycle on its stdout, ``--warmup`` s, then a window of ``--window`` s. Measured for the
 agent process only (the endpoint's CPU is shown, not counted): CPU = utime + stime of
 /proc/<pid>/stat (all threads, ended ones included: the per-request watchdog timers) over the
@@ -46,13 +52,14 @@ and ``gpu_sidecar_paused_seconds_total``, and the engine's own series (``gpu_sid
 that each case did what it was meant to. Medians of the runs, every run in brackets; nothing is
 subtracted or scaled.
 
-Verdicts (the exit code): per case b..g, **cycles not delayed**: every cycle of the window there
+Verdicts (the exit code): per case b..k, **cycles not delayed**: every cycle of the window there
 (at least window / interval - 1 of them, no gap between two of 1.5 intervals or more, no overrun or
 pause counted, the longest cycle under the interval); **memory within the bound**: in every run,
 VmHWM and the largest VmRSS of the window at most ``--bound-mib`` MiB above the median VmHWM of the
-baseline runs; and the case's expected outcome (b: figures read, engine up; c: ``too_large``; d:
-``malformed`` or ``not_an_engine``; e: ``timeout``, reads of at most the timeout plus 0.5 s; f: up,
-then ``unreachable``). A missed verdict is reported as missed.
+baseline runs; and the case's expected outcome (b: figures read, engine up; c and h:
+``too_large``; d: ``malformed`` or ``not_an_engine``; e: ``timeout``, reads of at most the
+timeout plus 0.5 s; f: up, then ``unreachable``; i, j, k: ``malformed``). A missed verdict is
+reported as missed.
 
 ``--save FILE`` keeps every run's figures as JSON; ``--load FILE`` writes the report from such a
 file instead of measuring (to show the same runs against another ``--bound-mib``).
@@ -100,6 +107,7 @@ EXTRA_ENGINES = 4  # engine cores of the simulated vLLM's other families (data p
 KILL_AT = 1 / 3  # f: the server is killed this far into the window
 STALE_S = 2 * INTERVAL_S + TIMEOUT_S  # the agent stops exporting figures older than this
 LARGE_BYTES = MAX_BYTES - 1024  # g: just under --engine-metrics-max-bytes
+BOMB_BYTES = 2 << 30  # h: what the gzip answer inflates to
 BOUND_MIB = 24.0  # the proposed bound: at most this much above the agent without an endpoint
 TITLE = "Serving-engine endpoint: healthy and hostile, whole processes"
 
@@ -112,6 +120,10 @@ CASES = {  # name: (what, server role or None, kill the server mid-window)
     "f": ("healthy vLLM endpoint, killed 1/3 into the window", "vllm", True),
     "g": ("answers 4 MiB less 1 KiB of vLLM text it reads, 400+ models (the largest answer "
           "it parses)", "large", False),
+    "h": ("answers gzip, 2 MB inflating to 2 GiB", "bomb", False),
+    "i": ("answers 4 MiB of random bytes", "random4", False),
+    "j": ("answers 4 MiB of 'ab\\n'", "ab", False),
+    "k": ("answers 4 MiB of '\\xff\\n'", "ff", False),
 }
 
 
@@ -410,8 +422,42 @@ def role_large(ready_path: str) -> None:
                models=body.count(b"vllm:num_requests_running{"))
 
 
+def role_bomb(ready_path: str) -> None:
+    """h: a gzip answer of about 2 MB that inflates to 2 GiB of blank lines (valid text: only a
+    bound on the inflated size stops a reader), as gzip members of 64 MiB one after the other."""
+    import gzip
+
+    body = gzip.compress(b"\n" * (64 << 20), 9) * (BOMB_BYTES // (64 << 20))
+
+    def answer(h) -> None:
+        h.send_response(200)
+        h.send_header("Content-Type", "text/plain; version=0.0.4; charset=utf-8")
+        h.send_header("Content-Encoding", "gzip")
+        h.send_header("Content-Length", str(len(body)))
+        h.end_headers()
+        h.wfile.write(body)
+
+    serve_http(ready_path, answer, bytes=len(body))
+
+
+def role_random4(ready_path: str) -> None:
+    """i: 4 MiB of random bytes as a 200 text/plain answer."""
+    serve_http(ready_path, text_answer(random.Random(20261202).randbytes(MAX_BYTES)))
+
+
+def role_ab(ready_path: str) -> None:
+    """j: 4 MiB of ``ab\\n``."""
+    serve_http(ready_path, text_answer(b"ab\n" * (MAX_BYTES // 3)))
+
+
+def role_ff(ready_path: str) -> None:
+    """k: 4 MiB of ``\\xff\\n``."""
+    serve_http(ready_path, text_answer(b"\xff\n" * (MAX_BYTES // 2)))
+
+
 ROLES = {"vllm": role_vllm, "huge": role_huge, "garbage": role_garbage, "hang": role_hang,
-         "large": role_large}
+         "large": role_large, "bomb": role_bomb, "random4": role_random4, "ab": role_ab,
+         "ff": role_ff}
 
 
 # -- processes ---------------------------------------------------------------------------------
@@ -664,8 +710,10 @@ def expected_outcome(case: str, runs: list[dict]) -> tuple[bool, str]:
         ok = each(lambda r: r["up_share"] is None)
     elif case == "b":
         ok = each(lambda r: r["up_share"] == 1.0 and not r["failures"] and r["engine_figures"] > 0)
-    elif case == "c":
+    elif case in ("c", "h"):
         ok = each(lambda r: set(r["failures"]) == {"too_large"} and r["up_share"] == 0.0)
+    elif case in ("i", "j", "k"):
+        ok = each(lambda r: set(r["failures"]) == {"malformed"} and r["up_share"] == 0.0)
     elif case == "d":
         ok = each(lambda r: set(r["failures"]) <= {"malformed", "not_an_engine"}
                   and r["failures"] and r["up_share"] == 0.0)
@@ -807,7 +855,7 @@ def main() -> int:
     parser.add_argument("--window", type=float, default=12.0, help="seconds measured per run")
     parser.add_argument("--warmup", type=float, default=4.0,
                         help="seconds after the agent's first cycle, before the window")
-    parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds of a..g")
+    parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds of a..k")
     parser.add_argument("--bound-mib", type=float, default=BOUND_MIB,
                         help=f"memory bound above the baseline's VmHWM (default {BOUND_MIB:g})")
     parser.add_argument("--cases", default="".join(CASES), help=argparse.SUPPRESS)

@@ -18,12 +18,22 @@ import structlog
 from sidecar import __version__, signals
 from sidecar.config import Config
 from sidecar.log import Episodes, log_count
-from sidecar.samples import GpuIdentity, GpuSample, Labels, Series, gpu_labels, sample_series
+from sidecar.recent import CURRENT_S, Recent
+from sidecar.samples import (
+    GpuIdentity,
+    GpuSample,
+    Labels,
+    Series,
+    gpu_labels,
+    sample_series,
+    with_labels,
+)
 from sidecar.sinks import Sink
 from sidecar.sources.app_socket import NO_FIGURES, AppState
 from sidecar.sources.engine import EngineSource
 from sidecar.sources.nvml import NvmlSource
 from sidecar.summary import Checkpoint, RunSummary
+from sidecar.views.verdict import Verdict, figures_of
 
 log = structlog.get_logger("sidecar.agent")
 
@@ -32,6 +42,9 @@ NO_APP_AFTER_S = 30.0
 # rates and GPM averages need two readings (GPM's at least 0.1 s apart): --once and probe wait
 # this long between them, and a run takes its first sample this long after the priming reading
 PRIME_WINDOW_S = 0.25
+# a verdict no longer current is still sent, at 0, this long: a query for ``== 1`` ends at once
+# where the receiver would otherwise keep its last 1 until the series went stale (5 minutes)
+VERDICT_GONE_S = 300.0
 
 
 class Agent:
@@ -47,8 +60,14 @@ class Agent:
         mode: str = "nvml",
         checkpoint: Checkpoint | None = None,
         engine: EngineSource | None = None,
+        recent: Recent | None = None,
     ) -> None:
         self.config = config
+        # the recent window (diagnose beside the agent, status, the gpu_verdict series)
+        self.recent = recent
+        self.verdicts: dict[str, Verdict] = {}  # each GPU's current verdict (CURRENT_S)
+        self._verdicts_seen: dict[str, dict[str, float]] = {}  # uuid -> kind -> last current
+        self._readable: set[str] = set()  # the GPUs read in the cycle last judged
         self.source = source
         self.engine = engine
         self.app = app
@@ -194,10 +213,17 @@ class Agent:
             series.extend(sample_series(sample, self.pod, self._labels(sample.identity),
                                         per_process=self.config.app_process_series))
         ts = samples[0].timestamp_ms if samples else int(self.wall() * 1000)
+        if self.source is not None:  # a GPU not read: its Xids still (79: fallen off the bus)
+            for uuid in (u for u, ok in available.items() if not ok):
+                if xids := self.source.xid_counts(uuid):
+                    gone = GpuSample(identity=self.identity(uuid), timestamp_ms=ts, xids=xids)
+                    series.extend(sample_series(gone, self.pod, self._labels(gone.identity)))
         if self.engine is not None:  # its readers' last figures: a copy, never a wait
             series.extend(self.engine.series(ts, self._pod_labels))
-        self.last_cycle_s = self.clock() - started
         series.extend(self.self_series(ts, available))
+        if self.recent is not None:
+            series.extend(self._judge(series, ts))
+        self.last_cycle_s = self.clock() - started
         if self.summary is not None:
             self.summary.add(series)
             if last:
@@ -216,6 +242,34 @@ class Agent:
         if self.on_cycle is not None:
             self.on_cycle(series)
         return series
+
+    def _judge(self, series: list[Series], ts: int) -> list[Series]:
+        """The cycle into the recent window, each GPU's verdict over its last ``CURRENT_S``, and
+        that verdict as ``gpu_verdict{verdict=KIND} 1``; a kind that stopped being the verdict is
+        sent at 0 for ``VERDICT_GONE_S`` after, so a dashboard or an alert sees it end."""
+        assert self.recent is not None
+        now = self.clock()
+        cycle = figures_of(series)
+        # judged again when a bucket begins (the window moved), or the GPUs or which of them
+        # can be read changed (a lost GPU is said at once); in between the verdict holds, so
+        # judging costs one cycle in a bucket, not every one
+        readable = {uuid for uuid, f in cycle.items() if f.available}
+        if (self.recent.add(cycle, now) or cycle.keys() != self.verdicts.keys()
+                or readable != self._readable):
+            self.verdicts, _ = self.recent.verdicts(CURRENT_S, now)
+            self._readable = readable
+        out: list[Series] = []
+        for uuid, v in self.verdicts.items():
+            labels = self._labels(self.identity(uuid))
+            current = self._verdicts_seen.setdefault(uuid, {})
+            current[v.key] = now
+            for kind, at in list(current.items()):
+                if now - at > VERDICT_GONE_S:
+                    del current[kind]
+                    continue
+                out.append(Series(name="gpu_verdict", labels=with_labels(labels, verdict=kind),
+                                  value=1.0 if kind == v.key else 0.0, timestamp_ms=ts))
+        return out
 
     def _emit_failed(self, sink: Sink, exc: Exception, count: int) -> None:
         self.dropped["sink_error"] += count

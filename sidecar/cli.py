@@ -34,15 +34,28 @@ name; they become the labels namespace, pod, node and container on every series.
 """
 
 
+STORE_EXITS = """\
+With --query-url (the long-term storage): 6 the store did not answer within --query-timeout,
+7 it refused the credentials (401, 403), 8 it refused the query (too many series, too long a
+range); 2 also when no GPU matches --select in the window or --at is not a time.
+"""
+
+
 DIAGNOSE_EPILOG = """\
 Exit codes: 0 nothing found, 1 a bottleneck found on at least one GPU (or a GPU lost), 2
 configuration error (also: no GPU to judge), 3 NVML unavailable, 130 interrupted by SIGINT
 (Ctrl-C) and 143 by SIGTERM before the window ended (the report then printed is marked PARTIAL).
-Beside a running agent (the app socket held) the app layer is not judged and, with --gpus
-announced, every visible GPU is judged on its NVML layers. Without NVML, --no-nvml judges the
-app layer only.
+Beside a running agent (its diagnose.sock next to the app socket) the answer comes from the
+agent's window (the last 15 minutes, every layer); --fresh samples from now instead, and then,
+the app socket being held, the app layer is not judged and, with --gpus announced, every visible
+GPU is judged on its NVML layers. Without NVML, --no-nvml judges the app layer only.
+""" + STORE_EXITS + "\n" + OPTIONS_NOTE
 
-""" + OPTIONS_NOTE
+
+FLEET_EPILOG = """\
+Exit codes: 0 nothing found, 1 a finding on at least one GPU, 2 configuration error (also: no
+GPU with data in the window).
+""" + STORE_EXITS + "\n" + OPTIONS_NOTE
 
 
 RESEND_EPILOG = """\
@@ -54,9 +67,10 @@ configuration error.
 
 
 STATUS_EPILOG = """\
-Exit codes: 0 the agent's status, current; 1 the status is older than three intervals (at least
-30 s: the agent's cycles have stopped) or, with --alive, missing; 2 no status to read (no agent
-runs on this socket's directory) or a configuration error.
+Exit codes: 0 the agent's status, current; 1 its heartbeat is older than three intervals (at
+least 30 s: the agent's cycles have stopped) or in the future, or, with --alive, no status; 2 no
+status to read (no agent runs on this socket's directory, or the file is not one the agent
+writes) or a configuration error.
 
 """ + OPTIONS_NOTE
 
@@ -86,7 +100,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--version", action="version", version=config.version_line())
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser,
-                                metavar="{run,diagnose,probe,status,resend-rejected}")
+                                metavar="{run,diagnose,fleet,probe,status,resend-rejected}")
     run = sub.add_parser("run", help="run the agent", epilog=EPILOG,
                          formatter_class=argparse.RawDescriptionHelpFormatter,
                          description="Sample every --interval seconds and write the series.")
@@ -97,13 +111,22 @@ def _parser() -> argparse.ArgumentParser:
                            "supports (and why others are absent) and one reading of every layer.")
     config.add_arguments(probe, "probe")
     diagnose = sub.add_parser(
-        "diagnose", help="sample for a window and say which layer explains the latency",
+        "diagnose", help="say which layer explains the latency over a window",
         epilog=DIAGNOSE_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter,
-        description="Sample every --interval seconds for --duration seconds, then name per GPU "
-        "the layer (compute, memory, IO) that explains the latency, with the figures behind the "
-        "verdict and what to do. Thresholds: those of the shipped alert rules "
+        description="Judge the last --duration seconds (the running agent's window, or sampled "
+        "every --interval seconds from now), then name per GPU the layer (compute, memory, IO, "
+        "health, engine) that explains the latency, with the figures behind the verdict and "
+        "what to do. Thresholds: those of the shipped alert rules "
         "(sidecar/thresholds.py).")
     config.add_arguments(diagnose, "diagnose")
+    fleet = sub.add_parser(
+        "fleet", help="every GPU in long-term storage, grouped by verdict, worst first",
+        epilog=FLEET_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="Ask the long-term storage the agents push to (--query-url) for every GPU "
+        "with data in the window (--at, --duration, --select): grouped by the agents' own "
+        "verdicts, worst first, one line per GPU with namespace, pod, node and the figure that "
+        "decided. A fixed number of aggregate queries, whatever the fleet's size.")
+    config.add_arguments(fleet, "fleet")
     resend = sub.add_parser(
         "resend-rejected", help="send again the batches a receiver refused for their data",
         epilog=RESEND_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -135,22 +158,26 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if args.command == "probe":
             signals.restore_defaults()
-            from sidecar.views.probe import probe
+            from sidecar.commands.probe import probe
 
             return probe(cfg)
         if args.command == "diagnose":
-            from sidecar.views.diagnose import diagnose
+            from sidecar.commands.diagnose import diagnose
 
             return diagnose(cfg)
+        if args.command == "fleet":
+            from sidecar.commands.fleet import fleet
+
+            return fleet(cfg)
         if args.command == "status":
-            from sidecar.views.status import status
+            from sidecar.commands.status import status
 
             return status(cfg, alive=cfg.alive)
         if args.command == "resend-rejected":
             signals.restore_defaults()
             return wiring.resend_rejected(cfg)
         if cfg.dry_run:
-            from sidecar.views.dry_run import dry_run
+            from sidecar.commands.dry_run import dry_run
 
             return dry_run(cfg)
         return wiring.run(cfg)
@@ -172,11 +199,13 @@ def _log_level(args: argparse.Namespace, cfg: config.Config) -> str:
 
 
 def _fail(command: str, event: str, message: str, code: int) -> int:
-    """Say why the command stops, once: on stderr for a person, and, for the agent, also as a
-    log line (its pod's log is where an operator looks)."""
+    """Say why the command stops, once: the agent as a log line (its pod's log is where an
+    operator looks; on a terminal the line is readable text), the other commands, which print
+    a report for a person, as one line of text on stderr."""
     if command == "run":
         log.error(event, error=message)
-    print(f"gpu-sidecar: {message}", file=sys.stderr)
+    else:
+        print(f"gpu-sidecar: {message}", file=sys.stderr)
     return code
 
 

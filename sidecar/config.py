@@ -93,8 +93,13 @@ class Config:
     engine_metrics_timeout: float = 2.0
     engine_metrics_max_bytes: int = 4 * 1024 * 1024
     alive: bool = False
+    fresh: bool = False
     dry_run: bool = False
     metrics_listen: str = ""
+    query_url: str | None = None  # diagnose and fleet from long-term storage (sidecar.store)
+    select: tuple[tuple[str, str, str], ...] = ()  # (label, operator, value)
+    at: str = "now"
+    query_timeout: float = 30.0
 
     @property
     def has_receivers(self) -> bool:
@@ -457,6 +462,65 @@ def _completion_index(text: str) -> str:
     return text
 
 
+_SELECT = re.compile(r"^([a-zA-Z_][a-zA-Z0-9_]*)\s*(=~|!~|!=|=)(.*)$")
+
+
+def _selectors(text: str) -> tuple[tuple[str, str, str], ...]:
+    """Comma-separated label matchers, PromQL's four operators; a regex must compile."""
+    out = []
+    for n, item in enumerate((i.strip() for i in text.split(",") if i.strip()), 1):
+        m = _SELECT.match(item)
+        if m is None or m.group(1).startswith("__"):
+            raise ValueError(f"item {n} is not LABEL=VALUE (or LABEL!=VALUE, LABEL=~REGEX, "
+                             "LABEL!~REGEX; a label name is letters, digits and '_', not "
+                             "starting with a digit or '__'), e.g. namespace=prod")
+        label, op, value = m.group(1), m.group(2), m.group(3).strip()
+        if "~" in op:
+            try:
+                re.compile(value)
+            except re.error as exc:
+                raise ValueError(f"item {n} has a regular expression that does not compile "
+                                 f"({exc})") from None
+        out.append((label, op, value))
+    return tuple(out)
+
+
+_RELATIVE = re.compile(r"^(?:now)?\s*-\s*(\d+(?:\.\d+)?)\s*(s|m|h|d|w)$")
+_UNIT_S = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800}
+
+
+def instant(text: str, now: float) -> float:
+    """Unix seconds of an --at value: 'now', relative to ``now`` (-6h), Unix seconds, or an
+    RFC 3339 time with its zone (a time without one would depend on the machine's zone)."""
+    import datetime
+
+    text = text.strip()
+    if text == "now":
+        return now
+    if m := _RELATIVE.match(text):
+        return now - float(m.group(1)) * _UNIT_S[m.group(2)]
+    if re.fullmatch(r"\d+(\.\d+)?", text):
+        return float(text)
+    try:
+        when = datetime.datetime.fromisoformat(text)
+    except ValueError:
+        raise ValueError("is neither 'now', a relative time (-6h, -90m, -30s, -2d), Unix seconds "
+                         "nor an RFC 3339 time (2025-01-31T03:00:00Z)") from None
+    if when.tzinfo is None:
+        raise ValueError("has no time zone: add one (Z for UTC, or +02:00), the machine's own "
+                         "zone is not assumed")
+    return when.timestamp()
+
+
+def _instant_text(text: str) -> str:
+    instant(text, 0.0)
+    return text.strip()
+
+
+# the receivers' HTTP options also reach the store of --query-url (diagnose, fleet)
+_STORE_TOO = ("run", "resend-rejected", "diagnose", "fleet")
+
+
 OPTIONS: tuple[Option, ...] = (
     Option("interval", "Seconds between samples (0.1..3600; default {default}). GPM figures are averages "
            "over this interval.", _seconds(0.1, 3600), commands=("run", "diagnose")),
@@ -514,7 +578,7 @@ OPTIONS: tuple[Option, ...] = (
            "terminal (TERM=dumb or unset) 'auto' gives 'prometheus' and 'table' prints plain "
            "frames one after another, without escape codes), "
            "'prometheus' (text exposition with millisecond timestamps) or 'json' (one series per "
-           "line).", _choice("auto", "table", "prometheus", "json"), commands=("run",)),
+           "line).", _choice("auto", "table", "prometheus", "json"), commands=("run", "fleet")),
     Option("stdout", "Also write every series to stdout (in --output format) when receivers are "
            "configured, e.g. to watch what is pushed.", _bool, flag_only=True, commands=("run",)),
     Option("once", "Take one sample cycle, print it and exit.", _bool, flag_only=True,
@@ -528,9 +592,14 @@ OPTIONS: tuple[Option, ...] = (
            "Prometheus text format, for a Prometheus that scrapes (HOST:PORT, e.g. "
            "0.0.0.0:9400 or 127.0.0.1:9400; off by default: no port is opened unless given).",
            _listen_address, commands=("run",)),
-    Option("duration", "Seconds diagnose samples before it judges (1..3600; default {default}). The "
-           "shipped alerts wait 3 to 10 minutes before firing; a longer window is steadier.",
-           _seconds(1, 3600), commands=("diagnose",)),
+    Option("duration", "Seconds diagnose judges (1..3600; default {default}): the last ones of the "
+           "running agent's window (it holds 15 minutes), or, with --fresh or no agent beside, "
+           "sampled from now. The shipped alerts wait 3 to 10 minutes before firing; a longer "
+           "window is steadier.", _seconds(1, 3600), commands=("diagnose", "fleet")),
+    Option("fresh", "diagnose: sample afresh for --duration seconds instead of asking the agent "
+           "running beside it for its window (a second NVML session; the app's figures are not "
+           "judged while that agent holds the app socket).", _bool, flag_only=True,
+           commands=("diagnose",)),
     Option("simulate", "Use a built-in simulated GPU node instead of NVML: "
            + ", ".join(SCENARIOS) + ". Every series says 'Simulated' in gpu_name.",
            _choice(*SCENARIOS), commands=("run", "probe", "diagnose")),
@@ -541,12 +610,12 @@ OPTIONS: tuple[Option, ...] = (
            "publisher on the socket.", _bool, flag_only=True, commands=("run", "diagnose")),
     Option("log_format", "Log format on stderr (default {default}): 'auto' (JSON unless stderr "
            "is a terminal), 'json' or 'console'.", _choice("auto", "json", "console"),
-           commands=("run", "probe", "diagnose", "resend-rejected", "status")),
+           commands=("run", "probe", "diagnose", "resend-rejected", "status", "fleet")),
     Option("log_level", "Log level: debug, info, warning or error (default {default} for run; "
            "warning for probe, diagnose, resend-rejected and status, whose printed report says "
            "what info would).",
            _choice("debug", "info", "warning", "error"),
-           commands=("run", "probe", "diagnose", "resend-rejected", "status")),
+           commands=("run", "probe", "diagnose", "resend-rejected", "status", "fleet")),
     Option("alive", "Only say whether the agent's cycles run: exit 0 while its status file is "
            "younger than three intervals (at least 30 s), 1 otherwise; for a liveness probe.",
            _bool, flag_only=True, commands=("status",)),
@@ -623,30 +692,51 @@ OPTIONS: tuple[Option, ...] = (
            f"{RETRY_AFTER_CAP_S:g}.",
            _seconds(0.1, 3600), commands=("run",)),
     Option("bearer_token_file", "File holding a bearer token for the receivers; re-read when "
-           "it changes (rotated Secrets).", _secret_file, commands=("run", "resend-rejected"),
+           "it changes (rotated Secrets).", _secret_file, commands=_STORE_TOO,
            show=_shown_secret_path),
     Option("basic_auth_user", "Basic-auth user name for the receivers.", _basic_auth_user,
-           commands=("run", "resend-rejected"), show=_hidden),
+           commands=_STORE_TOO, show=_hidden),
     Option("basic_auth_password_file", "File holding the basic-auth password.", _secret_file,
-           commands=("run", "resend-rejected"), show=_shown_secret_path),
+           commands=_STORE_TOO, show=_shown_secret_path),
     Option("ca_file", "PEM file of the CA that signed the receivers' certificates.",
-           _readable_file, commands=("run", "resend-rejected")),
+           _readable_file, commands=_STORE_TOO),
     Option("cert_file", "Client certificate (PEM) for mutual TLS.", _readable_file,
-           commands=("run", "resend-rejected")),
+           commands=_STORE_TOO),
     Option("key_file", "Private key (PEM) of the client certificate.", _secret_file,
-           commands=("run", "resend-rejected"), show=_shown_secret_path),
+           commands=_STORE_TOO, show=_shown_secret_path),
     Option("insecure_skip_verify", "Do not verify the receivers' TLS certificates (testing "
-           "only).", _bool, flag_only=True, commands=("run", "resend-rejected")),
+           "only).", _bool, flag_only=True, commands=_STORE_TOO),
     Option("header", "Extra HTTP header NAME=VALUE on every push (e.g. X-Scope-OrgID=tenant for "
            "Mimir); repeatable, or comma-separated.",
            _pairs("header", "X-Scope-OrgID=tenant", "letters, digits and !#$%&'*+.^_`|~-",
                   lambda k: bool(_HEADER_NAME.match(k))),
-           commands=("run", "resend-rejected"), repeatable=True, show=_shown_pairs),
+           commands=_STORE_TOO, repeatable=True, show=_shown_pairs),
     Option("extra_label", "Extra label NAME=VALUE on every pushed series (e.g. cluster=prod); "
            "repeatable, or comma-separated.",
            _pairs("label", "cluster=prod", "letters, digits and '_'; not starting with a digit or '__'",
                   lambda k: bool(_LABEL_NAME.match(k)) and not k.startswith("__")),
            commands=("run",), repeatable=True, show=_shown_pairs),
+    Option("query_url", "diagnose and fleet: judge from long-term storage instead of this pod: "
+           "the base URL of a Prometheus HTTP query API (Prometheus and VictoriaMetrics "
+           "http://HOST:PORT, the VictoriaMetrics cluster http://vmselect:8481/select/TENANT/"
+           "prometheus, Mimir http://HOST/prometheus, Thanos Query http://HOST:10902); "
+           "/api/v1/query is added. The receivers' credentials and TLS options apply "
+           "(--bearer-token-file, --basic-auth-user, --header X-Scope-OrgID=TENANT, --ca-file).",
+           _url, commands=("diagnose", "fleet"), show=_shown_one_url),
+    Option("select", "With --query-url: which GPUs, as LABEL=VALUE (also LABEL!=VALUE, "
+           "LABEL=~REGEX, LABEL!~REGEX) on the agents' labels: namespace, pod, node, container, "
+           "gpu_uuid, gpu_index, job_name (a batch Job), or an extra label such as cluster; "
+           "repeat the flag (all must match) or separate with commas (a value cannot hold one). "
+           "Default: every GPU the store holds.", _selectors, commands=("diagnose", "fleet"),
+           repeatable=True),
+    Option("at", "With --query-url: when the window ends (default {default}): an RFC 3339 time "
+           "with its zone (2025-01-31T03:00:00Z, 2025-01-31T04:00:00+01:00), Unix seconds, or "
+           "relative to now (now-6h, now-90m, or --at=-30s: a bare -6h would read as a "
+           "flag); the window is the --duration seconds before it.", _instant_text,
+           commands=("diagnose", "fleet")),
+    Option("query_timeout", "With --query-url: seconds one query to the store may take, "
+           "connecting and reading the whole answer (1..600; default {default}).",
+           _seconds(1, 600), commands=("diagnose", "fleet")),
 )
 OPTION_BY_NAME = {o.name: o for o in OPTIONS}
 assert set(OPTION_BY_NAME) == {f.name for f in fields(Config)}
@@ -743,6 +833,21 @@ def build(command: str, args: argparse.Namespace, env: Mapping[str, str] = os.en
     clash = sorted({k for k, _ in config.extra_label} & RESERVED_LABELS)
     if clash:
         raise ConfigError(f"--extra-label may not set {', '.join(clash)}: the agent sets those")
+    if not config.query_url:
+        given = [o.flag for o in (OPTION_BY_NAME["select"], OPTION_BY_NAME["at"])
+                 if getattr(config, o.name) != DEFAULTS[o.name]]
+        if command == "fleet":
+            raise ConfigError("fleet asks the long-term storage the agents push to: give its "
+                              "query URL with --query-url (GPU_SIDECAR_QUERY_URL), e.g. "
+                              "http://victoria-metrics:8428")
+        if given:
+            raise ConfigError(f"{' and '.join(given)} only apply with --query-url (the store "
+                              "to ask): give it, or drop them")
+    elif config.fresh or config.simulate:
+        raise ConfigError("--query-url judges what the store holds: it does not combine with "
+                          f"{'--fresh' if config.fresh else '--simulate'} (sampling here)")
+    if command == "fleet" and config.output == "prometheus":
+        raise ConfigError("fleet --output takes auto, table (the grouped list) or json")
     if config.once and config.has_receivers:
         raise ConfigError("--once prints one cycle to stdout and exits: it does not combine with "
                           "receivers (--remote-write-url / GPU_SIDECAR_REMOTE_WRITE_URL, "

@@ -1,399 +1,609 @@
-"""The metric table of Contract 1: one place that names every series the agent produces.
+"""The metric table of Contract 1: one place that declares every series the agent produces.
 
-The code builds series from these specs and ``docs/metrics.md`` is rendered from the same table
-(``python -m sidecar.metrics > docs/metrics.md``), so the reference cannot drift from the code: a
-test fails when the rendered text and the committed file differ.
+Each entry of ``TABLE`` is the whole declaration of one figure: its name, type, unit, layer,
+where it comes from, what it means, its OpenTelemetry name (and fixed attributes), its
+dcgm-exporter counterpart, and, for a figure NVML gives per GPU, the field it fills in the
+sample's layer (``field``), the field the verdict reads it as (``figure``) or, for a share, the
+two series it divides (``ratio_of``). Everything else that names a figure is built from here:
+the sample layers (``sidecar.samples``), the verdict's ``Figures`` (``sidecar.views.verdict``),
+the OTLP names (``OTEL``), ``DCGM_FIELDS`` and ``docs/metrics.md``
+(``python -m sidecar.metrics > docs/metrics.md``; a test fails when the committed file differs).
+
+The serving engine's series are declared by the engine's families
+(``sidecar.sources.engine.families``); ``METRICS``, ``BY_NAME`` and ``OTEL`` include them. They
+are joined on first use, not at import: the engine source imports the sample model, which is
+built from ``TABLE``, so this module imports nothing of the sources while it loads.
 """
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
-from typing import Literal
-
-from sidecar.sources.engine.families import ENGINES, FIGURES
+from typing import Any, Literal
 
 Kind = Literal["gauge", "counter", "histogram"]
+Instrument = Literal["gauge", "counter", "updowncounter", "histogram"]
+Attributes = tuple[tuple[str, str], ...]
 
 
 @dataclass(frozen=True, slots=True)
 class MetricSpec:
+    """One series (or histogram) and everything that names it."""
+
     name: str
     kind: Kind
     unit: str
     layer: str
     source: str
     help: str
+    otel: str  # the OpenTelemetry name
+    otel_attributes: Attributes = ()  # fixed attributes that tell two series of one OTel name apart
+    instrument: Instrument | None = None  # the OTLP instrument, where not the Prometheus kind's
+    dcgm: str = ""  # dcgm-exporter's field of the same quantity, its unit where it differs
+    field: str = ""  # the sample layer's field NVML's reading fills (compute, memory, io, health)
+    figure: str = ""  # the verdict's ``Figures`` field it is read back into, where judged
+    ratio_of: tuple[str, str] | None = None  # a share: numerator and denominator series
 
 
-def _m(name: str, kind: Kind, unit: str, layer: str, source: str, help: str) -> MetricSpec:
-    return MetricSpec(name, kind, unit, layer, source, help)
+def _m(name: str, kind: Kind, unit: str, layer: str, source: str, help: str,
+       **declared: Any) -> MetricSpec:
+    return MetricSpec(name, kind, unit, layer, source, help, **declared)
 
 
-METRICS: tuple[MetricSpec, ...] = (
+_TX, _RX = (("network.io.direction", "transmit"),), (("network.io.direction", "receive"),)
+
+
+def _errors(kind: str) -> dict[str, Any]:
+    """The OTel conventions' ``hw.errors``, told apart by ``error.type``."""
+    return {"otel": "hw.errors", "otel_attributes": (("error.type", kind),)}
+
+
+def _limited(reason: str) -> dict[str, Any]:
+    return {"otel": "gpu.clock.limited", "otel_attributes": (("gpu.clock.reason", reason),)}
+
+
+# The dcgm-exporter fields (``dcgm=``) are those of DCGM 4.x's dcgm_fields.h and dcgm-exporter's
+# default-counters.csv; their units differ (MiB for memory, MHz for clocks, percent for
+# utilization, ns for violation counters); * marks a field in dcgm-exporter's default set.
+TABLE: tuple[MetricSpec, ...] = (
     # compute
     _m("gpu_sm_occupancy_ratio", "gauge", "ratio", "compute", "GPM SM_OCCUPANCY / 100",
-       "Resident warps over the maximum, averaged over the sample interval (Hopper and newer)."),
+       "Resident warps over the maximum, averaged over the sample interval (Hopper and newer).",
+       otel="gpu.sm.occupancy", dcgm="DCGM_FI_PROF_SM_OCCUPANCY", field="sm_occupancy_ratio",
+       figure="occupancy"),
     _m("gpu_tensor_core_util_ratio", "gauge", "ratio", "compute", "GPM ANY_TENSOR_UTIL / 100",
-       "Share of cycles in which any tensor pipe was active (Hopper and newer)."),
+       "Share of cycles in which any tensor pipe was active (Hopper and newer).",
+       otel="gpu.tensor_core.utilization", dcgm="DCGM_FI_PROF_PIPE_TENSOR_ACTIVE*",
+       field="tensor_core_util_ratio", figure="tensor"),
     _m("gpu_sm_active_ratio", "gauge", "ratio", "compute", "GPM SM_UTIL / 100",
-       "Share of cycles in which an SM had work (Hopper and newer)."),
-    _m("gpu_utilization_ratio", "gauge", "ratio", "compute",
-       "nvmlDeviceGetUtilizationRates().gpu / 100",
-       "Share of time any kernel ran: the classic figure, kept for contrast with occupancy."),
+       "Share of cycles in which an SM had work (Hopper and newer).",
+       otel="gpu.sm.utilization", dcgm="DCGM_FI_PROF_SM_ACTIVE", field="sm_active_ratio", figure="sm_active"),
+    _m("gpu_utilization_ratio", "gauge", "ratio", "compute", "nvmlDeviceGetUtilizationRates().gpu / 100",
+       "Share of time any kernel ran: the classic figure, kept for contrast with occupancy.",
+       otel="hw.gpu.utilization", otel_attributes=(("hw.gpu.task", "general"),),
+       dcgm="DCGM_FI_DEV_GPU_UTIL* (percent)", field="utilization_ratio", figure="utilization"),
     # memory
     _m("gpu_mem_bandwidth_util_ratio", "gauge", "ratio", "memory", "GPM DRAM_BW_UTIL / 100",
-       "DRAM bandwidth used over the theoretical maximum (Hopper and newer)."),
+       "DRAM bandwidth used over the theoretical maximum (Hopper and newer).",
+       otel="gpu.memory.bandwidth.utilization", dcgm="DCGM_FI_PROF_DRAM_ACTIVE*",
+       field="bandwidth_util_ratio", figure="dram_bw"),
     _m("gpu_memory_controller_busy_ratio", "gauge", "ratio", "memory",
        "nvmlDeviceGetUtilizationRates().memory / 100",
-       "Share of time device memory was read or written."),
+       "Share of time device memory was read or written.",
+       otel="gpu.memory.controller.utilization", dcgm="DCGM_FI_DEV_MEM_COPY_UTIL* (percent)",
+       field="controller_busy_ratio"),
     _m("gpu_memory_used_bytes", "gauge", "bytes", "memory", "nvmlDeviceGetMemoryInfo (v2, else v1)",
-       "Device memory in use."),
+       "Device memory in use.",
+       otel="hw.gpu.memory.usage", instrument="updowncounter", dcgm="DCGM_FI_DEV_FB_USED* (MiB)",
+       field="used_bytes", figure="mem_used"),
     _m("gpu_memory_total_bytes", "gauge", "bytes", "memory", "nvmlDeviceGetMemoryInfo (v2, else v1)",
-       "Device memory in total."),
+       "Device memory in total.",
+       otel="hw.gpu.memory.limit", instrument="updowncounter", dcgm="DCGM_FI_DEV_FB_TOTAL (MiB)",
+       field="total_bytes", figure="mem_total"),
     _m("gpu_memory_reserved_bytes", "gauge", "bytes", "memory", "nvmlDeviceGetMemoryInfo_v2",
-       "Device memory reserved by the driver and firmware (v2 only)."),
-    _m("gpu_memory_fragmentation_ratio", "gauge", "ratio", "memory",
-       "app: (reserved - allocated) / reserved",
-       "Share of the allocator's cache that holds no tensor."),
+       "Device memory reserved by the driver and firmware (v2 only).",
+       otel="gpu.memory.reserved", dcgm="DCGM_FI_DEV_FB_RESERVED* (MiB)", field="reserved_bytes"),
+    _m("gpu_memory_fragmentation_ratio", "gauge", "ratio", "memory", "app: (reserved - allocated) / reserved",
+       "Share of the allocator's cache that holds no tensor.",
+       otel="gpu.memory.fragmentation", figure="fragmentation"),
     _m("gpu_allocator_nonreleasable_ratio", "gauge", "ratio", "memory",
        "app: inactive_split_bytes / reserved",
-       "Free slivers inside live segments that empty_cache() cannot return."),
+       "Free slivers inside live segments that empty_cache() cannot return.",
+       otel="gpu.allocator.nonreleasable", figure="nonreleasable"),
     _m("gpu_allocator_largest_free_block_bytes", "gauge", "bytes", "memory",
        "app: memory_snapshot(), inactive blocks",
-       "Largest request the allocator cache can serve without cudaMalloc."),
+       "Largest request the allocator cache can serve without cudaMalloc.",
+       otel="gpu.allocator.largest_free_block", figure="largest_free"),
     _m("gpu_allocator_reserved_bytes", "gauge", "bytes", "memory", "app: reserved_bytes.all.current",
-       "Memory the caching allocator holds from CUDA."),
-    _m("gpu_allocator_allocated_bytes", "gauge", "bytes", "memory",
-       "app: allocated_bytes.all.current", "Memory occupied by live tensors."),
-    _m("gpu_allocator_private_pool_bytes", "gauge", "bytes", "memory",
-       "app: private pools (CUDA graphs)", "Memory held by private pools, when the app reports it."),
+       "Memory the caching allocator holds from CUDA.",
+       otel="gpu.allocator.reserved", figure="alloc_reserved"),
+    _m("gpu_allocator_allocated_bytes", "gauge", "bytes", "memory", "app: allocated_bytes.all.current",
+       "Memory occupied by live tensors.",
+       otel="gpu.allocator.allocated"),
+    _m("gpu_allocator_private_pool_bytes", "gauge", "bytes", "memory", "app: private pools (CUDA graphs)",
+       "Memory held by private pools, when the app reports it.",
+       otel="gpu.allocator.private_pool"),
     _m("gpu_allocator_alloc_retries_total", "counter", "retries", "memory", "app: num_alloc_retries",
-       "cudaMalloc failed, the cache was flushed and the allocation retried."),
+       "cudaMalloc failed, the cache was flushed and the allocation retried.",
+       otel="gpu.allocator.alloc_retries", figure="retries"),
     _m("gpu_allocator_ooms_total", "counter", "errors", "memory", "app: num_ooms",
-       "Out-of-memory errors raised by the allocator."),
+       "Out-of-memory errors raised by the allocator.",
+       otel="gpu.allocator.ooms", figure="ooms"),
     _m("gpu_app_processes", "gauge", "processes", "memory", "app",
-       "Processes publishing allocator figures for this GPU; the allocator series are their sum "
-       "(ratios from the sums, retries and OOMs kept across process restarts)."),
+       "Processes publishing allocator figures for this GPU; the allocator series are their sum (ratios "
+       "from the sums, retries and OOMs kept across process restarts).",
+       otel="gpu.app.processes"),
     _m("gpu_app_process_reserved_bytes", "gauge", "bytes", "memory",
        "app: reserved_bytes.all.current, one process",
-       "Per process, label `pid`; only with --app-process-series."),
+       "Per process, label `pid`; only with --app-process-series.",
+       otel="gpu.app.process.reserved"),
     _m("gpu_app_process_allocated_bytes", "gauge", "bytes", "memory",
        "app: allocated_bytes.all.current, one process",
-       "Per process, label `pid`; only with --app-process-series."),
+       "Per process, label `pid`; only with --app-process-series.",
+       otel="gpu.app.process.allocated"),
     _m("gpu_app_process_fragmentation_ratio", "gauge", "ratio", "memory",
        "app: (reserved - allocated) / reserved, one process",
-       "Per process, label `pid`; only with --app-process-series."),
-    # IO
+       "Per process, label `pid`; only with --app-process-series.",
+       otel="gpu.app.process.fragmentation"),
+    # io
     _m("gpu_pcie_tx_bytes_per_second", "gauge", "bytes/s", "io",
        "NVML field 197 deltas, else GPM PCIE_TX, else nvmlDeviceGetPcieThroughput(TX)",
-       "PCIe traffic from the device to the host."),
+       "PCIe traffic from the device to the host.",
+       otel="gpu.pcie.throughput", otel_attributes=_TX, dcgm="DCGM_FI_PROF_PCIE_TX_BYTES*",
+       field="pcie_tx_bytes_per_second", figure="pcie_tx"),
     _m("gpu_pcie_rx_bytes_per_second", "gauge", "bytes/s", "io",
        "NVML field 198 deltas, else GPM PCIE_RX, else nvmlDeviceGetPcieThroughput(RX)",
-       "PCIe traffic from the host to the device."),
+       "PCIe traffic from the host to the device.",
+       otel="gpu.pcie.throughput", otel_attributes=_RX, dcgm="DCGM_FI_PROF_PCIE_RX_BYTES*",
+       field="pcie_rx_bytes_per_second", figure="pcie_rx"),
     _m("gpu_pcie_tx_bandwidth_util_ratio", "gauge", "ratio", "io",
        "gpu_pcie_tx_bytes_per_second / gpu_pcie_link_max_bytes_per_second",
-       "Device-to-host rate over the link maximum."),
+       "Device-to-host rate over the link maximum.",
+       otel="gpu.pcie.utilization", otel_attributes=_TX, figure="pcie_tx_ratio",
+       ratio_of=("gpu_pcie_tx_bytes_per_second", "gpu_pcie_link_max_bytes_per_second")),
     _m("gpu_pcie_rx_bandwidth_util_ratio", "gauge", "ratio", "io",
        "gpu_pcie_rx_bytes_per_second / gpu_pcie_link_max_bytes_per_second",
-       "Host-to-device rate over the link maximum."),
+       "Host-to-device rate over the link maximum.",
+       otel="gpu.pcie.utilization", otel_attributes=_RX, figure="pcie_rx_ratio",
+       ratio_of=("gpu_pcie_rx_bytes_per_second", "gpu_pcie_link_max_bytes_per_second")),
     _m("gpu_pcie_link_max_bytes_per_second", "gauge", "bytes/s", "io",
        "max link generation x max width (per direction), or --pcie-peak-bytes-per-second",
-       "Per-direction link maximum the ratios divide by."),
-    _m("gpu_pcie_link_generation", "gauge", "generation", "io",
-       "nvmlDeviceGetMaxPcieLinkGeneration", "Maximum PCIe generation of device and system."),
+       "Per-direction link maximum the ratios divide by.",
+       otel="gpu.pcie.link.max_throughput", field="pcie_link_max_bytes_per_second", figure="link_max"),
+    _m("gpu_pcie_link_generation", "gauge", "generation", "io", "nvmlDeviceGetMaxPcieLinkGeneration",
+       "Maximum PCIe generation of device and system.",
+       otel="gpu.pcie.link.generation", dcgm="DCGM_FI_DEV_PCIE_MAX_LINK_GEN", field="pcie_link_generation",
+       figure="link_gen"),
     _m("gpu_pcie_link_width", "gauge", "lanes", "io", "nvmlDeviceGetMaxPcieLinkWidth",
-       "Maximum PCIe link width."),
+       "Maximum PCIe link width.",
+       otel="gpu.pcie.link.width", dcgm="DCGM_FI_DEV_PCIE_MAX_LINK_WIDTH", field="pcie_link_width",
+       figure="link_width"),
     _m("gpu_pcie_replay_errors_total", "counter", "errors", "io",
        "NVML field 94, else nvmlDeviceGetPcieReplayCounter",
-       "PCIe replays: link errors that also cost bandwidth."),
-    _m("gpu_nvlink_tx_bytes_per_second", "gauge", "bytes/s", "io",
-       "GPM NVLINK_TOTAL_TX, else NVML field 138 (KiB, per link) deltas summed",
-       "NVLink data sent, summed over links."),
-    _m("gpu_nvlink_rx_bytes_per_second", "gauge", "bytes/s", "io",
-       "GPM NVLINK_TOTAL_RX, else NVML field 139 (KiB, per link) deltas summed",
-       "NVLink data received, summed over links."),
-    _m("gpu_pcie_link_current_generation", "gauge", "generation", "io",
-       "nvmlDeviceGetCurrPcieLinkGeneration",
-       "PCIe generation the link runs at now (idle links train down to save power)."),
+       "PCIe replays: link errors that also cost bandwidth.",
+       **_errors("pcie_replay"), dcgm="DCGM_FI_DEV_PCIE_REPLAY_COUNTER*", field="pcie_replay_errors",
+       figure="replays"),
+    _m("gpu_pcie_link_current_generation", "gauge", "generation", "io", "nvmlDeviceGetCurrPcieLinkGeneration",
+       "PCIe generation the link runs at now (idle links train down to save power).",
+       otel="gpu.pcie.link.current_generation", dcgm="DCGM_FI_DEV_PCIE_LINK_GEN",
+       field="pcie_link_current_generation", figure="link_gen_now"),
     _m("gpu_pcie_link_current_width", "gauge", "lanes", "io", "nvmlDeviceGetCurrPcieLinkWidth",
-       "PCIe link width now."),
+       "PCIe link width now.",
+       otel="gpu.pcie.link.current_width", dcgm="DCGM_FI_DEV_PCIE_LINK_WIDTH",
+       field="pcie_link_current_width", figure="link_width_now"),
     _m("gpu_pcie_link_current_bytes_per_second", "gauge", "bytes/s", "io",
        "current link generation x current width (per direction)",
-       "Per-direction maximum of the link as trained now."),
+       "Per-direction maximum of the link as trained now.",
+       otel="gpu.pcie.link.current_max", field="pcie_link_current_bytes_per_second", figure="link_now"),
+    _m("gpu_nvlink_tx_bytes_per_second", "gauge", "bytes/s", "io",
+       "GPM NVLINK_TOTAL_TX, else NVML field 138 (KiB, per link) deltas summed",
+       "NVLink data sent, summed over links.",
+       otel="gpu.nvlink.throughput", otel_attributes=_TX, dcgm="DCGM_FI_PROF_NVLINK_TX_BYTES",
+       field="nvlink_tx_bytes_per_second", figure="nvlink_tx"),
+    _m("gpu_nvlink_rx_bytes_per_second", "gauge", "bytes/s", "io",
+       "GPM NVLINK_TOTAL_RX, else NVML field 139 (KiB, per link) deltas summed",
+       "NVLink data received, summed over links.",
+       otel="gpu.nvlink.throughput", otel_attributes=_RX, dcgm="DCGM_FI_PROF_NVLINK_RX_BYTES",
+       field="nvlink_rx_bytes_per_second", figure="nvlink_rx"),
     _m("gpu_pcie_tx_current_link_util_ratio", "gauge", "ratio", "io",
        "gpu_pcie_tx_bytes_per_second / gpu_pcie_link_current_bytes_per_second",
-       "Device-to-host rate over the link as trained now: near 1 on a saturated link that "
-       "trained below its maximum, where the maximum-link ratio reads low."),
+       "Device-to-host rate over the link as trained now: near 1 on a saturated link that trained below "
+       "its maximum, where the maximum-link ratio reads low.",
+       otel="gpu.pcie.current_link.utilization", otel_attributes=_TX, figure="pcie_tx_now_ratio",
+       ratio_of=("gpu_pcie_tx_bytes_per_second", "gpu_pcie_link_current_bytes_per_second")),
     _m("gpu_pcie_rx_current_link_util_ratio", "gauge", "ratio", "io",
        "gpu_pcie_rx_bytes_per_second / gpu_pcie_link_current_bytes_per_second",
-       "Host-to-device rate over the link as trained now."),
+       "Host-to-device rate over the link as trained now.",
+       otel="gpu.pcie.current_link.utilization", otel_attributes=_RX, figure="pcie_rx_now_ratio",
+       ratio_of=("gpu_pcie_rx_bytes_per_second", "gpu_pcie_link_current_bytes_per_second")),
     _m("gpu_c2c_tx_bytes_per_second", "gauge", "bytes/s", "io", "GPM C2C_TOTAL_TX_PER_SEC",
-       "NVLink-C2C traffic from the GPU to the Grace CPU (Grace Hopper, Grace Blackwell)."),
+       "NVLink-C2C traffic from the GPU to the Grace CPU (Grace Hopper, Grace Blackwell).",
+       otel="gpu.c2c.throughput", otel_attributes=_TX, dcgm="DCGM_FI_PROF_C2C_TX_ALL_BYTES",
+       field="c2c_tx_bytes_per_second", figure="c2c_tx"),
     _m("gpu_c2c_rx_bytes_per_second", "gauge", "bytes/s", "io", "GPM C2C_TOTAL_RX_PER_SEC",
-       "NVLink-C2C traffic from the Grace CPU to the GPU."),
+       "NVLink-C2C traffic from the Grace CPU to the GPU.",
+       otel="gpu.c2c.throughput", otel_attributes=_RX, dcgm="DCGM_FI_PROF_C2C_RX_ALL_BYTES",
+       field="c2c_rx_bytes_per_second", figure="c2c_rx"),
     _m("gpu_c2c_link_max_bytes_per_second", "gauge", "bytes/s", "io",
        "NVML fields 170 (links) x 172 (per-link maximum)",
-       "Per-direction maximum of the GPU's C2C links together."),
+       "Per-direction maximum of the GPU's C2C links together.",
+       otel="gpu.c2c.link.max", dcgm="DCGM_FI_DEV_C2C_LINK_COUNT x DCGM_FI_DEV_C2C_MAX_BANDWIDTH (MB/s)",
+       field="c2c_link_max_bytes_per_second", figure="c2c_max"),
     _m("gpu_c2c_tx_bandwidth_util_ratio", "gauge", "ratio", "io",
        "gpu_c2c_tx_bytes_per_second / gpu_c2c_link_max_bytes_per_second",
-       "GPU-to-CPU C2C rate over the links' maximum."),
+       "GPU-to-CPU C2C rate over the links' maximum.",
+       otel="gpu.c2c.utilization", otel_attributes=_TX, figure="c2c_tx_ratio",
+       ratio_of=("gpu_c2c_tx_bytes_per_second", "gpu_c2c_link_max_bytes_per_second")),
     _m("gpu_c2c_rx_bandwidth_util_ratio", "gauge", "ratio", "io",
        "gpu_c2c_rx_bytes_per_second / gpu_c2c_link_max_bytes_per_second",
-       "CPU-to-GPU C2C rate over the links' maximum."),
+       "CPU-to-GPU C2C rate over the links' maximum.",
+       otel="gpu.c2c.utilization", otel_attributes=_RX, figure="c2c_rx_ratio",
+       ratio_of=("gpu_c2c_rx_bytes_per_second", "gpu_c2c_link_max_bytes_per_second")),
     # health
     _m("gpu_sm_clock_hertz", "gauge", "hertz", "health", "nvmlDeviceGetClockInfo(SM) x 1e6",
-       "SM clock now."),
-    _m("gpu_sm_clock_max_hertz", "gauge", "hertz", "health",
-       "nvmlDeviceGetMaxClockInfo(SM) x 1e6", "Highest SM clock the GPU runs at."),
+       "SM clock now.",
+       otel="gpu.clock.frequency", otel_attributes=(("gpu.clock", "sm"),), dcgm="DCGM_FI_DEV_SM_CLOCK* (MHz)",
+       field="sm_clock_hertz", figure="sm_clock"),
+    _m("gpu_sm_clock_max_hertz", "gauge", "hertz", "health", "nvmlDeviceGetMaxClockInfo(SM) x 1e6",
+       "Highest SM clock the GPU runs at.",
+       otel="gpu.clock.frequency.max", otel_attributes=(("gpu.clock", "sm"),),
+       dcgm="DCGM_FI_DEV_MAX_SM_CLOCK (MHz)", field="sm_clock_max_hertz", figure="sm_clock_max"),
     _m("gpu_memory_clock_hertz", "gauge", "hertz", "health", "nvmlDeviceGetClockInfo(MEM) x 1e6",
-       "Memory clock now."),
-    _m("gpu_memory_clock_max_hertz", "gauge", "hertz", "health",
-       "nvmlDeviceGetMaxClockInfo(MEM) x 1e6", "Highest memory clock."),
+       "Memory clock now.",
+       otel="gpu.clock.frequency", otel_attributes=(("gpu.clock", "memory"),),
+       dcgm="DCGM_FI_DEV_MEM_CLOCK* (MHz)", field="memory_clock_hertz", figure="mem_clock"),
+    _m("gpu_memory_clock_max_hertz", "gauge", "hertz", "health", "nvmlDeviceGetMaxClockInfo(MEM) x 1e6",
+       "Highest memory clock.",
+       otel="gpu.clock.frequency.max", otel_attributes=(("gpu.clock", "memory"),),
+       dcgm="DCGM_FI_DEV_MAX_MEM_CLOCK (MHz)", field="memory_clock_max_hertz", figure="mem_clock_max"),
     _m("gpu_clocks_event_power_cap_ratio", "gauge", "ratio", "health",
-       "NVML field 74 (ns) deltas / interval, else bit SwPowerCap of "
-       "nvmlDeviceGetCurrentClocksEventReasons",
-       "Share of the interval the clocks were held down to stay within the power limit."),
+       "NVML field 74 (ns) deltas / interval, else bit SwPowerCap of nvmlDeviceGetCurrentClocksEventReasons",
+       "Share of the interval the clocks were held down to stay within the power limit.",
+       **_limited("power_cap"), dcgm="DCGM_FI_DEV_POWER_VIOLATION (ns, cumulative)", field="power_cap_ratio",
+       figure="power_cap"),
     _m("gpu_clocks_event_hw_slowdown_ratio", "gauge", "ratio", "health",
        "bit HwSlowdown of nvmlDeviceGetCurrentClocksEventReasons (no counter exists)",
-       "1 when the hardware slowed the clocks at the reading (heat, a power-supply signal, a "
-       "power brake), else 0."),
+       "1 when the hardware slowed the clocks at the reading (heat, a power-supply signal, a power "
+       "brake), else 0.",
+       **_limited("hw_slowdown"), dcgm="DCGM_FI_DEV_CLOCKS_EVENT_REASONS (bitmask)",
+       field="hw_slowdown_ratio", figure="hw_slowdown"),
     _m("gpu_clocks_event_hw_thermal_ratio", "gauge", "ratio", "health",
        "NVML field 270 (ns) deltas / interval, else bit HwThermalSlowdown",
-       "Share of the interval the hardware held the clocks down for heat."),
+       "Share of the interval the hardware held the clocks down for heat.",
+       **_limited("hw_thermal"), field="hw_thermal_ratio", figure="hw_thermal"),
     _m("gpu_clocks_event_hw_power_brake_ratio", "gauge", "ratio", "health",
        "NVML field 271 (ns) deltas / interval, else bit HwPowerBrakeSlowdown",
-       "Share of the interval an external power brake (the board, the PSU) held the clocks "
-       "down."),
+       "Share of the interval an external power brake (the board, the PSU) held the clocks down.",
+       **_limited("hw_power_brake"), field="hw_power_brake_ratio", figure="hw_power_brake"),
     _m("gpu_clocks_event_sw_thermal_ratio", "gauge", "ratio", "health",
        "NVML field 269 (ns) deltas / interval, else bit SwThermalSlowdown",
-       "Share of the interval the driver held the clocks down for heat."),
+       "Share of the interval the driver held the clocks down for heat.",
+       **_limited("sw_thermal"), field="sw_thermal_ratio", figure="sw_thermal"),
     _m("gpu_clocks_event_sync_boost_ratio", "gauge", "ratio", "health",
        "NVML field 76 (ns) deltas / interval, else bit SyncBoost",
-       "Share of the interval the clocks were held to those of the GPUs in its sync-boost "
-       "group."),
+       "Share of the interval the clocks were held to those of the GPUs in its sync-boost group.",
+       **_limited("sync_boost"), dcgm="DCGM_FI_DEV_SYNC_BOOST_VIOLATION (ns, cumulative)",
+       field="sync_boost_ratio", figure="sync_boost"),
     _m("gpu_power_usage_watts", "gauge", "watts", "health",
        "NVML field 186 (mW), else nvmlDeviceGetPowerUsage (mW) / 1000",
-       "Power drawn by the board now."),
-    _m("gpu_power_limit_watts", "gauge", "watts", "health",
-       "nvmlDeviceGetEnforcedPowerLimit (mW) / 1000", "Power limit the GPU is held to."),
-    _m("gpu_temperature_celsius", "gauge", "celsius", "health",
-       "nvmlDeviceGetTemperature(GPU)", "GPU die temperature."),
+       "Power drawn by the board now.",
+       otel="hw.power", dcgm="DCGM_FI_DEV_POWER_USAGE*", field="power_watts", figure="power"),
+    _m("gpu_power_limit_watts", "gauge", "watts", "health", "nvmlDeviceGetEnforcedPowerLimit (mW) / 1000",
+       "Power limit the GPU is held to.",
+       otel="gpu.power.limit", dcgm="DCGM_FI_DEV_ENFORCED_POWER_LIMIT", field="power_limit_watts",
+       figure="power_limit"),
+    _m("gpu_temperature_celsius", "gauge", "celsius", "health", "nvmlDeviceGetTemperature(GPU)",
+       "GPU die temperature.",
+       otel="hw.temperature", otel_attributes=(("hw.sensor_location", "gpu"),), dcgm="DCGM_FI_DEV_GPU_TEMP*",
+       field="temperature_celsius", figure="temperature"),
     _m("gpu_memory_temperature_celsius", "gauge", "celsius", "health", "NVML field 82",
-       "HBM temperature."),
+       "HBM temperature.",
+       otel="hw.temperature", otel_attributes=(("hw.sensor_location", "memory"),),
+       dcgm="DCGM_FI_DEV_MEMORY_TEMP*", field="memory_temperature_celsius", figure="mem_temperature"),
     _m("gpu_pcie_l0_to_recovery_total", "counter", "errors", "health", "NVML field 169",
-       "Times the PCIe link left L0 for recovery: a link that keeps retraining."),
+       "Times the PCIe link left L0 for recovery: a link that keeps retraining.",
+       **_errors("pcie_l0_to_recovery"), field="pcie_l0_to_recovery", figure="l0_recovery"),
     _m("gpu_pcie_correctable_errors_total", "counter", "errors", "health", "NVML field 173",
-       "PCIe correctable errors."),
-    _m("gpu_pcie_naks_received_total", "counter", "errors", "health", "NVML field 174",
-       "PCIe NAKs received."),
-    _m("gpu_pcie_receiver_errors_total", "counter", "errors", "health", "NVML field 175",
-       "PCIe receiver errors."),
-    _m("gpu_pcie_bad_tlp_total", "counter", "errors", "health", "NVML field 176",
-       "PCIe transaction-layer packets received bad."),
-    _m("gpu_pcie_naks_sent_total", "counter", "errors", "health", "NVML field 177",
-       "PCIe NAKs sent."),
-    _m("gpu_pcie_bad_dllp_total", "counter", "errors", "health", "NVML field 178",
-       "PCIe data-link-layer packets received bad."),
+       "PCIe correctable errors.",
+       **_errors("pcie_correctable"), dcgm="DCGM_FI_DEV_PCIE_COUNT_CORRECTABLE_ERRORS",
+       field="pcie_correctable_errors", figure="pcie_correctable"),
     _m("gpu_pcie_nonfatal_errors_total", "counter", "errors", "health", "NVML field 179",
-       "PCIe non-fatal errors."),
+       "PCIe non-fatal errors.",
+       **_errors("pcie_nonfatal"), field="pcie_nonfatal_errors"),
     _m("gpu_pcie_fatal_errors_total", "counter", "errors", "health", "NVML field 180",
-       "PCIe fatal errors."),
-    _m("gpu_pcie_unsupported_requests_total", "counter", "errors", "health", "NVML field 181",
-       "PCIe unsupported requests."),
+       "PCIe fatal errors.",
+       **_errors("pcie_fatal"), field="pcie_fatal_errors"),
+    _m("gpu_pcie_naks_received_total", "counter", "errors", "health", "NVML field 174",
+       "PCIe NAKs received.",
+       **_errors("pcie_nak_received"), field="pcie_naks_received"),
+    _m("gpu_pcie_naks_sent_total", "counter", "errors", "health", "NVML field 177",
+       "PCIe NAKs sent.",
+       **_errors("pcie_nak_sent"), field="pcie_naks_sent"),
+    _m("gpu_pcie_receiver_errors_total", "counter", "errors", "health", "NVML field 175",
+       "PCIe receiver errors.",
+       **_errors("pcie_receiver"), field="pcie_receiver_errors"),
+    _m("gpu_pcie_bad_tlp_total", "counter", "errors", "health", "NVML field 176",
+       "PCIe transaction-layer packets received bad.",
+       **_errors("pcie_bad_tlp"), field="pcie_bad_tlp"),
+    _m("gpu_pcie_bad_dllp_total", "counter", "errors", "health", "NVML field 178",
+       "PCIe data-link-layer packets received bad.",
+       **_errors("pcie_bad_dllp"), field="pcie_bad_dllp"),
     _m("gpu_pcie_lcrc_errors_total", "counter", "errors", "health", "NVML field 182",
-       "PCIe link CRC errors."),
+       "PCIe link CRC errors.",
+       **_errors("pcie_lcrc"), field="pcie_lcrc_errors"),
+    _m("gpu_pcie_unsupported_requests_total", "counter", "errors", "health", "NVML field 181",
+       "PCIe unsupported requests.",
+       **_errors("pcie_unsupported_request"), field="pcie_unsupported_requests"),
     _m("gpu_pcie_lane_errors_total", "counter", "errors", "health", "NVML field 183",
-       "PCIe lane errors."),
+       "PCIe lane errors.",
+       **_errors("pcie_lane"), field="pcie_lane_errors"),
     _m("gpu_ecc_corrected_volatile_total", "counter", "errors", "health", "NVML field 3",
-       "Corrected (single-bit) ECC errors since the driver loaded."),
+       "Corrected (single-bit) ECC errors since the driver loaded.",
+       **_errors("ecc_corrected_volatile"), dcgm="DCGM_FI_DEV_ECC_SBE_VOL_TOTAL",
+       field="ecc_corrected_volatile", figure="ecc_corrected"),
     _m("gpu_ecc_uncorrected_volatile_total", "counter", "errors", "health", "NVML field 4",
-       "Uncorrected (double-bit) ECC errors since the driver loaded: the app's data may be "
-       "wrong; drain the node."),
+       "Uncorrected (double-bit) ECC errors since the driver loaded: the app's data may be wrong; drain "
+       "the node.",
+       **_errors("ecc_uncorrected_volatile"), dcgm="DCGM_FI_DEV_ECC_DBE_VOL_TOTAL",
+       field="ecc_uncorrected_volatile", figure="ecc_uncorrected"),
     _m("gpu_ecc_corrected_aggregate_total", "counter", "errors", "health", "NVML field 5",
-       "Corrected ECC errors over the GPU's life."),
+       "Corrected ECC errors over the GPU's life.",
+       **_errors("ecc_corrected_aggregate"), dcgm="DCGM_FI_DEV_ECC_SBE_AGG_TOTAL",
+       field="ecc_corrected_aggregate"),
     _m("gpu_ecc_uncorrected_aggregate_total", "counter", "errors", "health", "NVML field 6",
-       "Uncorrected ECC errors over the GPU's life."),
+       "Uncorrected ECC errors over the GPU's life.",
+       **_errors("ecc_uncorrected_aggregate"), dcgm="DCGM_FI_DEV_ECC_DBE_AGG_TOTAL",
+       field="ecc_uncorrected_aggregate"),
     _m("gpu_remapped_rows_correctable", "gauge", "rows", "health", "NVML field 142",
-       "Memory rows remapped for correctable errors."),
+       "Memory rows remapped for correctable errors.",
+       otel="gpu.memory.remapped_rows", otel_attributes=(("gpu.remap.cause", "correctable"),),
+       dcgm="DCGM_FI_DEV_CORRECTABLE_REMAPPED_ROWS*", field="remapped_rows_correctable",
+       figure="remapped_correctable"),
     _m("gpu_remapped_rows_uncorrectable", "gauge", "rows", "health", "NVML field 143",
-       "Memory rows remapped for uncorrectable errors."),
+       "Memory rows remapped for uncorrectable errors.",
+       otel="gpu.memory.remapped_rows", otel_attributes=(("gpu.remap.cause", "uncorrectable"),),
+       dcgm="DCGM_FI_DEV_UNCORRECTABLE_REMAPPED_ROWS*", field="remapped_rows_uncorrectable",
+       figure="remapped_uncorrectable"),
     _m("gpu_row_remap_pending", "gauge", "boolean", "health", "NVML field 144",
-       "1 when a row remap waits for the GPU's next reset."),
+       "1 when a row remap waits for the GPU's next reset.",
+       otel="gpu.memory.remap.pending", dcgm="DCGM_FI_DEV_ROW_REMAP_PENDING", field="row_remap_pending",
+       figure="remap_pending"),
     _m("gpu_row_remap_failed", "gauge", "boolean", "health", "NVML field 145",
-       "1 when a row remap failed: the GPU should be replaced."),
+       "1 when a row remap failed: the GPU should be replaced.",
+       otel="gpu.memory.remap.failed", dcgm="DCGM_FI_DEV_ROW_REMAP_FAILURE*", field="row_remap_failed",
+       figure="remap_failed"),
     _m("gpu_xid_errors_total", "counter", "errors", "health",
        "Xid events (nvmlEventSetWait, a thread of its own), by label xid",
-       "Xid errors the driver reported since the agent started, one series per code (label "
-       "xid): 79 fallen off the bus, 48/63/64/94/95 ECC and row remapping, 13/31/43 the "
-       "app's faults."),
+       "Xid errors the driver reported since the agent started, one series per code (label xid): 79 "
+       "fallen off the bus, 48/63/64/94/95 ECC and row remapping, 13/31/43 the app's faults.",
+       **_errors("xid")),
     _m("gpu_last_xid", "gauge", "code", "health", "Xid events",
-       "Code of the last Xid the agent saw on the GPU (absent until one)."),
+       "Code of the last Xid the agent saw on the GPU (absent until one).",
+       otel="gpu.xid.last", dcgm="DCGM_FI_DEV_XID_ERRORS* (last code)", field="last_xid", figure="last_xid"),
     # app
-    _m("inference_request_duration_seconds", "histogram", "seconds", "app",
-       "app: sidecar.client observe()",
-       "Request latency histogram, merged over the processes using the GPU."),
-    # engine: the serving engine's own figures, from --engine-metrics-url
-    *(_m(name, kind, unit, "engine", "engine endpoint: see *Engine families* below",  # type: ignore[arg-type]
-         f"{help} Labels engine, endpoint and, where the engine names it, model.")
-      for name, (kind, unit, help) in FIGURES.items()),
+    _m("inference_request_duration_seconds", "histogram", "seconds", "app", "app: sidecar.client observe()",
+       "Request latency histogram, merged over the processes using the GPU.",
+       otel="gpu.app.request.duration"),
+    # verdict
+    _m("gpu_verdict", "gauge", "boolean", "verdict", "agent: the recent window",
+       "Per GPU, label `verdict`: the kind that explains latency over the last minute (one of the kinds "
+       "of docs/diagnose.md's precedence, or `none`), value 1; a kind that was the verdict in the last 5"
+       " minutes and is no longer is sent at 0, so `gpu_verdict == 1` ends when the cause does. What "
+       "`gpu-sidecar status`, the live table and `diagnose` beside the agent say.",
+       otel="gpu.verdict"),
     # self
     _m("gpu_sidecar_up", "gauge", "boolean", "self", "agent",
-       "1 while the agent runs, 0 in the last cycle of a run stopped by a signal (the pod "
-       "ended): a receiver tells a clean stop from a killed agent; pushed with every batch."),
+       "1 while the agent runs, 0 in the last cycle of a run stopped by a signal (the pod ended): a "
+       "receiver tells a clean stop from a killed agent; pushed with every batch.",
+       otel="gpu.sidecar.up"),
     _m("gpu_sidecar_info", "gauge", "info", "self", "agent",
-       "Version and mode of the agent in labels (version, mode); value 1."),
+       "Version and mode of the agent in labels (version, mode); value 1.",
+       otel="gpu.sidecar.info"),
     _m("gpu_sidecar_nvml_available", "gauge", "boolean", "self", "agent",
-       "1 when NVML initialised, 0 when the agent runs on app figures only."),
+       "1 when NVML initialised, 0 when the agent runs on app figures only.",
+       otel="gpu.sidecar.nvml.available"),
     _m("gpu_sidecar_gpu_available", "gauge", "boolean", "self", "agent",
-       "Per selected GPU: 1 when the last cycle read it, 0 while it is lost or failing."),
+       "Per selected GPU: 1 when the last cycle read it, 0 while it is lost or failing.",
+       otel="gpu.sidecar.gpu.available"),
     _m("gpu_sidecar_samples_collected_total", "counter", "samples", "self", "agent",
-       "GPU samples taken (one per GPU per cycle)."),
+       "GPU samples taken (one per GPU per cycle).",
+       otel="gpu.sidecar.samples.collected"),
     _m("gpu_sidecar_samples_dropped_total", "counter", "samples", "self", "agent",
-       "Samples lost, by reason (gpu_unavailable; sink_error, a cycle a sink failed to take, "
-       "which the log sink_emit_failed explains; per sink: spool_full, spool_write_failed (the "
-       "spool volume refused the batch and it overflowed --spool-memory-max-bytes or was still "
-       "in memory at exit), rejected, corrupt, unreadable; per OTLP sink also "
-       "partial_success, the data points the receiver said it rejected, and unencodable, "
-       "series OTLP cannot carry, such as a histogram whose count is NaN, infinite, negative "
-       "or above 64 bits). Every sink reason exists at 0 from the first push."),
+       "Samples lost, by reason (gpu_unavailable; sink_error, a cycle a sink failed to take, which the "
+       "log sink_emit_failed explains; per sink: spool_full, spool_write_failed (the spool volume "
+       "refused the batch and it overflowed --spool-memory-max-bytes or was still in memory at exit), "
+       "rejected, corrupt, unreadable; per OTLP sink also partial_success, the data points the receiver "
+       "said it rejected, and unencodable, series OTLP cannot carry, such as a histogram whose count is "
+       "NaN, infinite, negative or above 64 bits). Every sink reason exists at 0 from the first push.",
+       otel="gpu.sidecar.samples.dropped"),
     _m("gpu_sidecar_collection_errors_total", "counter", "errors", "self", "agent",
-       "NVML reads that failed, by reason (gpu_lost, nvml_error)."),
+       "NVML reads that failed, by reason (gpu_lost, nvml_error).",
+       otel="gpu.sidecar.collection.errors"),
     _m("gpu_sidecar_cycle_overruns_total", "counter", "cycles", "self", "agent",
-       "Cycles that started late because the previous one ran past its slot."),
+       "Cycles that started late because the previous one ran past its slot.",
+       otel="gpu.sidecar.cycle.overruns"),
     _m("gpu_sidecar_engine_up", "gauge", "boolean", "self", "agent",
-       "Per --engine-metrics-url (label endpoint; engine once recognised): 1 while its last read "
-       "is current, 0 while it fails or its figures are older than two intervals and a timeout."),
+       "Per --engine-metrics-url (label endpoint; engine once recognised): 1 while its last read is "
+       "current, 0 while it fails or its figures are older than two intervals and a timeout.",
+       otel="gpu.sidecar.engine.up"),
     _m("gpu_sidecar_engine_read_failures_total", "counter", "errors", "self", "agent",
-       "Reads of an engine endpoint that gave no figures, by reason (unreachable, timeout, "
-       "too_large, malformed, not_an_engine, redirect, credentials, http_status); every reason "
-       "exists at 0 from the start."),
+       "Reads of an engine endpoint that gave no figures, by reason (unreachable, timeout, too_large, "
+       "malformed, not_an_engine, redirect, credentials, http_status); every reason exists at 0 from the"
+       " start.",
+       otel="gpu.sidecar.engine.read.failures"),
     _m("gpu_sidecar_engine_read_duration_seconds", "gauge", "seconds", "self", "agent",
-       "How long the last read of an engine endpoint took, fetch and parse (its reader thread's "
-       "time, never the cycle's)."),
+       "How long the last read of an engine endpoint took, fetch and parse (its reader thread's time, "
+       "never the cycle's).",
+       otel="gpu.sidecar.engine.read.duration"),
     _m("gpu_sidecar_paused_seconds_total", "counter", "seconds", "self", "agent",
-       "Time the agent's schedule missed although its cycles were short: the process was "
-       "stopped (SIGSTOP) or not scheduled (a frozen cgroup, a suspended VM, CPU throttling); "
-       "each pause is logged as process_paused, never as cycle_overrun."),
+       "Time the agent's schedule missed although its cycles were short: the process was stopped "
+       "(SIGSTOP) or not scheduled (a frozen cgroup, a suspended VM, CPU throttling); each pause is "
+       "logged as process_paused, never as cycle_overrun.",
+       otel="gpu.sidecar.paused.time"),
     _m("gpu_sidecar_cycle_duration_seconds", "gauge", "seconds", "self", "agent",
-       "Wall time of the last sampling cycle."),
+       "Wall time of the last sampling cycle.",
+       otel="gpu.sidecar.cycle.duration"),
     _m("gpu_sidecar_app_messages_accepted_total", "counter", "messages", "self", "agent",
-       "App socket messages accepted."),
+       "App socket messages accepted.",
+       otel="gpu.sidecar.app.messages.accepted"),
     _m("gpu_sidecar_app_messages_rejected_total", "counter", "messages", "self", "agent",
-       "App socket messages rejected, by reason."),
+       "App socket messages rejected, by reason.",
+       otel="gpu.sidecar.app.messages.rejected"),
     _m("gpu_sidecar_samples_pushed_total", "counter", "samples", "self", "agent",
-       "Samples a receiver accepted, per sink."),
+       "Samples a receiver accepted, per sink.",
+       otel="gpu.sidecar.samples.pushed"),
     _m("gpu_sidecar_push_failures_total", "counter", "requests", "self", "agent",
-       "Failed push attempts, per sink and reason (network, tls, credentials, redirect, "
-       "http_429, http_5xx, http_400, ..., internal). Known reasons exist at 0 from the start."),
+       "Failed push attempts, per sink and reason (network, tls, credentials, redirect, http_429, "
+       "http_5xx, http_400, ..., internal). Known reasons exist at 0 from the start.",
+       otel="gpu.sidecar.push.failures"),
     _m("gpu_sidecar_push_duration_seconds", "gauge", "seconds", "self", "agent",
-       "Duration of the last push request, per sink."),
+       "Duration of the last push request, per sink.",
+       otel="gpu.sidecar.push.duration"),
     _m("gpu_sidecar_last_push_success_timestamp_seconds", "gauge", "seconds", "self", "agent",
-       "Unix time of the last accepted push, per sink."),
+       "Unix time of the last accepted push, per sink.",
+       otel="gpu.sidecar.push.last_success.time"),
     _m("gpu_sidecar_spool_bytes", "gauge", "bytes", "self", "agent",
-       "Bytes of the spool, per remote-write or OTLP sink and state: pending (waiting on "
-       "disk), memory (waiting in memory because the spool volume refused them, within "
-       "--spool-memory-max-bytes), rejected and corrupt (kept on disk for inspection); all "
-       "four count against --spool-max-bytes."),
+       "Bytes of the spool, per remote-write or OTLP sink and state: pending (waiting on disk), memory "
+       "(waiting in memory because the spool volume refused them, within --spool-memory-max-bytes), "
+       "rejected and corrupt (kept on disk for inspection); all four count against --spool-max-bytes.",
+       otel="gpu.sidecar.spool.usage"),
     _m("gpu_sidecar_spool_write_failing", "gauge", "boolean", "self", "agent",
-       "Per remote-write or OTLP sink: 1 while the spool volume refuses writes (full, read-only), "
-       "so batches wait in memory and a crash or a receiver outage now loses them; 0 once a "
-       "write succeeds again."),
+       "Per remote-write or OTLP sink: 1 while the spool volume refuses writes (full, read-only), so "
+       "batches wait in memory and a crash or a receiver outage now loses them; 0 once a write succeeds "
+       "again.",
+       otel="gpu.sidecar.spool.write_failing"),
     _m("gpu_sidecar_spool_batches", "gauge", "batches", "self", "agent",
-       "Batches waiting to be sent (on disk or in memory), per remote-write or OTLP sink."),
+       "Batches waiting to be sent (on disk or in memory), per remote-write or OTLP sink.",
+       otel="gpu.sidecar.spool.batches"),
     _m("gpu_sidecar_journal_records_damaged_total", "counter", "records", "self", "agent",
-       "Crash-journal records that failed their check at start-up and were skipped, per "
-       "remote-write or OTLP sink: each is one cycle lost (the intact records after it are "
-       "replayed; a record cut short at the end by the crash is not counted). Logged as "
-       "journal_record_damaged."),
-    # run: a batch Job's summary (--batch-job), sent once with the last cycle, labelled job_name
-    # (and job_index for an Indexed Job's pod)
+       "Crash-journal records that failed their check at start-up and were skipped, per remote-write or "
+       "OTLP sink: each is one cycle lost (the intact records after it are replayed; a record cut short "
+       "at the end by the crash is not counted). Logged as journal_record_damaged.",
+       otel="gpu.sidecar.journal.records_damaged"),
+    # run
     _m("gpu_run_start_timestamp_seconds", "gauge", "seconds", "run", "agent: first cycle",
-       "Unix time of the run's first sample (no GPU labels)."),
+       "Unix time of the run's first sample (no GPU labels).",
+       otel="gpu.run.start"),
     _m("gpu_run_end_timestamp_seconds", "gauge", "seconds", "run", "agent: last cycle",
-       "Unix time of the run's last sample, taken at shutdown (no GPU labels)."),
+       "Unix time of the run's last sample, taken at shutdown (no GPU labels).",
+       otel="gpu.run.end"),
     _m("gpu_run_duration_seconds", "gauge", "seconds", "run", "agent",
-       "End minus start of the sampled run (no GPU labels)."),
+       "End minus start of the sampled run (no GPU labels).",
+       otel="gpu.run.duration"),
     _m("gpu_run_samples", "gauge", "samples", "run", "agent",
-       "Cycles in which the GPU was sampled: the denominator of the means and shares."),
+       "Cycles in which the GPU was sampled: the denominator of the means and shares.",
+       otel="gpu.run.samples"),
     _m("gpu_run_unreadable_samples", "gauge", "samples", "run", "agent",
-       "Cycles in which the GPU was selected but could not be read (lost, or NVML failing): "
-       "not part of the means and shares, so a GPU lost mid-run shows here, not as a healthy "
-       "mean."),
+       "Cycles in which the GPU was selected but could not be read (lost, or NVML failing): not part of "
+       "the means and shares, so a GPU lost mid-run shows here, not as a healthy mean.",
+       otel="gpu.run.unreadable_samples"),
     _m("gpu_run_max_ratio", "gauge", "ratio", "run", "agent: the cycles' series",
        "Peak over the run of the ratio named by label figure (gpu_sm_occupancy_ratio, "
-       "gpu_tensor_core_util_ratio, gpu_mem_bandwidth_util_ratio, "
-       "gpu_pcie_{tx,rx}_bandwidth_util_ratio, gpu_memory_fragmentation_ratio)."),
+       "gpu_tensor_core_util_ratio, gpu_mem_bandwidth_util_ratio, gpu_pcie_{tx,rx}_bandwidth_util_ratio,"
+       " gpu_memory_fragmentation_ratio).",
+       otel="gpu.run.max"),
     _m("gpu_run_mean_ratio", "gauge", "ratio", "run", "agent: the cycles' series",
-       "Mean over the run's samples of the ratio named by label figure."),
+       "Mean over the run's samples of the ratio named by label figure.",
+       otel="gpu.run.mean"),
     _m("gpu_run_above_threshold_ratio", "gauge", "ratio", "run", "agent, sidecar/thresholds.py",
-       "Share of the samples beyond the alert rules' threshold, by label condition: "
-       "pcie_saturated (either direction above the PCIe threshold), fragmented (allocator "
-       "fragmentation above its threshold on a cache above its minimum size), low_occupancy "
-       "(SM occupancy below its threshold, whatever the latency)."),
+       "Share of the samples beyond the alert rules' threshold, by label condition: pcie_saturated "
+       "(either direction above the PCIe threshold), fragmented (allocator fragmentation above its "
+       "threshold on a cache above its minimum size), low_occupancy (SM occupancy below its threshold, "
+       "whatever the latency).",
+       otel="gpu.run.above_threshold"),
     _m("gpu_run_alloc_retries", "gauge", "retries", "run", "app",
-       "Allocator retries the app's counters show at the end of the run, a restart of the "
-       "counter counted as a new start: from the app's start, which in a Job (the agent a "
-       "native sidecar, started first) is the run's; an agent started after the app counts "
-       "the app's earlier retries too."),
+       "Allocator retries the app's counters show at the end of the run, a restart of the counter "
+       "counted as a new start: from the app's start, which in a Job (the agent a native sidecar, "
+       "started first) is the run's; an agent started after the app counts the app's earlier retries "
+       "too.",
+       otel="gpu.run.allocator.alloc_retries"),
     _m("gpu_run_ooms", "gauge", "errors", "run", "app",
-       "CUDA out-of-memory errors, counted as gpu_run_alloc_retries."),
+       "CUDA out-of-memory errors, counted as gpu_run_alloc_retries.",
+       otel="gpu.run.allocator.ooms"),
     _m("gpu_run_request_duration_p99_seconds", "gauge", "seconds", "run", "app",
-       "p99 request latency from the app's latency histogram, counted as gpu_run_alloc_retries "
-       "(from the app's start, or from the last change of its buckets), interpolated as "
-       "histogram_quantile does."),
+       "p99 request latency from the app's latency histogram, counted as gpu_run_alloc_retries (from the"
+       " app's start, or from the last change of its buckets), interpolated as histogram_quantile does.",
+       otel="gpu.run.request.duration.p99"),
+
 )
 
-BY_NAME: dict[str, MetricSpec] = {m.name: m for m in METRICS}
 
-# the dcgm-exporter field of the same quantity, for users coming from it (its units differ:
-# MiB for memory, MHz for clocks, percent for utilization, ns for violation counters), as
-# DCGM 4.x's dcgm_fields.h and dcgm-exporter's default-counters.csv name them; * marks a field
-# in dcgm-exporter's default set
-DCGM_FIELDS: dict[str, str] = {
-    "gpu_utilization_ratio": "DCGM_FI_DEV_GPU_UTIL* (percent)",
-    "gpu_sm_occupancy_ratio": "DCGM_FI_PROF_SM_OCCUPANCY",
-    "gpu_tensor_core_util_ratio": "DCGM_FI_PROF_PIPE_TENSOR_ACTIVE*",
-    "gpu_sm_active_ratio": "DCGM_FI_PROF_SM_ACTIVE",
-    "gpu_mem_bandwidth_util_ratio": "DCGM_FI_PROF_DRAM_ACTIVE*",
-    "gpu_memory_controller_busy_ratio": "DCGM_FI_DEV_MEM_COPY_UTIL* (percent)",
-    "gpu_memory_used_bytes": "DCGM_FI_DEV_FB_USED* (MiB)",
-    "gpu_memory_total_bytes": "DCGM_FI_DEV_FB_TOTAL (MiB)",
-    "gpu_memory_reserved_bytes": "DCGM_FI_DEV_FB_RESERVED* (MiB)",
-    "gpu_pcie_tx_bytes_per_second": "DCGM_FI_PROF_PCIE_TX_BYTES*",
-    "gpu_pcie_rx_bytes_per_second": "DCGM_FI_PROF_PCIE_RX_BYTES*",
-    "gpu_pcie_link_generation": "DCGM_FI_DEV_PCIE_MAX_LINK_GEN",
-    "gpu_pcie_link_width": "DCGM_FI_DEV_PCIE_MAX_LINK_WIDTH",
-    "gpu_pcie_link_current_generation": "DCGM_FI_DEV_PCIE_LINK_GEN",
-    "gpu_pcie_link_current_width": "DCGM_FI_DEV_PCIE_LINK_WIDTH",
-    "gpu_pcie_replay_errors_total": "DCGM_FI_DEV_PCIE_REPLAY_COUNTER*",
-    "gpu_pcie_correctable_errors_total": "DCGM_FI_DEV_PCIE_COUNT_CORRECTABLE_ERRORS",
-    "gpu_nvlink_tx_bytes_per_second": "DCGM_FI_PROF_NVLINK_TX_BYTES",
-    "gpu_nvlink_rx_bytes_per_second": "DCGM_FI_PROF_NVLINK_RX_BYTES",
-    "gpu_c2c_tx_bytes_per_second": "DCGM_FI_PROF_C2C_TX_ALL_BYTES",
-    "gpu_c2c_rx_bytes_per_second": "DCGM_FI_PROF_C2C_RX_ALL_BYTES",
-    "gpu_c2c_link_max_bytes_per_second": "DCGM_FI_DEV_C2C_LINK_COUNT x DCGM_FI_DEV_C2C_MAX_BANDWIDTH "
-                                         "(MB/s)",
-    "gpu_sm_clock_hertz": "DCGM_FI_DEV_SM_CLOCK* (MHz)",
-    "gpu_memory_clock_hertz": "DCGM_FI_DEV_MEM_CLOCK* (MHz)",
-    "gpu_sm_clock_max_hertz": "DCGM_FI_DEV_MAX_SM_CLOCK (MHz)",
-    "gpu_memory_clock_max_hertz": "DCGM_FI_DEV_MAX_MEM_CLOCK (MHz)",
-    "gpu_clocks_event_power_cap_ratio": "DCGM_FI_DEV_POWER_VIOLATION (ns, cumulative)",
-    "gpu_clocks_event_sync_boost_ratio": "DCGM_FI_DEV_SYNC_BOOST_VIOLATION (ns, cumulative)",
-    "gpu_clocks_event_hw_slowdown_ratio": "DCGM_FI_DEV_CLOCKS_EVENT_REASONS (bitmask)",
-    "gpu_power_usage_watts": "DCGM_FI_DEV_POWER_USAGE*",
-    "gpu_power_limit_watts": "DCGM_FI_DEV_ENFORCED_POWER_LIMIT",
-    "gpu_temperature_celsius": "DCGM_FI_DEV_GPU_TEMP*",
-    "gpu_memory_temperature_celsius": "DCGM_FI_DEV_MEMORY_TEMP*",
-    "gpu_ecc_corrected_volatile_total": "DCGM_FI_DEV_ECC_SBE_VOL_TOTAL",
-    "gpu_ecc_uncorrected_volatile_total": "DCGM_FI_DEV_ECC_DBE_VOL_TOTAL",
-    "gpu_ecc_corrected_aggregate_total": "DCGM_FI_DEV_ECC_SBE_AGG_TOTAL",
-    "gpu_ecc_uncorrected_aggregate_total": "DCGM_FI_DEV_ECC_DBE_AGG_TOTAL",
-    "gpu_remapped_rows_correctable": "DCGM_FI_DEV_CORRECTABLE_REMAPPED_ROWS*",
-    "gpu_remapped_rows_uncorrectable": "DCGM_FI_DEV_UNCORRECTABLE_REMAPPED_ROWS*",
-    "gpu_row_remap_failed": "DCGM_FI_DEV_ROW_REMAP_FAILURE*",
-    "gpu_row_remap_pending": "DCGM_FI_DEV_ROW_REMAP_PENDING",
-    "gpu_last_xid": "DCGM_FI_DEV_XID_ERRORS* (last code)",
+
+def _declared_once(table: tuple[MetricSpec, ...]) -> None:
+    """No two entries name the same series, sample field or verdict figure, and a share divides
+    series of the table: checked at import, so a slip fails at once rather than overwriting a
+    figure."""
+    for what in ("name", "field", "figure"):
+        seen = [getattr(m, what) for m in table if getattr(m, what)]
+        if twice := sorted({x for x in seen if seen.count(x) > 1}):
+            raise TypeError(f"metrics.TABLE names {what} {twice} twice: one entry each")
+    names = {m.name for m in table}
+    for m in table:
+        if m.ratio_of and not set(m.ratio_of) <= names:
+            raise TypeError(f"{m.name} divides {m.ratio_of}, not both in metrics.TABLE")
+
+
+_declared_once(TABLE)
+LAYERS = ("compute", "memory", "io", "health")  # the sample's layers NVML fills, in their order
+# the shares the sample model computes from two series of the table (``ratio_of``)
+RATIOS: tuple[MetricSpec, ...] = tuple(m for m in TABLE if m.ratio_of)
+DCGM_FIELDS: dict[str, str] = {m.name: m.dcgm for m in TABLE if m.dcgm}
+
+
+def layer_specs(layer: str) -> tuple[MetricSpec, ...]:
+    """The figures NVML's reading fills in one layer of a sample (``field``), in table order."""
+    return tuple(m for m in TABLE if m.layer == layer and m.field)
+
+
+# the OpenTelemetry names of the engine's series (declared in sources/engine/families.py)
+_ENGINE_OTEL: dict[str, dict[str, Any]] = {
+    "engine_request_duration_seconds": {"otel": "gen_ai.server.request.duration"},
+    "engine_time_to_first_token_seconds": {"otel": "gen_ai.server.time_to_first_token"},
+    "engine_inter_token_latency_seconds": {"otel": "gen_ai.server.time_per_output_token"},
+    "engine_request_queue_duration_seconds": {"otel": "gpu.engine.request.queue.duration"},
+    "engine_kv_cache_usage_ratio": {"otel": "gpu.engine.kv_cache.usage"},
+    "engine_requests_running": {"otel": "gpu.engine.requests", "instrument": "updowncounter",
+                                "otel_attributes": (("gpu.engine.request.state", "running"),)},
+    "engine_requests_waiting": {"otel": "gpu.engine.requests", "instrument": "updowncounter",
+                                "otel_attributes": (("gpu.engine.request.state", "waiting"),)},
+    "engine_preemptions_total": {"otel": "gpu.engine.preemptions"},
 }
+
+
+@functools.cache
+def _metrics() -> tuple[MetricSpec, ...]:
+    """The table with the engine's series after the app's (see the module's docstring)."""
+    from sidecar.sources.engine.families import FIGURES
+    engine = tuple(
+        _m(name, kind, unit, "engine", "engine endpoint: see *Engine families* below",  # type: ignore[arg-type]
+           f"{help} Labels engine, endpoint and, where the engine names it, model.",
+           **_ENGINE_OTEL.get(name, {"otel": name.removesuffix("_total").replace("_", ".")}))
+        for name, (kind, unit, help) in FIGURES.items())
+    at = max(i for i, m in enumerate(TABLE) if m.layer == "app") + 1
+    return (*TABLE[:at], *engine, *TABLE[at:])
+
+
+@functools.cache
+def _by_name() -> dict[str, MetricSpec]:
+    return {m.name: m for m in _metrics()}
+
+
+@functools.cache
+def _otel_specs() -> dict[str, OtelSpec]:
+    return {m.name: OtelSpec(m.otel, _UCUM.get(m.unit, f"{{{m.unit}}}"), m.instrument or m.kind,
+                             m.otel_attributes) for m in _metrics()}
+
+
+_JOINED = {"METRICS": _metrics, "BY_NAME": _by_name, "OTEL": _otel_specs}
+
+
+def __getattr__(name: str) -> Any:
+    """``METRICS``, ``BY_NAME`` (name -> spec) and ``OTEL`` (name -> ``OtelSpec``): the table
+    with the engine's series, joined on first use and kept as module attributes from then on."""
+    if name in _JOINED:
+        value = globals()[name] = _JOINED[name]()
+        return value
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def histogram_of(name: str) -> tuple[str, str] | None:
@@ -401,15 +611,12 @@ def histogram_of(name: str) -> tuple[str, str] | None:
     histogram of the table: each exposition format regroups the three under their histogram."""
     for part in ("_bucket", "_sum", "_count"):
         stem = name.removesuffix(part)
-        spec = BY_NAME.get(stem)
+        spec = _by_name().get(stem)
         if stem != name and spec is not None and spec.kind == "histogram":
             return stem, part
     return None
 
 # -- OpenTelemetry (the OTLP sink) ---------------------------------------------------------------
-
-
-Instrument = Literal["gauge", "counter", "updowncounter", "histogram"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -431,159 +638,7 @@ _UCUM = {"ratio": "1", "bytes": "By", "bytes/s": "By/s", "seconds": "s", "boolea
          "cycles": "{cycle}", "messages": "{message}", "requests": "{request}",
          "batches": "{batch}", "records": "{record}", "hertz": "Hz", "watts": "W",
          "celsius": "Cel", "events": "{event}", "rows": "{row}", "code": "1"}
-_TX, _RX = (("network.io.direction", "transmit"),), (("network.io.direction", "receive"),)
 
-
-def _errors(kind: str) -> tuple[str, tuple[tuple[str, str], ...], None]:
-    """The conventions' ``hw.errors``, told apart by ``error.type``."""
-    return "hw.errors", (("error.type", kind),), None
-
-
-def _limited(reason: str) -> tuple[str, tuple[tuple[str, str], ...], None]:
-    return "gpu.clock.limited", (("gpu.clock.reason", reason),), None
-
-
-
-# Prometheus name -> (OTel name, fixed attributes, instrument if not the Prometheus kind's)
-_OTEL_NAMES: dict[str, tuple[str, tuple[tuple[str, str], ...], Instrument | None]] = {
-    "gpu_sm_occupancy_ratio": ("gpu.sm.occupancy", (), None),
-    "gpu_tensor_core_util_ratio": ("gpu.tensor_core.utilization", (), None),
-    "gpu_sm_active_ratio": ("gpu.sm.utilization", (), None),
-    "gpu_utilization_ratio": ("hw.gpu.utilization", (("hw.gpu.task", "general"),), None),
-    "gpu_mem_bandwidth_util_ratio": ("gpu.memory.bandwidth.utilization", (), None),
-    "gpu_memory_controller_busy_ratio": ("gpu.memory.controller.utilization", (), None),
-    "gpu_memory_used_bytes": ("hw.gpu.memory.usage", (), "updowncounter"),
-    "gpu_memory_total_bytes": ("hw.gpu.memory.limit", (), "updowncounter"),
-    "gpu_memory_reserved_bytes": ("gpu.memory.reserved", (), None),
-    "gpu_memory_fragmentation_ratio": ("gpu.memory.fragmentation", (), None),
-    "gpu_allocator_nonreleasable_ratio": ("gpu.allocator.nonreleasable", (), None),
-    "gpu_allocator_largest_free_block_bytes": ("gpu.allocator.largest_free_block", (), None),
-    "gpu_allocator_reserved_bytes": ("gpu.allocator.reserved", (), None),
-    "gpu_allocator_allocated_bytes": ("gpu.allocator.allocated", (), None),
-    "gpu_allocator_private_pool_bytes": ("gpu.allocator.private_pool", (), None),
-    "gpu_allocator_alloc_retries_total": ("gpu.allocator.alloc_retries", (), None),
-    "gpu_allocator_ooms_total": ("gpu.allocator.ooms", (), None),
-    "gpu_app_processes": ("gpu.app.processes", (), None),
-    "gpu_app_process_reserved_bytes": ("gpu.app.process.reserved", (), None),
-    "gpu_app_process_allocated_bytes": ("gpu.app.process.allocated", (), None),
-    "gpu_app_process_fragmentation_ratio": ("gpu.app.process.fragmentation", (), None),
-    "gpu_pcie_tx_bytes_per_second": ("gpu.pcie.throughput", _TX, None),
-    "gpu_pcie_rx_bytes_per_second": ("gpu.pcie.throughput", _RX, None),
-    "gpu_pcie_tx_bandwidth_util_ratio": ("gpu.pcie.utilization", _TX, None),
-    "gpu_pcie_rx_bandwidth_util_ratio": ("gpu.pcie.utilization", _RX, None),
-    "gpu_pcie_link_max_bytes_per_second": ("gpu.pcie.link.max_throughput", (), None),
-    "gpu_pcie_link_generation": ("gpu.pcie.link.generation", (), None),
-    "gpu_pcie_link_width": ("gpu.pcie.link.width", (), None),
-    "gpu_pcie_replay_errors_total": _errors("pcie_replay"),
-    "gpu_nvlink_tx_bytes_per_second": ("gpu.nvlink.throughput", _TX, None),
-    "gpu_nvlink_rx_bytes_per_second": ("gpu.nvlink.throughput", _RX, None),
-    "gpu_pcie_link_current_generation": ("gpu.pcie.link.current_generation", (), None),
-    "gpu_pcie_link_current_width": ("gpu.pcie.link.current_width", (), None),
-    "gpu_pcie_link_current_bytes_per_second": ("gpu.pcie.link.current_max", (), None),
-    "gpu_pcie_tx_current_link_util_ratio": ("gpu.pcie.current_link.utilization", _TX, None),
-    "gpu_pcie_rx_current_link_util_ratio": ("gpu.pcie.current_link.utilization", _RX, None),
-    "gpu_c2c_tx_bytes_per_second": ("gpu.c2c.throughput", _TX, None),
-    "gpu_c2c_rx_bytes_per_second": ("gpu.c2c.throughput", _RX, None),
-    "gpu_c2c_link_max_bytes_per_second": ("gpu.c2c.link.max", (), None),
-    "gpu_c2c_tx_bandwidth_util_ratio": ("gpu.c2c.utilization", _TX, None),
-    "gpu_c2c_rx_bandwidth_util_ratio": ("gpu.c2c.utilization", _RX, None),
-    "gpu_sm_clock_hertz": ("gpu.clock.frequency", (("gpu.clock", "sm"),), None),
-    "gpu_sm_clock_max_hertz": ("gpu.clock.frequency.max", (("gpu.clock", "sm"),), None),
-    "gpu_memory_clock_hertz": ("gpu.clock.frequency", (("gpu.clock", "memory"),), None),
-    "gpu_memory_clock_max_hertz": ("gpu.clock.frequency.max", (("gpu.clock", "memory"),), None),
-    "gpu_clocks_event_power_cap_ratio": _limited("power_cap"),
-    "gpu_clocks_event_hw_slowdown_ratio": _limited("hw_slowdown"),
-    "gpu_clocks_event_hw_thermal_ratio": _limited("hw_thermal"),
-    "gpu_clocks_event_hw_power_brake_ratio": _limited("hw_power_brake"),
-    "gpu_clocks_event_sw_thermal_ratio": _limited("sw_thermal"),
-    "gpu_clocks_event_sync_boost_ratio": _limited("sync_boost"),
-    "gpu_power_usage_watts": ("hw.power", (), None),
-    "gpu_power_limit_watts": ("gpu.power.limit", (), None),
-    "gpu_temperature_celsius": ("hw.temperature", (("hw.sensor_location", "gpu"),), None),
-    "gpu_memory_temperature_celsius": ("hw.temperature", (("hw.sensor_location", "memory"),), None),
-    "gpu_pcie_l0_to_recovery_total": _errors("pcie_l0_to_recovery"),
-    "gpu_pcie_correctable_errors_total": _errors("pcie_correctable"),
-    "gpu_pcie_naks_received_total": _errors("pcie_nak_received"),
-    "gpu_pcie_receiver_errors_total": _errors("pcie_receiver"),
-    "gpu_pcie_bad_tlp_total": _errors("pcie_bad_tlp"),
-    "gpu_pcie_naks_sent_total": _errors("pcie_nak_sent"),
-    "gpu_pcie_bad_dllp_total": _errors("pcie_bad_dllp"),
-    "gpu_pcie_nonfatal_errors_total": _errors("pcie_nonfatal"),
-    "gpu_pcie_fatal_errors_total": _errors("pcie_fatal"),
-    "gpu_pcie_unsupported_requests_total": _errors("pcie_unsupported_request"),
-    "gpu_pcie_lcrc_errors_total": _errors("pcie_lcrc"),
-    "gpu_pcie_lane_errors_total": _errors("pcie_lane"),
-    "gpu_ecc_corrected_volatile_total": _errors("ecc_corrected_volatile"),
-    "gpu_ecc_uncorrected_volatile_total": _errors("ecc_uncorrected_volatile"),
-    "gpu_ecc_corrected_aggregate_total": _errors("ecc_corrected_aggregate"),
-    "gpu_ecc_uncorrected_aggregate_total": _errors("ecc_uncorrected_aggregate"),
-    "gpu_remapped_rows_correctable": ("gpu.memory.remapped_rows",
-                                      (("gpu.remap.cause", "correctable"),), None),
-    "gpu_remapped_rows_uncorrectable": ("gpu.memory.remapped_rows",
-                                        (("gpu.remap.cause", "uncorrectable"),), None),
-    "gpu_row_remap_pending": ("gpu.memory.remap.pending", (), None),
-    "gpu_row_remap_failed": ("gpu.memory.remap.failed", (), None),
-    "gpu_xid_errors_total": _errors("xid"),
-    "gpu_last_xid": ("gpu.xid.last", (), None),
-    "inference_request_duration_seconds": ("gpu.app.request.duration", (), None),
-    "engine_request_duration_seconds": ("gen_ai.server.request.duration", (), None),
-    "engine_time_to_first_token_seconds": ("gen_ai.server.time_to_first_token", (), None),
-    "engine_inter_token_latency_seconds": ("gen_ai.server.time_per_output_token", (), None),
-    "engine_request_queue_duration_seconds": ("gpu.engine.request.queue.duration", (), None),
-    "engine_kv_cache_usage_ratio": ("gpu.engine.kv_cache.usage", (), None),
-    "engine_requests_running": ("gpu.engine.requests", (("gpu.engine.request.state", "running"),),
-                                "updowncounter"),
-    "engine_requests_waiting": ("gpu.engine.requests", (("gpu.engine.request.state", "waiting"),),
-                                "updowncounter"),
-    "engine_preemptions_total": ("gpu.engine.preemptions", (), None),
-    "gpu_sidecar_engine_up": ("gpu.sidecar.engine.up", (), None),
-    "gpu_sidecar_engine_read_failures_total": ("gpu.sidecar.engine.read.failures", (), None),
-    "gpu_sidecar_engine_read_duration_seconds": ("gpu.sidecar.engine.read.duration", (), None),
-    "gpu_sidecar_up": ("gpu.sidecar.up", (), None),
-    "gpu_sidecar_info": ("gpu.sidecar.info", (), None),
-    "gpu_sidecar_nvml_available": ("gpu.sidecar.nvml.available", (), None),
-    "gpu_sidecar_gpu_available": ("gpu.sidecar.gpu.available", (), None),
-    "gpu_sidecar_samples_collected_total": ("gpu.sidecar.samples.collected", (), None),
-    "gpu_sidecar_samples_dropped_total": ("gpu.sidecar.samples.dropped", (), None),
-    "gpu_sidecar_collection_errors_total": ("gpu.sidecar.collection.errors", (), None),
-    "gpu_sidecar_cycle_overruns_total": ("gpu.sidecar.cycle.overruns", (), None),
-    "gpu_sidecar_paused_seconds_total": ("gpu.sidecar.paused.time", (), None),
-    "gpu_sidecar_cycle_duration_seconds": ("gpu.sidecar.cycle.duration", (), None),
-    "gpu_sidecar_app_messages_accepted_total": ("gpu.sidecar.app.messages.accepted", (), None),
-    "gpu_sidecar_app_messages_rejected_total": ("gpu.sidecar.app.messages.rejected", (), None),
-    "gpu_sidecar_samples_pushed_total": ("gpu.sidecar.samples.pushed", (), None),
-    "gpu_sidecar_push_failures_total": ("gpu.sidecar.push.failures", (), None),
-    "gpu_sidecar_push_duration_seconds": ("gpu.sidecar.push.duration", (), None),
-    "gpu_sidecar_last_push_success_timestamp_seconds": ("gpu.sidecar.push.last_success.time", (),
-                                                        None),
-    "gpu_sidecar_spool_bytes": ("gpu.sidecar.spool.usage", (), None),
-    "gpu_sidecar_spool_batches": ("gpu.sidecar.spool.batches", (), None),
-    "gpu_sidecar_spool_write_failing": ("gpu.sidecar.spool.write_failing", (), None),
-    "gpu_sidecar_journal_records_damaged_total": ("gpu.sidecar.journal.records_damaged", (),
-                                                  None),
-    "gpu_run_start_timestamp_seconds": ("gpu.run.start", (), None),
-    "gpu_run_end_timestamp_seconds": ("gpu.run.end", (), None),
-    "gpu_run_duration_seconds": ("gpu.run.duration", (), None),
-    "gpu_run_samples": ("gpu.run.samples", (), None),
-    "gpu_run_unreadable_samples": ("gpu.run.unreadable_samples", (), None),
-    "gpu_run_max_ratio": ("gpu.run.max", (), None),
-    "gpu_run_mean_ratio": ("gpu.run.mean", (), None),
-    "gpu_run_above_threshold_ratio": ("gpu.run.above_threshold", (), None),
-    "gpu_run_alloc_retries": ("gpu.run.allocator.alloc_retries", (), None),
-    "gpu_run_ooms": ("gpu.run.allocator.ooms", (), None),
-    "gpu_run_request_duration_p99_seconds": ("gpu.run.request.duration.p99", (), None),
-}
-
-
-def _otel(m: MetricSpec) -> OtelSpec:
-    """A metric added without an OTel name still gets one (its Prometheus name, dotted) rather
-    than breaking the agent; tests/test_otlp.py asks for a deliberate entry."""
-    name, fixed, instrument = _OTEL_NAMES.get(
-        m.name, (m.name.removesuffix("_total").replace("_", "."), (), None))
-    return OtelSpec(name, _UCUM.get(m.unit, f"{{{m.unit}}}"), instrument or m.kind, fixed)
-
-
-OTEL: dict[str, OtelSpec] = {m.name: _otel(m) for m in METRICS}
 
 # hw.gpu.io has no Prometheus series of its own: the OTLP encoder integrates the PCIe rates
 # (each direction's attribute is its source's, above) into a byte total per GPU and direction
@@ -612,7 +667,7 @@ GPU_ATTRIBUTES: tuple[tuple[str, str], ...] = (("hw.type", "gpu"), ("hw.vendor",
 def _nvml_series() -> int:
     """How many series NVML can give one GPU in a cycle: every figure of the compute, memory,
     IO and health layers, and the ratios derived from them (Xid counts aside)."""
-    return sum(1 for m in METRICS if m.layer in ("compute", "memory", "io", "health")
+    return sum(1 for m in TABLE if m.layer in ("compute", "memory", "io", "health")
                and not m.source.startswith("app") and m.name != "gpu_xid_errors_total")
 
 
@@ -643,10 +698,10 @@ def render_markdown() -> str:
     lines += ["The dcgm-exporter column names DCGM's field for the same quantity (its unit where it",
               "differs; * marks dcgm-exporter's default set), for dashboards and alerts that move",
               "over; `-` where DCGM has none.", ""]
-    for layer in ("compute", "memory", "io", "health", "app", "engine", "self", "run"):
+    for layer in ("compute", "memory", "io", "health", "app", "engine", "verdict", "self", "run"):
         lines += [f"## {layer}", "", "| name | type | unit | source | meaning | dcgm-exporter |",
                   "|---|---|---|---|---|---|"]
-        for m in METRICS:
+        for m in _metrics():
             if m.layer == layer:
                 dcgm = f"`{DCGM_FIELDS[m.name]}`" if m.name in DCGM_FIELDS else "-"
                 lines.append(f"| `{m.name}` | {m.kind} | {m.unit} | {m.source} | {m.help} "
@@ -660,6 +715,8 @@ def render_markdown() -> str:
 
 def _render_engines() -> list[str]:
     """The engine families each engine series is read from, per engine and release."""
+    from sidecar.sources.engine.families import ENGINES, FIGURES
+
     lines = [
         "### Engine families",
         "",
@@ -730,11 +787,12 @@ def _render_otel() -> list[str]:
     ]
     kinds = {"gauge": "Gauge", "counter": "Sum (monotonic)", "updowncounter": "Sum (non-monotonic)",
              "histogram": "Histogram"}
-    for m in METRICS:
-        o = OTEL[m.name]
+    otel = _otel_specs()
+    for m in _metrics():
+        o = otel[m.name]
         fixed = ", ".join(f"`{k}={v}`" for k, v in o.attributes) or "-"
         lines.append(f"| `{m.name}` | `{o.name}` | {kinds[o.instrument]} | `{o.unit}` | {fixed} |")
-    directions = ", ".join(f"`{k}={v}`" for s in GPU_IO_SOURCES for k, v in OTEL[s].attributes)
+    directions = ", ".join(f"`{k}={v}`" for s in GPU_IO_SOURCES for k, v in otel[s].attributes)
     lines += [f"| (integral of {' and '.join(f'`{s}`' for s in GPU_IO_SOURCES)}) | "
               f"`{GPU_IO.name}` | {kinds[GPU_IO.instrument]} | `{GPU_IO.unit}` | {directions} |", ""]
     return lines

@@ -4,19 +4,23 @@
 A sample is what one cycle learned about one GPU; ``None`` in a field means the GPU could not give
 that figure, and it becomes an absent series, never a zero.
 
-Every record is built by keyword. Each field of the three layers names its own series
-(``metric=`` in its definition), so the series name travels with the field: reordering, adding
-or renaming fields cannot mislabel a series, and a layer field without a series name is an error
-at import. ``Series`` stays a NamedTuple because the sinks and encoders downstream treat it as
+Every record is built by keyword. The four NVML layers are built from the metric table
+(``sidecar.metrics.TABLE``: an entry with ``field=`` is a field of its layer) and each field
+carries its series name, so the name travels with the field: reordering, adding or renaming
+figures cannot mislabel a series. Shares (``ratio_of=``) are computed here from the two series
+the table names. ``Series`` stays a NamedTuple because the sinks and encoders downstream treat it as
 one (unpacking, equality, sorting); it is built by keyword all the same.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field, fields
-from typing import Any, NamedTuple
+from typing import NamedTuple
+
+from sidecar import metrics
 
 Labels = tuple[tuple[str, str], ...]
 
@@ -40,116 +44,45 @@ class GpuIdentity:
     parent_uuid: str = ""  # set for MIG instances
 
 
-def _figure(metric: str) -> Any:
-    """A layer field: absent (None) unless read, exported as the series ``metric``."""
-    return field(default=None, metadata={"metric": metric})
+_INTEGER_UNITS = frozenset({"bytes", "generation", "lanes", "rows", "boolean", "code", "errors"})
 
 
-@dataclass(frozen=True, slots=True)
-class ComputeLayer:
-    sm_occupancy_ratio: float | None = _figure("gpu_sm_occupancy_ratio")
-    tensor_core_util_ratio: float | None = _figure("gpu_tensor_core_util_ratio")
-    sm_active_ratio: float | None = _figure("gpu_sm_active_ratio")
-    utilization_ratio: float | None = _figure("gpu_utilization_ratio")
+def _layer(cls_name: str, layer: str, doc: str) -> type:
+    """A layer record built from ``metrics.TABLE``: a field per figure of the layer (``field=``
+    in its entry), absent (None) unless read, carrying its series name as ``metadata["metric"]``.
+    A figure is declared once, in the table; this record follows it."""
+    specs = metrics.layer_specs(layer)
+    cls = dataclasses.make_dataclass(
+        cls_name,
+        [(m.field, (int if m.unit in _INTEGER_UNITS else float) | None,
+          field(default=None, metadata={"metric": m.name})) for m in specs],
+        frozen=True, slots=True)
+    cls.__module__, cls.__doc__ = __name__, doc
+    return cls
 
 
-@dataclass(frozen=True, slots=True)
-class MemoryLayer:
-    bandwidth_util_ratio: float | None = _figure("gpu_mem_bandwidth_util_ratio")
-    controller_busy_ratio: float | None = _figure("gpu_memory_controller_busy_ratio")
-    used_bytes: int | None = _figure("gpu_memory_used_bytes")
-    total_bytes: int | None = _figure("gpu_memory_total_bytes")
-    reserved_bytes: int | None = _figure("gpu_memory_reserved_bytes")
-
-
-@dataclass(frozen=True, slots=True)
-class IoLayer:
-    pcie_tx_bytes_per_second: float | None = _figure("gpu_pcie_tx_bytes_per_second")
-    pcie_rx_bytes_per_second: float | None = _figure("gpu_pcie_rx_bytes_per_second")
-    pcie_link_max_bytes_per_second: float | None = _figure("gpu_pcie_link_max_bytes_per_second")
-    pcie_link_generation: int | None = _figure("gpu_pcie_link_generation")
-    pcie_link_width: int | None = _figure("gpu_pcie_link_width")
-    pcie_replay_errors: int | None = _figure("gpu_pcie_replay_errors_total")
-    # the link as trained now: below the maximum while traffic flows, it is degraded (idle links
-    # train down to save power, so a low figure alone says nothing)
-    pcie_link_current_generation: int | None = _figure("gpu_pcie_link_current_generation")
-    pcie_link_current_width: int | None = _figure("gpu_pcie_link_current_width")
-    pcie_link_current_bytes_per_second: float | None = _figure(
-        "gpu_pcie_link_current_bytes_per_second")
-    nvlink_tx_bytes_per_second: float | None = _figure("gpu_nvlink_tx_bytes_per_second")
-    nvlink_rx_bytes_per_second: float | None = _figure("gpu_nvlink_rx_bytes_per_second")
-    # Grace Hopper / Grace Blackwell: host traffic goes over NVLink-C2C, not PCIe
-    c2c_tx_bytes_per_second: float | None = _figure("gpu_c2c_tx_bytes_per_second")
-    c2c_rx_bytes_per_second: float | None = _figure("gpu_c2c_rx_bytes_per_second")
-    c2c_link_max_bytes_per_second: float | None = _figure("gpu_c2c_link_max_bytes_per_second")
-
-
-@dataclass(frozen=True, slots=True)
-class HealthLayer:
-    """Why else a busy GPU is slow, and whether it is about to fail: clocks and what limits
-    them, power, heat, link errors, ECC and row remapping. Counters are NVML's own (since the
-    driver loaded, or for aggregate ECC over the GPU's life); shares are of the last interval."""
-
-    sm_clock_hertz: float | None = _figure("gpu_sm_clock_hertz")
-    sm_clock_max_hertz: float | None = _figure("gpu_sm_clock_max_hertz")
-    memory_clock_hertz: float | None = _figure("gpu_memory_clock_hertz")
-    memory_clock_max_hertz: float | None = _figure("gpu_memory_clock_max_hertz")
-    # share of the interval the clocks were held down by each reason: from NVML's nanosecond
-    # counters where the driver has them, else the reason bitmask at the reading (0 or 1)
-    power_cap_ratio: float | None = _figure("gpu_clocks_event_power_cap_ratio")
-    hw_slowdown_ratio: float | None = _figure("gpu_clocks_event_hw_slowdown_ratio")
-    hw_thermal_ratio: float | None = _figure("gpu_clocks_event_hw_thermal_ratio")
-    hw_power_brake_ratio: float | None = _figure("gpu_clocks_event_hw_power_brake_ratio")
-    sw_thermal_ratio: float | None = _figure("gpu_clocks_event_sw_thermal_ratio")
-    sync_boost_ratio: float | None = _figure("gpu_clocks_event_sync_boost_ratio")
-    power_watts: float | None = _figure("gpu_power_usage_watts")
-    power_limit_watts: float | None = _figure("gpu_power_limit_watts")
-    temperature_celsius: float | None = _figure("gpu_temperature_celsius")
-    memory_temperature_celsius: float | None = _figure("gpu_memory_temperature_celsius")
-    pcie_l0_to_recovery: int | None = _figure("gpu_pcie_l0_to_recovery_total")
-    pcie_correctable_errors: int | None = _figure("gpu_pcie_correctable_errors_total")
-    pcie_nonfatal_errors: int | None = _figure("gpu_pcie_nonfatal_errors_total")
-    pcie_fatal_errors: int | None = _figure("gpu_pcie_fatal_errors_total")
-    pcie_naks_received: int | None = _figure("gpu_pcie_naks_received_total")
-    pcie_naks_sent: int | None = _figure("gpu_pcie_naks_sent_total")
-    pcie_receiver_errors: int | None = _figure("gpu_pcie_receiver_errors_total")
-    pcie_bad_tlp: int | None = _figure("gpu_pcie_bad_tlp_total")
-    pcie_bad_dllp: int | None = _figure("gpu_pcie_bad_dllp_total")
-    pcie_lcrc_errors: int | None = _figure("gpu_pcie_lcrc_errors_total")
-    pcie_unsupported_requests: int | None = _figure("gpu_pcie_unsupported_requests_total")
-    pcie_lane_errors: int | None = _figure("gpu_pcie_lane_errors_total")
-    ecc_corrected_volatile: int | None = _figure("gpu_ecc_corrected_volatile_total")
-    ecc_uncorrected_volatile: int | None = _figure("gpu_ecc_uncorrected_volatile_total")
-    ecc_corrected_aggregate: int | None = _figure("gpu_ecc_corrected_aggregate_total")
-    ecc_uncorrected_aggregate: int | None = _figure("gpu_ecc_uncorrected_aggregate_total")
-    remapped_rows_correctable: int | None = _figure("gpu_remapped_rows_correctable")
-    remapped_rows_uncorrectable: int | None = _figure("gpu_remapped_rows_uncorrectable")
-    row_remap_pending: int | None = _figure("gpu_row_remap_pending")
-    row_remap_failed: int | None = _figure("gpu_row_remap_failed")
-    last_xid: int | None = _figure("gpu_last_xid")
+ComputeLayer = _layer("ComputeLayer", "compute", "How busy the SMs and tensor cores are.")
+MemoryLayer = _layer("MemoryLayer", "memory", "Device memory and its bandwidth.")
+IoLayer = _layer(
+    "IoLayer", "io",
+    "PCIe (rates, the link's maximum and as trained now: below the maximum while traffic flows "
+    "it is degraded, since idle links train down to save power), NVLink and, on Grace Hopper and "
+    "Grace Blackwell, NVLink-C2C, the host link there.")
+HealthLayer = _layer(
+    "HealthLayer", "health",
+    "Why else a busy GPU is slow, and whether it is about to fail: clocks and what limits them, "
+    "power, heat, link errors, ECC and row remapping. Counters are NVML's own (since the driver "
+    "loaded, or for aggregate ECC over the GPU's life); shares are of the last interval.")
 
 
 Layer = ComputeLayer | MemoryLayer | IoLayer | HealthLayer
 LAYERS: tuple[type[Layer], ...] = (ComputeLayer, MemoryLayer, IoLayer, HealthLayer)
 
 
-def _layer_metrics() -> dict[type[Layer], tuple[tuple[str, str], ...]]:
-    """layer class -> ((field name, series name), ...) in field order, read from the fields'
-    own definitions. A field that names no series, or two that name the same one, fail here, at
-    import, rather than going unexported or overwriting each other."""
-    out = {}
-    for layer in LAYERS:
-        for f in fields(layer):
-            if "metric" not in f.metadata:
-                raise TypeError(f"{layer.__name__}.{f.name} names no series: use _figure()")
-        out[layer] = tuple((f.name, f.metadata["metric"]) for f in fields(layer))
-    names = [name for pairs in out.values() for _, name in pairs]
-    if len(set(names)) != len(names):
-        raise TypeError(f"two layer fields name the same series: {sorted(names)}")
-    return out
-
-
-LAYER_METRICS = _layer_metrics()
+# layer class -> ((field name, series name), ...) in field order
+LAYER_METRICS: dict[type[Layer], tuple[tuple[str, str], ...]] = {
+    layer: tuple((f.name, f.metadata["metric"]) for f in fields(layer)) for layer in LAYERS}
+_UNREAD = tuple(layer() for layer in LAYERS)  # every figure absent: a sample's defaults
 
 
 def layer_figures(layer: Layer) -> Iterator[tuple[str, float]]:
@@ -205,10 +138,10 @@ class AppFigures:
 class GpuSample:
     identity: GpuIdentity
     timestamp_ms: int
-    compute: ComputeLayer = ComputeLayer()
-    memory: MemoryLayer = MemoryLayer()
-    io: IoLayer = IoLayer()
-    health: HealthLayer = HealthLayer()
+    compute: ComputeLayer = _UNREAD[0]
+    memory: MemoryLayer = _UNREAD[1]
+    io: IoLayer = _UNREAD[2]
+    health: HealthLayer = _UNREAD[3]
     app: AppFigures = AppFigures()
     xids: tuple[tuple[int, int], ...] = ()  # (Xid code, count since the agent started), by code
 
@@ -245,18 +178,11 @@ def sample_series(
     if labels is None:
         labels = gpu_labels(sample.identity, pod)
     ts = sample.timestamp_ms
-    io = sample.io
-    link = io.pcie_link_max_bytes_per_second
-    current = io.pcie_link_current_bytes_per_second
-    c2c = io.c2c_link_max_bytes_per_second
     figures = [*layer_figures(sample.compute), *layer_figures(sample.memory),
-               *layer_figures(io), *layer_figures(sample.health),
-               ("gpu_pcie_tx_bandwidth_util_ratio", ratio(io.pcie_tx_bytes_per_second, link)),
-               ("gpu_pcie_rx_bandwidth_util_ratio", ratio(io.pcie_rx_bytes_per_second, link)),
-               ("gpu_pcie_tx_current_link_util_ratio", ratio(io.pcie_tx_bytes_per_second, current)),
-               ("gpu_pcie_rx_current_link_util_ratio", ratio(io.pcie_rx_bytes_per_second, current)),
-               ("gpu_c2c_tx_bandwidth_util_ratio", ratio(io.c2c_tx_bytes_per_second, c2c)),
-               ("gpu_c2c_rx_bandwidth_util_ratio", ratio(io.c2c_rx_bytes_per_second, c2c))]
+               *layer_figures(sample.io), *layer_figures(sample.health)]
+    read = dict(figures)
+    figures += [(m.name, ratio(read.get(m.ratio_of[0]), read.get(m.ratio_of[1])))  # type: ignore[index]
+                for m in metrics.RATIOS]
     out = [Series(name=name, labels=labels, value=float(value), timestamp_ms=ts)
            for name, value in figures if value is not None]
     out.extend(Series(name="gpu_xid_errors_total", labels=with_labels(labels, xid=str(code)),

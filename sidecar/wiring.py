@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import hashlib
 import os
 import signal
 import tempfile
@@ -21,14 +20,16 @@ import structlog
 
 from sidecar import __version__, config, protocol, signals
 from sidecar.agent import PRIME_WINDOW_S, Agent
-from sidecar.durability.spool import Spool, SpoolError
+from sidecar.durability.spool import Spool, open_spools, private_root, spool_dir_name
 from sidecar.inject import placement as inject_placement
 from sidecar.inject.versions import PublisherAwareAppState
+from sidecar.recent import Recent
 from sidecar.sinks import Sink
-from sidecar.sources.app_socket import AppSocket, AppState
+from sidecar.sources.app_socket import AppSocket, AppState, SocketUnavailable
 from sidecar.sources.nvml import NvmlSource
 from sidecar.summary import Checkpoint
-from sidecar.urls import host_port, redact_url
+from sidecar.window_socket import WindowSocket
+from sidecar.window_socket import path_of as window_path
 
 if TYPE_CHECKING:
     from sidecar.simulate.scenarios import Scenario
@@ -84,7 +85,6 @@ def build_sinks(cfg: config.Config, spool_root: str) -> list[Sink]:
     if cfg.remote_write_url:
         from sidecar.sinks.remote_write import RemoteWriteSink, sink_name
 
-        _private_root(spool_root)
         for url, name, spool in _spools(spool_root, "remote_write", cfg.remote_write_url,
                                         sink_name, cfg):
             sinks.append(RemoteWriteSink(url, spool, http,
@@ -94,7 +94,6 @@ def build_sinks(cfg: config.Config, spool_root: str) -> list[Sink]:
         from sidecar.sinks.otlp import otlp_sink
         from sidecar.sinks.otlp import sink_name as otlp_name
 
-        _private_root(spool_root)
         for url, name, spool in _spools(spool_root, "otlp", cfg.otlp_url, otlp_name, cfg):
             sinks.append(otlp_sink(url, spool, http, name=name,
                                    extra_labels=tuple(k for k, _ in cfg.extra_label),
@@ -118,10 +117,6 @@ def build_sinks(cfg: config.Config, spool_root: str) -> list[Sink]:
     return sinks
 
 
-def _safe_dir(name: str) -> str:
-    return "".join(c if c.isalnum() or c in "-." else "_" for c in name)
-
-
 def resend_rejected(cfg: config.Config) -> int:
     """``gpu-sidecar resend-rejected``: each configured remote-write and OTLP receiver is sent
     the batches of its spool's ``rejected/`` once more (``sidecar.sinks.resend``). One line per
@@ -139,7 +134,7 @@ def resend_rejected(cfg: config.Config) -> int:
                                     remote_write.sink_name),
                                    (cfg.otlp_url, otlp.OtlpCodec, otlp.sink_name)):
         for url, name in _named(urls, sink_name):
-            directory = Path(cfg.spool_dir) / _spool_dir(name, url) / "rejected"
+            directory = Path(cfg.spool_dir) / spool_dir_name(name, url) / "rejected"
             outcome = resend(url, directory, options, sink=name, headers=codec.headers,
                              policy=codec.policy)
             complete = complete and outcome.complete
@@ -164,18 +159,6 @@ def http_options(cfg: config.Config) -> HttpOptions:
         max_backoff_s=cfg.retry_max_backoff)
 
 
-def _spool_dir(name: str, url: str) -> str:
-    """The sink's name made safe for a path, plus a short digest of its URL (credentials left
-    out): two URLs whose names read alike on disk still get two directories."""
-    digest = hashlib.sha256(redact_url(url).encode()).hexdigest()[:8]
-    return f"{_safe_dir(name)}-{digest}"
-
-
-def _old_spool_dir(kind: str, url: str) -> str:
-    """Where earlier releases kept a URL's spool: one directory per host and port."""
-    return _safe_dir(f"{kind}:{host_port(url)}")
-
-
 def _named(urls: Sequence[str], sink_name: Callable[[str], str]) -> list[tuple[str, str]]:
     """Each URL with its sink's name: one spool and one ``sink`` label per URL, even for two URLs
     on one host:port (the second gets ``#2``)."""
@@ -190,71 +173,11 @@ def _named(urls: Sequence[str], sink_name: Callable[[str], str]) -> list[tuple[s
 
 def _spools(root: str, kind: str, urls: Sequence[str], sink_name: Callable[[str], str],
             cfg: config.Config) -> list[tuple[str, str, Spool]]:
-    """Each URL of one kind with its name and its spool, opened; the spools of this kind that no
-    configured URL uses any more (a URL fixed or changed, a directory of an earlier release)
-    adopted by the URL they most likely belong to, so that nothing they hold is orphaned."""
-    named = _named(urls, sink_name)
-    existed = {_spool_dir(name, url) for url, name in named
-               if os.path.isdir(os.path.join(root, _spool_dir(name, url)))}
-    opened = [(url, name, Spool(os.path.join(root, _spool_dir(name, url)), cfg.spool_max_bytes,
-                                cfg.spool_memory_max_bytes)) for url, name in named]
-    in_use = {spool.dir.name for _, _, spool in opened}
-    per_host = Counter(_old_spool_dir(kind, url) for url in urls)
-    for directory in _spool_dirs(root, kind):
-        if directory.name in in_use:
-            continue
-        # an earlier release's directory goes to the URL on its host and port; any other to
-        # the one configured URL only when that URL is new here (the URL was fixed or moved):
-        # a URL that already had its spool was running beside the orphan's, and a receiver
-        # removed on purpose (one of two replicas) must not send its backlog to the other
-        old_release = [spool for url, _, spool in opened
-                       if directory.name == _old_spool_dir(kind, url)
-                       and per_host[directory.name] == 1]
-        fresh = [spool for _, _, spool in opened if spool.dir.name not in existed]
-        heirs = old_release or (fresh if len(opened) == 1 else [])
-        if len(heirs) != 1:
-            log.error("spool_orphaned", directory=str(directory), kind=kind,
-                      effect="its batches are not sent: no configured URL of this kind is "
-                             "surely its receiver",
-                      hint="configure its URL again, or start once with only the URL it "
-                           "should go to on a new spool: that sink adopts it")
-            continue
-        taken = heirs[0].adopt(directory)
-        if taken is None:
-            log.warning("spool_not_adopted", directory=str(directory), kind=kind,
-                        effect="another gpu-sidecar holds it: left alone")
-        elif taken != (0, 0) or directory.exists():
-            log.info("spool_adopted", old=str(directory), new=str(heirs[0].dir),
-                     batches=taken[0], samples=taken[1], left_behind=directory.exists(),
-                     note="the spool of a URL no longer configured: its batches are sent to "
-                          "this receiver, in their order; what is not the agent's own file "
-                          "stays in the old directory")
-    return opened
-
-
-def _spool_dirs(root: str, kind: str) -> list[Path]:
-    """The spool directories of one kind of sink under ``root``, by name (never a link)."""
-    prefix = _safe_dir(f"{kind}:")
-    try:
-        with os.scandir(root) as entries:
-            return sorted(Path(e.path) for e in entries
-                          if e.name.startswith(prefix) and e.is_dir(follow_symlinks=False))
-    except OSError:
-        return []
-
-
-def _private_root(root: str) -> None:
-    """The spool root, created 0700: batches carry pod names and figures. A root the agent does
-    not own (a Kubernetes emptyDir belongs to root) keeps its mode: the per-URL directories
-    inside it are 0700 anyway, and only the owner may chmod."""
-    try:
-        os.makedirs(root, mode=0o700, exist_ok=True)
-        if os.stat(root).st_uid == os.getuid():
-            os.chmod(root, 0o700)
-    except OSError as exc:
-        raise SpoolError(
-            f"spool directory {root} is not writable ({exc.strerror}); mount a writable "
-            "emptyDir there or set --spool-dir / GPU_SIDECAR_SPOOL_DIR") from exc
+    """Each URL of one kind with its sink's name and its spool, opened under the private root
+    (the spools no configured URL uses any more adopted: ``durability.spool.open_spools``)."""
+    private_root(root)
+    return open_spools(root, kind, _named(urls, sink_name), cfg.spool_max_bytes,
+                       cfg.spool_memory_max_bytes)
 
 
 def _check_named_gpus(cfg: config.Config, source: NvmlSource) -> None:
@@ -304,11 +227,14 @@ def simulated_paths(cfg: config.Config) -> Iterator[config.Config]:
 
 
 @contextlib.contextmanager
-def sampling(cfg: config.Config, *, listen: bool = True
+def sampling(cfg: config.Config, *, listen: bool = True,
+             before_listen: Callable[[], None] | None = None
              ) -> Iterator[tuple[NvmlSource | None, Scenario | None, AppState]]:
     """What ``run`` and ``diagnose`` sample: NVML (real or simulated) and the app's figures from
     the socket, where in simulated mode the simulated model server publishes. ``listen=False``
-    leaves the socket to an agent that already holds it: the app's figures are then absent."""
+    leaves the socket to an agent that already holds it: the app's figures are then absent.
+    ``before_listen`` runs once NVML is open and before the socket is bound (``run`` places the
+    injected publisher there: an agent that NVML refuses writes nothing)."""
     with contextlib.ExitStack() as stack, nvml(cfg) as (source, scenario):
         known = None
         if source is not None:
@@ -318,6 +244,8 @@ def sampling(cfg: config.Config, *, listen: bool = True
                                        max_processes=cfg.app_max_processes,
                                        max_gpus=cfg.app_max_gpus, max_buckets=cfg.app_max_buckets,
                                        max_message_bytes=cfg.app_max_message_bytes)
+        if before_listen is not None:
+            before_listen()
         if listen:
             app_socket = AppSocket(cfg.socket, state)
             app_socket.start()
@@ -365,8 +293,8 @@ def engines(cfg: config.Config, scenario: Scenario | None) -> Iterator[EngineSou
 
 def engine_fetch(cfg: config.Config) -> Callable[[str], Fetched]:
     """A GET of an engine endpoint through ``sinks.http`` (its own session, no redirect
-    followed, the timeout over the whole request, the answer read up to the bound), as the
-    engine source's ``Fetched``. No credentials or headers of the receivers go to an engine."""
+    followed, the timeout over the whole request, the answer read as sent up to the bound), as
+    the engine source's ``Fetched``. No credentials or headers of the receivers go to an engine."""
     from sidecar.sinks.answers import Retryable
     from sidecar.sinks.http import Http, HttpOptions
     from sidecar.sources.engine import Fetched
@@ -391,8 +319,11 @@ def engine_fetch(cfg: config.Config) -> Callable[[str], Fetched]:
         if got.unread is not None:  # too slow, or cut on the way (said in the detail)
             return Fetched(problem=("timeout", f"the answer was not read whole within "
                                     f"{timeout:g} s (--engine-metrics-timeout): {got.unread}"))
+        # a compressed answer (sent although identity was asked) is inflated by the engine
+        # source as it parses, never beyond the same bound decoded
         return Fetched(status=got.status_code, body=got.content,
-                       location=got.headers.get("Location") or "")
+                       location=got.headers.get("Location") or "",
+                       encoding=got.headers.get("Content-Encoding") or "", max_bytes=limit)
 
     return fetch
 
@@ -416,7 +347,19 @@ TEMPORARY_SET_ASIDE_HINT = ("give --spool-dir to keep what a receiver refuses, f
 
 
 def _run(cfg: config.Config, *, temporary_spool: bool = False) -> int:
-    log.info("starting", version=__version__, config=config.describe(cfg))
+    import shlex
+    import sys
+
+    from sidecar.sinks.stdout import resolve
+
+    # a simulated agent's socket is private (a temporary directory): how to ask it, once
+    ask = {command: f"gpu-sidecar {command} --socket {shlex.quote(cfg.socket)}"
+           for command in ("status", "diagnose")} if cfg.simulate else {}
+    if resolve(cfg.output, sys.stdout) == "table":  # a person at a terminal: the table speaks
+        log.info("starting", version=__version__, **ask)
+        log.debug("configuration", config=config.describe(cfg))
+    else:  # a pod's log: the whole configuration, once
+        log.info("starting", version=__version__, config=config.describe(cfg), **ask)
     if cfg.insecure_skip_verify:
         log.warning("tls_verification_disabled",
                     effect="receivers' certificates are not checked: anyone on the path can read "
@@ -424,9 +367,11 @@ def _run(cfg: config.Config, *, temporary_spool: bool = False) -> int:
                     hint="give the receiver's CA with --ca-file instead of --insecure-skip-verify")
     stop = signals.STOP
     signals.install()  # already done by the entry point; again for callers of main()
-    # before the socket is bound: the socket is what the app's start waits for
-    inject_placement.apply(cfg)
-    with sampling(cfg) as (source, scenario, state), engines(cfg, scenario) as engine:
+    # the injected publisher: placed once NVML is open, before the socket is bound (the socket
+    # is what the app's start waits for), taken back if the start then fails
+    with inject_placement.Start(cfg) as inject, \
+            sampling(cfg, before_listen=inject.place) as (source, scenario, state), \
+            engines(cfg, scenario) as engine, contextlib.ExitStack() as stack:
         sinks = build_sinks(cfg, cfg.spool_dir)
         if temporary_spool:
             for sink in sinks:
@@ -438,13 +383,16 @@ def _run(cfg: config.Config, *, temporary_spool: bool = False) -> int:
         # a Job's run summary so far, beside the spool: an agent restarted mid-run goes on with it
         checkpoint = (Checkpoint(Path(cfg.spool_dir) / "run-summary.json", cfg.push_interval)
                       if cfg.batch_job else None)
+        recent = Recent()
         agent = Agent(cfg, source=source, app=state, sinks=sinks, mode=mode, checkpoint=checkpoint,
-                      engine=engine)
-        from sidecar.views.status import StatusWriter, status_path
+                      engine=engine, recent=recent)
+        from sidecar.status_file import StatusWriter, status_path
 
         agent.on_cycle = StatusWriter(status_path(cfg.socket), agent)
+        stack.callback(_answer_diagnose(cfg, recent).stop)
         for sink in sinks:
             sink.start()
+        inject.started()
         if stop.is_set():
             log.info("stop_signal_during_start", signal=_signal_names())
         if cfg.once:
@@ -468,6 +416,24 @@ def _run(cfg: config.Config, *, temporary_spool: bool = False) -> int:
                  all_delivered=delivered, shutdown_s=round(time.monotonic() - deadline
                                                            + cfg.shutdown_timeout, 3))
     return 0
+
+
+class _NotAnswering:
+    def stop(self) -> None:
+        pass
+
+
+def _answer_diagnose(cfg: config.Config, recent: Recent) -> WindowSocket | _NotAnswering:
+    """``diagnose`` beside the agent asks its window on a socket beside the app's; a volume
+    that refuses it costs that answer only (diagnose then samples afresh), never the agent."""
+    label = f"  [SIMULATED: scenario {cfg.simulate}]" if cfg.simulate else ""
+    try:
+        return WindowSocket(window_path(cfg.socket), recent, label=label).start()
+    except SocketUnavailable as exc:
+        log.warning("diagnose_socket_unavailable", error=str(exc),
+                    effect="gpu-sidecar diagnose beside this agent samples afresh (no app "
+                           "figures) instead of reading the agent's window")
+        return _NotAnswering()
 
 
 def _signal_names() -> list[str]:

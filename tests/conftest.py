@@ -88,3 +88,31 @@ def no_process_left_behind() -> Iterator[None]:
     if left:
         pytest.fail(f"the test left {len(left)} process(es) running (now killed): "
                     + "; ".join(f"{pid} {cmd}" for pid, cmd in sorted(left.items())))
+
+
+@pytest.fixture(autouse=True, scope="session")
+def logs_through_pytest_capture() -> Iterator[None]:
+    """Why: with structlog's default set-up, a part running in-process (a sink's sender, an
+    engine reader, a watcher thread) prints its lines to whatever ``sys.stdout`` is when it
+    logs; a thread that logs while pytest writes its progress or summary (capture suspended or
+    over) prints into the test run's output. Here the lines go, rendered as the agent renders
+    them, through the standard ``logging`` module: pytest captures them per test and shows them
+    under a failing test ("Captured log"); outside a test they are dropped. Agents run as
+    subprocesses configure their own logging and are not affected; ``capture_logs`` still
+    works (it swaps the processors and restores these)."""
+    import logging
+
+    import structlog
+
+    sidecar_log = logging.getLogger("sidecar")
+    sidecar_log.setLevel(logging.DEBUG)  # the filtering below decides, as in the agent
+    null = logging.NullHandler()  # no "last resort" printing to stderr outside a test
+    sidecar_log.addHandler(null)
+    structlog.configure(
+        processors=[structlog.contextvars.merge_contextvars, structlog.processors.add_log_level,
+                    structlog.processors.TimeStamper(fmt="iso", utc=True),
+                    structlog.processors.format_exc_info, structlog.processors.JSONRenderer()],
+        wrapper_class=structlog.make_filtering_bound_logger(logging.INFO),
+        logger_factory=structlog.stdlib.LoggerFactory(),
+        cache_logger_on_first_use=False)
+    yield  # kept to the end of the process: a thread may still log after the last test

@@ -31,9 +31,11 @@ seeded generator), so a test can compute from the served text what the agent mus
 from __future__ import annotations
 
 import bisect
+import gzip
 import math
 import random
 from collections.abc import Iterable, Sequence
+from pathlib import Path
 
 from prometheus_client import (
     CollectorRegistry,
@@ -590,3 +592,187 @@ def corrupted(text: bytes) -> bytes:
             line = line[: len(line) // 2] + "\x00\x7f}{ 1.2.3"
         out.append(line)
     return ("\n".join(out) + "\n").encode()
+
+
+# -- hostile answers (issue #32): what a broken exporter, a proxy or an attacker sends -----------
+
+HOSTILE_BYTES = 4 << 20  # the agent's --engine-metrics-max-bytes default: read whole, every byte
+
+
+def gzip_bomb(inflated: int = 2 << 30) -> bytes:
+    """A gzip body of about 2 MB that inflates to ``inflated`` bytes of blank lines (which the
+    text format allows, so only a bound on the decoded size stops a reader): gzip members of
+    64 MiB each, one after the other, as RFC 1952 lets a gzip file be."""
+    member = gzip.compress(b"\n" * (64 << 20), 9)
+    return member * (inflated // (64 << 20))
+
+
+def random_bytes(size: int = HOSTILE_BYTES) -> bytes:
+    return random.Random(32).randbytes(size)
+
+
+def repeated_line(line: bytes, size: int = HOSTILE_BYTES) -> bytes:
+    """``line`` again and again, ``size`` bytes: millions of tiny lines (``ab\\n``: a metric name
+    and no value; ``\\xff\\n``: no UTF-8)."""
+    return line * (size // len(line))
+
+
+def with_family_repeated(text: bytes, family: str) -> bytes:
+    """``text`` with every line of one family (its HELP, TYPE and samples) given once more at
+    its end, as a misbehaving exporter does: each of its series appears twice."""
+    names = {family + part for part in ("", "_bucket", "_sum", "_count", "_total", "_created")}
+    lines = text.decode().splitlines()
+    own = [line for line in lines if line.split("{", 1)[0].split(" ", 1)[0] in names
+           or line.startswith((f"# HELP {family} ", f"# TYPE {family} "))]
+    assert own, f"no line of {family}"
+    return ("\n".join(lines + own) + "\n").encode()
+
+
+# -- the real captures (issue #35): tests/realworld/, and texts built from names-only captures ---
+
+REALWORLD = Path(__file__).resolve().parent / "realworld"
+
+
+def capture(name: str) -> bytes:
+    """A real capture, byte for byte as kept (its ``# SOURCE``/``# NOTE`` header is comments)."""
+    return (REALWORLD / name).read_bytes()
+
+
+def inventory(section: str) -> list[str]:
+    """The series names one section (``## llamacpp-metrics.txt`` ...) of the LLMKube inventory
+    lists: names a live engine exposed, without types, labels or values."""
+    names, inside = [], False
+    for line in capture("engine_series_name_inventories_llmkube.txt").decode().splitlines():
+        if line.startswith("## "):
+            inside = line == f"## {section}"
+        elif inside and line.strip() and not line.startswith("#"):
+            names.append(line.strip())
+    assert names, f"no section {section}"
+    return names
+
+
+def trtllm_serve_names() -> list[str]:
+    """The ``trtllm_*`` names trtllm-serve's MetricsCollector declares, as listed in PART 2 of
+    the TensorRT-LLM capture (a list of names, no exposition)."""
+    text = capture("tensorrt_llm_triton_backend_and_trtllm_serve_metrics.txt").decode()
+    part2 = text.split("# PART 2", 1)[1]
+    names = []
+    for word in part2.replace(":", " ").split():
+        if word.startswith("trtllm_") and word not in names and word != "trtllm_":
+            names.append(word)
+    return names
+
+
+# tensorrt_llm/metrics/collector.py: its Histogram families and their default buckets (the
+# request-latency lists are vLLM's, which the collector adapted); every other name of the list
+# is a Counter (ending _total) or a Gauge
+TRTLLM_HISTOGRAMS: dict[str, Sequence[float]] = {
+    "trtllm_e2e_request_latency_seconds": VLLM_REQUEST_LATENCY_BUCKETS,
+    "trtllm_time_to_first_token_seconds": VLLM_TTFT_BUCKETS,
+    "trtllm_time_per_output_token_seconds": VLLM_ITL_BUCKETS,
+    "trtllm_request_queue_time_seconds": VLLM_REQUEST_LATENCY_BUCKETS,
+    "trtllm_request_prefill_time_seconds": (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0,
+                                            2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0,
+                                            2560.0),
+    "trtllm_request_decode_time_seconds": VLLM_REQUEST_LATENCY_BUCKETS,
+    "trtllm_request_inference_time_seconds": VLLM_REQUEST_LATENCY_BUCKETS,
+    "trtllm_prompt_cached_tokens_per_request": (0, 64, 128, 256, 512, 1024, 2048, 4096, 8192),
+    "trtllm_prefill_perplexity": (1.0, 2.0, 5.0, 10.0, 25.0, 50.0, 100.0, 500.0, 1000.0),
+    "trtllm_generation_perplexity": (1.0, 2.0, 5.0, 10.0, 25.0, 50.0, 100.0, 500.0, 1000.0),
+    "trtllm_prefill_batch_tokens": (64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768),
+}
+TRTLLM_LABELS = {"model_name": "undefined", "engine_type": "undefined"}  # trtllm-serve's
+
+
+def _fraction_like(name: str) -> bool:
+    return any(w in name for w in ("usage", "perc", "utilization", "rate", "ratio", "occupancy"))
+
+
+def text_from_names(names: Iterable[str], *, labels: dict[str, str] | None = None,
+                    histograms: dict[str, Sequence[float]] | None = None,
+                    values: dict[str, float] | None = None,
+                    observations: dict[str, list[float]] | None = None,
+                    seed: int = 35) -> bytes:
+    """The smallest valid exposition of a names-only capture, rendered by ``prometheus_client``:
+    one series per name (``labels`` on each), a histogram where the names give its
+    ``_bucket``/``_count``/``_sum`` or ``histograms`` names it (with its bounds), a counter where
+    the name ends in ``_total``, a gauge otherwise (a fraction where the name says usage, rate
+    or ratio). ``values`` and ``observations`` set a name's value or a histogram's observed
+    latencies; the rest come from a seeded generator."""
+    rng = random.Random(seed)
+    labels, values, observations = labels or {}, values or {}, observations or {}
+    bounds = dict(histograms or {})
+    order: list[str] = []
+    for name in names:
+        base = name
+        for part in ("_bucket", "_count", "_sum"):
+            if name.endswith(part):
+                base = name.removesuffix(part)
+                bounds.setdefault(base, (0.1, 0.5, 1.0, 5.0, 10.0))
+        if base not in order:
+            order.append(base)
+    keys, vals = list(labels), list(labels.values())
+    families: list = []
+    for base in order:
+        if base in bounds:
+            family = _hist(base, f"{base} (help not quoted)", keys)
+            seen = observations.get(base) or lognormal(rng, 200, 0.4, 3.0)
+            _add(family, vals, bounds[base], seen)
+        elif base.endswith("_total"):
+            family = CounterMetricFamily(base.removesuffix("_total"), "help not quoted",
+                                         labels=keys)
+            family.add_metric(vals, values.get(base, float(rng.randrange(100, 100000))))
+        else:
+            family = GaugeMetricFamily(base, "help not quoted", labels=keys)
+            default = round(rng.random(), 3) if _fraction_like(base) else rng.randrange(0, 40)
+            family.add_metric(vals, values.get(base, float(default)))
+        families.append(family)
+    return _render(families, runtime=False)
+
+
+def trtllm_serve(*, waiting: int = 5, running: int = 24, kv: float = 0.58,
+                 e2e: tuple[float, float] = (2.0, 9.0), queue: tuple[float, float] = (0.2, 1.5),
+                 requests: int = 400, seed: int = 35) -> bytes:
+    """trtllm-serve's /prometheus/metrics with every family its MetricsCollector declares (the
+    capture's list of names), labelled as trtllm-serve labels them; ``e2e`` and ``queue`` are
+    the (median, p99) of the request latency and of its queue time (each request's queue time
+    bounded by its latency)."""
+    rng = random.Random(seed)
+    latencies = lognormal(rng, requests, *e2e)
+    queued = [min(q, lat * 0.95) for q, lat in zip(lognormal(rng, requests, *queue), latencies,
+                                                     strict=True)]
+    return text_from_names(
+        trtllm_serve_names(), labels=TRTLLM_LABELS, histograms=TRTLLM_HISTOGRAMS, seed=seed,
+        values={"trtllm_num_requests_waiting": waiting, "trtllm_num_requests_running": running,
+                "trtllm_kv_cache_utilization": kv},
+        observations={"trtllm_e2e_request_latency_seconds": latencies,
+                      "trtllm_request_queue_time_seconds": queued,
+                      "trtllm_time_to_first_token_seconds": [q + 0.05 for q in queued],
+                      "trtllm_time_per_output_token_seconds":
+                          lognormal(rng, requests, 0.03, 0.12)})
+
+
+def llamacpp_capture(*, processing: int | None = None, deferred: int | None = None) -> bytes:
+    """The real llama.cpp capture, with its two request gauges set where given (a server whose
+    slots are all busy and whose requests wait): every other line as captured."""
+    out = []
+    for line in capture("llamacpp_metrics_current_build_sample.prom").decode().splitlines():
+        if line.startswith("llamacpp:requests_processing ") and processing is not None:
+            line = f"llamacpp:requests_processing {processing}"
+        if line.startswith("llamacpp:requests_deferred ") and deferred is not None:
+            line = f"llamacpp:requests_deferred {deferred}"
+        out.append(line)
+    return ("\n".join(out) + "\n").encode()
+
+
+def tgi_with_batch_next_size(buckets: int = 1000) -> bytes:
+    """The TGI capture with the family its editor cut back in full shape: ``tgi_batch_next_size``
+    with one bucket per integer batch size, 1 to ``buckets`` (the full file has about 1,000;
+    counts rebuilt, cumulative, ending at the capture's 16 prefill batches)."""
+    lines = [f'tgi_batch_next_size_bucket{{le="{i}"}} {min(16, i // 40)}'
+             for i in range(1, buckets + 1)]
+    lines += ['tgi_batch_next_size_bucket{le="+Inf"} 16', "tgi_batch_next_size_sum 5530",
+              "tgi_batch_next_size_count 16"]
+    text = capture("tgi_metrics_datadog_fixture_excerpt.prom").decode()
+    cut = [line for line in text.splitlines() if not line.startswith("tgi_batch_next_size")]
+    return ("\n".join([*cut, "# TYPE tgi_batch_next_size histogram", *lines]) + "\n").encode()

@@ -10,12 +10,13 @@ import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from sidecar import protocol
-from sidecar.config import OPTIONS
+from sidecar.config import OPTIONS, Config
 from sidecar.simulate.scenarios import GPU_LOST_INDEX, OLD_DRIVER_VERSION, build
 from tests.conftest import ROOT, run_cli, send_datagram
 from tests.waiting import until
@@ -238,6 +239,57 @@ def test_without_nvml_the_agent_stops_with_advice(tmp_path):
     assert proc.returncode == 3
     assert "NVIDIA_DRIVER_CAPABILITIES=utility" in proc.stderr
     assert "--no-nvml" in proc.stderr
+
+
+def _created_under(paths: list[Path]) -> list[str]:
+    return sorted(str(p) for p in paths if os.path.lexists(p))
+
+
+@pytest.mark.skipif(ctypes.util.find_library("nvidia-ml") is not None,
+                    reason="this machine has a real NVML library")
+@pytest.mark.parametrize("log_format", ["json", "console"])
+def test_an_agent_that_nvml_refuses_creates_nothing_and_says_so_once(tmp_path, log_format):
+    """Socket, injected publisher and spool configured in a directory that does not exist yet:
+    exit 3 (NVML unavailable), nothing created, the reason said once (one log line)."""
+    absent = tmp_path / "absent"
+    proc = run_cli("run", "--once", env={
+        "GPU_SIDECAR_SOCKET": str(absent / "run" / "app.sock"),
+        "GPU_SIDECAR_INJECT_DIR": str(absent / "run" / "python"),
+        "GPU_SIDECAR_SPOOL_DIR": str(absent / "spool"),
+        "GPU_SIDECAR_LOG_FORMAT": log_format})
+    assert proc.returncode == 3, proc.stderr
+    assert os.listdir(tmp_path) == []
+    assert proc.stderr.count("Give the container its GPUs") == 1, proc.stderr
+    assert proc.stderr.count("nvml_unavailable") == 1 and "Traceback" not in proc.stderr
+    assert proc.stdout == ""
+
+
+@pytest.mark.skipif(ctypes.util.find_library("nvidia-ml") is not None,
+                    reason="this machine has a real NVML library")
+def test_an_agent_that_nvml_refuses_leaves_the_default_paths_as_they_were():
+    """With nothing configured the agent uses /run/gpu-sidecar and /var/lib/gpu-sidecar: what
+    of them did not exist before a refused start does not exist after it (as root, the agent
+    could create them: the case of the report)."""
+    defaults = [Path(protocol.DEFAULT_SOCKET_PATH).parent, Path(Config.spool_dir)]
+    watched = [p for d in defaults for p in (d / "python", d, *d.parents) if p != Path("/")]
+    before = _created_under(watched)
+    proc = run_cli("run", "--once")
+    assert proc.returncode == 3, proc.stderr
+    assert _created_under(watched) == before
+
+
+def test_a_start_that_fails_after_placing_the_publisher_takes_it_back(tmp_path):
+    """The socket path is held by a file: exit 4 once NVML (simulated) is open and the
+    publisher placed; the directory is left as it was, the file kept."""
+    volume = tmp_path / "run"
+    volume.mkdir()
+    (volume / "app.sock").write_text("not ours")
+    proc = run_cli("run", "--simulate", "healthy", "--once", "--log-format", "json",
+                   "--socket", str(volume / "app.sock"), timeout=60)
+    assert proc.returncode == 4, proc.stderr
+    events = [json.loads(line)["event"] for line in proc.stderr.splitlines()]
+    assert "inject_placed" in events and events.count("app_socket_unavailable") == 1
+    assert os.listdir(volume) == ["app.sock"] and (volume / "app.sock").read_text() == "not ours"
 
 
 def test_app_only_mode_exports_what_the_app_sends_over_the_socket(tmp_path):

@@ -502,7 +502,7 @@ def substitute(expr: str) -> str:
 def test_dashboard_is_importable_and_has_the_promised_rows_and_variables():
     d = dashboard()
     rows = [p["title"] for p in d["panels"] if p["type"] == "row"]
-    assert rows == ["Compute", "Memory", "IO", "Health", "App latency", "Serving engine",
+    assert rows == ["Why", "Compute", "Memory", "IO", "Health", "App latency", "Serving engine",
                     "Agent health", "Batch runs"]
     names = [v["name"] for v in d["templating"]["list"]]
     assert {"namespace", "pod", "gpu"} <= set(names)
@@ -663,8 +663,9 @@ def test_the_component_gives_each_app_container_only_environment_and_a_read_only
                 == {k: v for k, v in own.items() if k != "PYTHONPATH"}
             assert env["GPU_SIDECAR_SOCKET"] == sock
             # the container's own PYTHONPATH keeps its entries, after the placed directory;
-            # where it had none, '<dir>:' (read back as '<dir>' by the placed sitecustomize.py)
-            assert env["PYTHONPATH"] == f"{inject_dir}:{own.get('PYTHONPATH', '')}"
+            # where it had none, the directory alone: never an empty entry
+            assert env["PYTHONPATH"] == (f"{inject_dir}:{own['PYTHONPATH']}"
+                                         if "PYTHONPATH" in own else inject_dir)
             mounts = {m["name"]: m for m in new["volumeMounts"]}
             assert mounts["gpu-sidecar-run"] == {"name": "gpu-sidecar-run", "readOnly": True,
                                                  "mountPath": os.path.dirname(sock)}
@@ -690,6 +691,80 @@ configMapGenerator:
         assert env["GPU_SIDECAR_REMOTE_WRITE_URL"] == "http://vm.example.net:8428/api/v1/write"
         assert env["GPU_SIDECAR_NO_NVML"] == "false"
         assert env["GPU_SIDECAR_LOG_FORMAT"] == defaults["data"]["GPU_SIDECAR_LOG_FORMAT"]
+
+
+def _interpreters() -> list[str]:
+    """Every CPython the machine offers the tests: this one, the system's and pyenv's."""
+    found = {os.path.realpath(sys.executable): sys.executable}
+    for pattern in ("/usr/bin/python3.*", "/usr/local/bin/python3.*",
+                    str(Path.home() / ".pyenv" / "versions" / "*" / "bin" / "python3.*")):
+        for path in sorted(Path("/").glob(pattern.lstrip("/"))):
+            if re.fullmatch(r"python3\.\d+", path.name) and os.access(path, os.X_OK):
+                found.setdefault(os.path.realpath(path), str(path))
+    return sorted(found.values())
+
+
+PATH_REPORT = """\
+import json, os, sys
+print(json.dumps({"path": sys.path, "version": list(sys.version_info[:2])}))
+"""
+
+
+def _start_in(cwd: Path, python: str, pythonpath: str, script: Path) -> tuple[int, str, str]:
+    proc = subprocess.run([python, str(script)], capture_output=True, text=True, timeout=60,
+                          cwd=cwd, env={"PATH": os.environ["PATH"], "PYTHONPATH": pythonpath})
+    return proc.returncode, proc.stdout, proc.stderr
+
+
+@pytest.mark.parametrize("python", _interpreters())
+def test_every_python_starts_with_the_component_s_pythonpath_in_a_deleted_working_directory(
+        tmp_path, python):
+    """An empty PYTHONPATH entry kills Python >= 3.11 started in a deleted working directory
+    ("Fatal Python error: error evaluating path") and puts the working directory on sys.path
+    elsewhere: each rendered value starts every Python, from a real deleted directory, and its
+    sys.path holds neither '' nor the working directory."""
+    (tmp_path / "k8s").mkdir()
+    _, docs = _render_with_component(tmp_path / "k8s")
+    values = {app["env"][i]["value"] for doc in workloads(docs) for app in apps_of(doc)
+              for i, e in enumerate(app["env"]) if e["name"] == "PYTHONPATH"}
+    assert len(values) == 2  # a container with its own PYTHONPATH, and one without
+    script = tmp_path / "report" / "path_report.py"
+    script.parent.mkdir()
+    script.write_text(PATH_REPORT)
+    for value in sorted(values):
+        assert "" not in value.split(":"), value
+        gone = tmp_path / "gone"
+        gone.mkdir()
+        code = ("import os, subprocess, sys\n"  # a child started from a directory deleted under it
+                f"os.chdir({str(gone)!r}); os.rmdir({str(gone)!r})\n"
+                "p = subprocess.run(sys.argv[1:], capture_output=True, text=True)\n"
+                "sys.stdout.write(p.stdout); sys.stderr.write(p.stderr); sys.exit(p.returncode)\n")
+        proc = subprocess.run([sys.executable, "-c", code, python, str(script)],
+                              capture_output=True, text=True, timeout=60,
+                              env={"PATH": os.environ["PATH"], "PYTHONPATH": value})
+        assert not gone.exists()
+        assert proc.returncode == 0, f"{python} with PYTHONPATH={value}: {proc.stderr}"
+        report = json.loads(proc.stdout)
+        assert "" not in report["path"] and value.split(":")[0] in report["path"]
+        # and in a working directory that exists: it is not on sys.path either
+        here = tmp_path / "here"
+        here.mkdir(exist_ok=True)
+        rc, out, err = _start_in(here, python, value, script)
+        assert rc == 0, err
+        path = json.loads(out)["path"]
+        assert "" not in path and str(here) not in path, path
+
+
+def test_the_component_leaves_the_app_s_volumes_walked_once_not_at_every_start(tmp_path):
+    """fsGroup re-owns every volume of the pod that supports it; OnRootMismatch walks one only
+    when its top directory is not already so (docs/deployment.md)."""
+    _, docs = _render_with_component(tmp_path)
+    for doc in workloads(docs):
+        context = doc["spec"]["template"]["spec"]["securityContext"]
+        assert context == {"fsGroup": 65532, "fsGroupChangePolicy": "OnRootMismatch"}
+    text = " ".join((ROOT / "docs" / "deployment.md").read_text().split())
+    assert "`fsGroupChangePolicy: OnRootMismatch`" in text and "large model volume" in text
+    assert "every volume of the pod, the app's too" in text  # said where a user reads it
 
 
 @pytest.mark.parametrize("target", TARGETS)

@@ -20,9 +20,9 @@ import tracemalloc
 import pytest
 
 from sidecar import alert_rules, config, protocol, thresholds
+from sidecar.commands.diagnose import diagnose
 from sidecar.simulate.scenarios import GPU_LOST_INDEX
 from sidecar.thresholds import THRESHOLDS
-from sidecar.views.diagnose import diagnose
 from sidecar.views.verdict import Figures, Summary, judge, quantile, summarize
 from tests.conftest import ROOT, run_cli, send_datagram
 
@@ -113,8 +113,8 @@ def windows():
     """A short window of every judged scenario, sampled in-process by the command's own code."""
     from sidecar import wiring
     from sidecar.agent import Agent
+    from sidecar.commands.diagnose import sample_window
     from sidecar.signals import STOP
-    from sidecar.views.diagnose import sample_window
 
     out = {}
     for scenario in ("pcie-saturated", "fragmented", "low-occupancy"):

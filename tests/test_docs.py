@@ -219,3 +219,30 @@ def test_the_gpu_check_page_lists_every_step_of_the_script():
     page = (DOCS / "gpu-check.md").read_text()
     assert steps and re.findall(r"^(\d+)\. \*\*", page, re.M) == steps
     assert "bench/gpu_check.py" in page
+
+
+# a section named in prose beside a link or as "see *X* below": [doc.md](doc.md), *Heading*
+SECTION_REFERENCE = re.compile(
+    r"\]\((?P<file>[\w./-]+\.md)\)\s*,\s*[*\"](?P<linked>[^*\"\n]+)[*\"]"
+    r"|see \*(?P<here>[^*\n]+)\* (?:below|above)")
+
+
+@pytest.mark.parametrize("path", MARKDOWN, ids=lambda p: str(p.relative_to(ROOT)))
+def test_every_section_named_in_prose_exists(path):
+    """A section named in words, not by an anchor (``[metrics.md](metrics.md), "run"``, or
+    ``see *Heading* below``), is the start of one of that document's headings: a renamed
+    heading is found here as an anchor would be by the link test."""
+    missing = []
+    for m in SECTION_REFERENCE.finditer(path.read_text()):
+        dest = (path.parent / m["file"]).resolve() if m["file"] else path
+        name = (m["linked"] or m["here"]).strip()
+        if dest.suffix == ".md" and not any(
+                h.lower().startswith(name.lower()) for h in headings(dest.read_text())):
+            missing.append(f"{name!r} in {dest.name}")
+    assert missing == []
+
+
+def test_the_development_page_names_every_benchmark():
+    text = (DOCS / "development.md").read_text()
+    missing = [p.name for p in sorted((ROOT / "bench").glob("*.py")) if f"`{p.name}`" not in text]
+    assert missing == [], f"docs/development.md does not name {missing}"

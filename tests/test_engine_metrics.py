@@ -65,7 +65,8 @@ HUGE: list[bytes] = []  # built once, by the test that needs it
 
 class EngineServer:
     """A serving engine's /metrics on 127.0.0.1 (real HTTP, a thread per request). ``mode`` says
-    how it answers and may change while the agent reads it: ``text`` (the engine's ``body``),
+    how it answers and may change while the agent reads it: ``text`` (the engine's ``body``, or
+    ``answer``),
     ``hang`` (accepts, reads the request, never answers), ``trickle`` (headers, then a byte every
     0.1 s), ``huge`` (50 MB), ``garbage`` (bytes that are no text format at all), ``corrupted``
     (the engine's text, mangled), ``redirect`` (302), ``credentials`` (401), ``other`` (another
@@ -73,6 +74,9 @@ class EngineServer:
 
     def __init__(self, body: bytes, port: int = 0) -> None:
         self.body = body
+        # when set, what ``text`` answers instead of ``body``: a body and headers of its own (a
+        # Content-Encoding, say), swapped whole while the agent reads
+        self.answer: tuple[bytes, dict[str, str]] | None = None
         self.mode = "text"
         self.port = port
         self.requests: list[dict[str, str]] = []
@@ -134,8 +138,9 @@ class EngineServer:
                     for at in range(0, len(body), 1 << 20):
                         self.wfile.write(body[at:at + (1 << 20)])
                     return
+                text, text_headers = engine.answer or (engine.body, {})
                 status, headers, body = {
-                    "text": (200, {}, engine.body),
+                    "text": (200, text_headers, text),
                     "garbage": (200, {}, random.Random(7).randbytes(64 * 1024)),
                     "corrupted": (200, {}, texts.corrupted(engine.body)),
                     "other": (200, {}, texts.node_exporter()),
@@ -276,9 +281,10 @@ def served_histograms(body: bytes, mapping: Mapping, family: str, scale: float
     return {m: (sorted(per.items()), sums[m]) for m, per in buckets.items()}
 
 
-def expected_series(name: str, body: bytes, endpoint: str) -> dict[Key, float]:
-    """Every engine_* series the agent must forward for this served text, with its value."""
-    mapping = MAPPINGS[name]
+def expected_series(name: str | Mapping, body: bytes, endpoint: str) -> dict[Key, float]:
+    """Every engine_* series the agent must forward for this served text, with its value
+    (``name``: a text of ``MAPPINGS``, or the mapping itself)."""
+    mapping = name if isinstance(name, Mapping) else MAPPINGS[name]
     samples = served_samples(body)
     out: dict[Key, float] = {}
 

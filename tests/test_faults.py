@@ -24,12 +24,12 @@ import pytest
 import structlog
 
 from sidecar.durability.spool import DROP_REASONS, STATES, Spool
+from sidecar.durability.spool import private_root as _private_root
 from sidecar.samples import Series
 from sidecar.sinks.answers import FAILURE_REASONS
 from sidecar.sinks.http import HttpOptions
 from sidecar.sinks.remote_write import RemoteWriteSink
 from sidecar.wire.remote_write import Batch, Encoder, compress
-from sidecar.wiring import _private_root
 from tests.conftest import ROOT
 from tests.receivers import VM_REL, Agent, FaultProxy, VictoriaMetrics, running
 from tests.waiting import until

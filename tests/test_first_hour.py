@@ -35,7 +35,7 @@ from sidecar.agent import NO_APP_AFTER_S
 from sidecar.simulate.engine import SimulatedEngine
 from sidecar.simulate.scenarios import EngineProfile, simulated_uuid
 from sidecar.sinks.remote_write import sink_name
-from sidecar.views.status import ALIVE_MIN_S, FILE_NAME
+from sidecar.status_file import ALIVE_MIN_S, FILE_NAME
 from sidecar.views.table import ALT_SCREEN, CLEAR_BELOW, HIDE_CURSOR, HOME, MAIN_SCREEN, SHOW_CURSOR
 from tests.conftest import ROOT, run_cli, send_datagram
 from tests.promise_tools import Agent as PlainAgent
@@ -139,8 +139,8 @@ def test_status_beside_a_running_agent_says_what_it_pushed_who_publishes_rejecti
         # the simulated model server is a thread of the agent: its pid, both GPUs
         assert re.search(rf"^  process {agent.proc.pid}: last message \d+ s ago, GPUs "
                          rf"{GPU0}, {GPU1}$", report, re.M), report
-        assert f"  exported GPU 0 {SIMULATED_NAME} {GPU0}: announced by the app\n" in report
-        assert f"  exported GPU 1 {SIMULATED_NAME} {GPU1}: announced by the app\n" in report
+        assert f"  exported GPU 0 {SIMULATED_NAME} {GPU0}: announced by the app; verdict " in report
+        assert f"  exported GPU 1 {SIMULATED_NAME} {GPU1}: announced by the app; verdict " in report
         assert "GPUs (--gpus announced):" in report
         accepted_before = int(re.search(r"(\d+) messages accepted", report)[1])
 

@@ -266,8 +266,8 @@ def test_the_spool_of_a_replica_removed_on_purpose_is_left_not_sent_to_the_other
     Its backlog holds what the other already has: it is left where it is and said, not sent
     to the remaining receiver as if the URL had been fixed."""
     from sidecar.durability.spool import Spool
+    from sidecar.durability.spool import spool_dir_name as _spool_dir
     from sidecar.sinks.remote_write import sink_name
-    from sidecar.wiring import _spool_dir
 
     vm = VictoriaMetrics(tmp_path).start()
     spool = tmp_path / "spool"

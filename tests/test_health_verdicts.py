@@ -22,18 +22,17 @@ from sidecar.simulate import scenarios
 from sidecar.sources.pcie import link_max_bytes_per_second
 from sidecar.thresholds import THRESHOLDS
 from sidecar.views import verdict as verdict_module
-from sidecar.views.diagnose import report
+from sidecar.views.report import report
 from sidecar.views.table import cells, render
 from sidecar.views.verdict import (
     ALL_KINDS,
-    ENGINE_KINDS,
-    HEALTH_KINDS,
-    KINDS,
+    LAYERS,
     PRECEDENCE,
     Figures,
     Summary,
     figures_of,
     judge,
+    kinds_of,
     summarize,
 )
 from tests.conftest import ROOT, run_cli
@@ -313,9 +312,10 @@ def test_c2c_below_the_line_is_nothing_and_io_counts_as_judged_without_pcie():
 # -- precedence ---------------------------------------------------------------------------------
 
 def test_the_precedence_is_documented_and_keeps_the_seeds_order():
-    assert tuple(ALL_KINDS) == PRECEDENCE
-    assert set(PRECEDENCE) == set(KINDS) | set(HEALTH_KINDS) | set(ENGINE_KINDS)
-    assert [k for k in PRECEDENCE if k in KINDS] == list(KINDS)  # the seed's, unchanged
+    assert tuple(ALL_KINDS) == PRECEDENCE == tuple(r.kind for r in verdict_module.RULES)
+    assert sorted(PRECEDENCE) == sorted(k for layer in LAYERS for k in kinds_of(layer))
+    seed = ("gpu-lost", "pcie", "fragmentation", "allocator-retries", "low-occupancy")
+    assert [k for k in PRECEDENCE if k in seed] == list(seed)  # the seed's, unchanged
     doc = verdict_module.__doc__ or ""
     at = [doc.index(f"- ``{key}``") for key in PRECEDENCE]
     assert at == sorted(at), "the module docstring lists the kinds in PRECEDENCE order"
@@ -612,7 +612,8 @@ def test_the_hardware_fault_scenario_names_the_fault_and_the_lost_gpu():
 def test_the_default_interval_over_ten_seconds_names_it_too(scenario):
     proc = run_cli("diagnose", "--simulate", scenario, "--duration", "10", timeout=60)
     assert proc.returncode == 1, proc.stdout + proc.stderr
-    assert set(verdicts(proc.stdout).values()) & (set(HEALTH_KINDS) | {"gpu-lost"}), proc.stdout
+    named = set(verdicts(proc.stdout).values())
+    assert named & {"gpu-lost", *kinds_of("health"), "pcie-degraded", "c2c"}, proc.stdout
 
 
 @needs_source

@@ -51,8 +51,10 @@ def test_the_files_are_placed_read_only_with_the_agent_s_release_in_them(tmp_pat
     placed = placement.apply(c)
     directory = tmp_path / "run" / "python"
     assert placed is not None and placed.directory == directory and placed.changed
-    assert sorted(os.listdir(directory)) == sorted([*FILES, "__pycache__", "..data",
+    assert sorted(os.listdir(directory)) == sorted([*FILES, "__pycache__", "..data", "..gpu-sidecar",
                                                     placed.version_dir.name])
+    assert os.readlink(directory / "..gpu-sidecar") == "gpu-sidecar-inject:created"
+    assert os.readlink(placed.version_dir / "..gpu-sidecar") == "gpu-sidecar-inject:version"
     tag = sys.implementation.cache_tag
     pycs = [f"{n[:-3]}.{tag}.pyc" for n in FILES]
     for name in [*FILES, *(f"__pycache__/{p}" for p in pycs)]:
@@ -129,7 +131,8 @@ def test_other_files_replace_the_old_in_one_rename_and_readers_never_miss_a_file
     assert failures == []
     assert seen <= {v[name] for v in versions for name in FILES}  # never a partial file
     placed = placement.place(directory, versions[3])
-    kept = sorted(e for e in os.listdir(directory) if e.startswith("..") and e != "..data")
+    kept = sorted(e for e in os.listdir(directory)
+                  if e.startswith("..") and e not in ("..data", "..gpu-sidecar"))
     assert len(kept) == 2 and placed.version_dir.name in kept  # this one and the previous one
 
 
@@ -151,18 +154,130 @@ def test_inject_false_places_nothing_and_removes_what_an_earlier_start_placed(tm
     with structlog.testing.capture_logs() as logs:
         assert placement.apply(cfg(tmp_path, env={"GPU_SIDECAR_INJECT": "false"})) is None
     assert [e["event"] for e in logs] == ["inject_removed"]
-    assert os.listdir(tmp_path / "run" / "python") == []
+    assert os.listdir(tmp_path / "run") == []  # the directory the agent made is gone too
 
 
 def test_a_crash_s_leftovers_are_cleared_by_the_next_change(tmp_path):
+    """What a start killed mid-change leaves: a temporary directory before its mark (empty), one
+    with its mark and part of the files, a temporary link; each is the agent's own."""
     directory = tmp_path / "python"
     placement.place(directory, {name: b"# a\n" for name in FILES})
     os.chmod(directory, 0o755)
     (directory / "..tmp-0123456789ab").mkdir()
-    os.symlink("nowhere", directory / "..data-tmp-0123456789ab")
+    partial = directory / "..tmp-ba9876543210"
+    partial.mkdir()
+    os.symlink("gpu-sidecar-inject:version", partial / "..gpu-sidecar")
+    (partial / FILES[0]).write_bytes(b"# half")
+    os.symlink("..data/sitecustomize.py", directory / "..data-tmp-0123456789ab")
     os.chmod(directory, 0o555)
     placement.place(directory, {name: b"# b\n" for name in FILES})
     assert not [e for e in os.listdir(directory) if "tmp" in e]
+
+
+# -- placement never touches what it did not place ------------------------------------------------
+
+@pytest.fixture
+def outside(tmp_path: Path) -> Path:
+    """A directory outside the inject directory, holding a file that must survive everything."""
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (elsewhere / "sentinel.txt").write_text("keep me\n")
+    return elsewhere
+
+
+def _tree(directory: Path) -> dict[str, tuple[int, str | None]]:
+    """Each entry under ``directory`` (links not followed) with its mode and link target."""
+    out = {}
+    for root, dirs, files in os.walk(directory):
+        for name in [*dirs, *files]:
+            path = Path(root) / name
+            st = os.lstat(path)
+            out[str(path.relative_to(directory))] = (
+                st.st_mode, os.readlink(path) if stat.S_ISLNK(st.st_mode) else None)
+    return out
+
+
+FOREIGN = {  # what the app, an image or a person may have put in the directory beforehand
+    "pycache_directory": lambda d, out: ((d / "__pycache__").mkdir(),
+                                        (d / "__pycache__" / "app.cpython-311.pyc").write_bytes(b"x")),
+    "pycache_link": lambda d, out: os.symlink(out, d / "__pycache__"),
+    "tmp_directory": lambda d, out: ((d / "..tmp-0123456789ab").mkdir(),
+                                    (d / "..tmp-0123456789ab" / "work").write_text("theirs")),
+    "tmp_link": lambda d, out: os.symlink(out, d / "..tmp-0123456789ab"),
+    "data_link": lambda d, out: os.symlink(out, d / "..data"),
+    "tmp_data_link": lambda d, out: os.symlink(out, d / "..data-tmp-0123456789ab"),
+    "unmarked_version": lambda d, out: ((d / "..0.1.0-0123456789abcdef").mkdir(),
+                                       (d / "..0.1.0-0123456789abcdef" / "x").write_text("y")),
+    "marker_link_elsewhere": lambda d, out: os.symlink(out, d / "..gpu-sidecar"),
+}
+
+
+@pytest.mark.parametrize("what", sorted(FOREIGN))
+def test_entries_it_did_not_place_are_left_alone_with_the_directory_s_mode(tmp_path, outside, what):
+    directory = tmp_path / "run" / "python"
+    directory.mkdir(parents=True)
+    FOREIGN[what](directory, outside)
+    os.chmod(directory, 0o750)
+    before = _tree(directory)
+    with structlog.testing.capture_logs() as logs:
+        assert placement.apply(cfg(tmp_path)) is None
+        assert placement.apply(cfg(tmp_path, env={"GPU_SIDECAR_INJECT": "false"})) is None
+    assert [(e["event"], e.get("reason")) for e in logs] == [("inject_not_placed", "not_ours"),
+                                                              ("inject_not_removed", None)]
+    assert _tree(directory) == before
+    assert stat.S_IMODE(os.stat(directory).st_mode) == 0o750
+    assert os.listdir(outside) == ["sentinel.txt"]
+    assert (outside / "sentinel.txt").read_text() == "keep me\n"
+
+
+def test_a_directory_it_found_keeps_its_mode_and_is_left_as_found_after_inject_false(tmp_path):
+    directory = tmp_path / "run" / "python"  # a volume's mount point, say: not the agent's
+    directory.mkdir(parents=True)
+    os.chmod(directory, 0o750)
+    placed = placement.apply(cfg(tmp_path))
+    assert placed is not None and (directory / "sitecustomize.py").is_file()
+    assert os.readlink(directory / "..gpu-sidecar") == "gpu-sidecar-inject:found"
+    assert stat.S_IMODE(os.stat(directory).st_mode) == 0o750
+    again = placement.place(directory, {name: b"# other\n" for name in FILES})  # a new release
+    assert again.changed and stat.S_IMODE(os.stat(directory).st_mode) == 0o750
+    assert placement.apply(cfg(tmp_path, env={"GPU_SIDECAR_INJECT": "false"})) is None
+    assert os.listdir(directory) == []
+    assert stat.S_IMODE(os.stat(directory).st_mode) == 0o750
+
+
+def test_something_that_appeared_inside_a_version_of_its_own_is_kept_with_that_version(
+        tmp_path, outside):
+    directory = tmp_path / "python"
+    first = placement.place(directory, {name: b"# a\n" for name in FILES})
+    os.chmod(first.version_dir, 0o755)
+    os.symlink(outside, first.version_dir / "theirs")  # root in the volume, not the agent
+    placement.place(directory, {name: b"# b\n" for name in FILES})
+    with structlog.testing.capture_logs() as logs:  # the first would go now: it cannot, whole
+        third = placement.place(directory, {name: b"# c\n" for name in FILES})
+    assert (directory / FILES[0]).read_bytes() == b"# c\n" and third.changed
+    (kept,) = [e for e in logs if e["event"] == "inject_old_version_kept"]
+    assert "theirs" in kept["error"]
+    assert os.readlink(first.version_dir / "theirs") == str(outside)
+    # its own files went; what it did not place stays, and its mark with it
+    assert sorted(os.listdir(first.version_dir)) == ["..gpu-sidecar", "theirs"]
+    assert os.listdir(outside) == ["sentinel.txt"]
+
+
+def test_a_failed_start_takes_back_what_it_placed_and_the_directories_it_made(tmp_path):
+    c = cfg(tmp_path)
+    with pytest.raises(RuntimeError), placement.Start(c) as start:
+        start.place()
+        assert (tmp_path / "run" / "python" / "sitecustomize.py").is_file()
+        raise RuntimeError("the socket could not be bound")
+    assert os.listdir(tmp_path) == []
+    with placement.Start(c) as start:  # a start that gets going keeps its files
+        start.place()
+        start.started()
+    assert (tmp_path / "run" / "python" / "sitecustomize.py").is_file()
+    with pytest.raises(RuntimeError), placement.Start(c) as start:  # a restart that fails
+        start.place()
+        raise RuntimeError("the socket could not be bound")
+    assert (tmp_path / "run" / "python" / "sitecustomize.py").is_file()  # the earlier start's
 
 
 # -- options -----------------------------------------------------------------------------------

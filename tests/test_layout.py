@@ -78,6 +78,49 @@ def _cycle(graph: dict[str, set[str]]) -> list[str] | None:
     return None
 
 
+# The tree from the bottom up (docs/architecture.md): a module imports only from its own level
+# or below, so no arrow runs back up. A module not named here is a finding of the test below.
+LEVELS: tuple[tuple[str, ...], ...] = (
+    ("sidecar", "sidecar.config", "sidecar.log", "sidecar.signals", "sidecar.urls",
+     "sidecar.protocol", "sidecar.client", "sidecar.thresholds",
+     # the metric table, and the engine families that declare the engine's series in it
+     "sidecar.metrics", "sidecar.sources.engine.families"),
+    ("sidecar.samples", "sidecar.summary"),
+    ("sidecar.sources", "sidecar.views"),  # what is read; the pure renderers and the judge
+    # the alert rules are rendered from the verdict's rules
+    ("sidecar.alert_rules", "sidecar.wire", "sidecar.durability", "sidecar.inject",
+     "sidecar.simulate"),
+    ("sidecar.sinks", "sidecar.recent"),
+    ("sidecar.agent", "sidecar.window_socket", "sidecar.store"),
+    ("sidecar.status_file", "sidecar.wiring"),
+    ("sidecar.commands",),  # diagnose, probe, status, fleet, --dry-run: above the wiring
+    ("sidecar.cli", "sidecar.__main__"),
+)
+
+
+def _level(module: str) -> int:
+    best = None
+    for n, names in enumerate(LEVELS):
+        for name in names:
+            if (module == name or module.startswith(name + ".")) and (
+                    best is None or len(name) > len(best[1])):
+                best = (n, name)
+    assert best is not None, f"{module} has no level in LEVELS: place it in the tree"
+    return best[0]
+
+
+def test_no_import_runs_back_up_the_tree():
+    upward = sorted(f"{a} (level {_level(a)}) imports {b} (level {_level(b)})"
+                    for a, imported in _graph().items() for b in imported
+                    if _level(b) > _level(a))
+    assert upward == []
+
+
+def test_the_level_check_finds_an_upward_import():
+    assert _level("sidecar.views.table") < _level("sidecar.wiring")
+    assert _level("sidecar.commands.diagnose") > _level("sidecar.wiring")
+
+
 def test_the_package_has_no_import_cycle():
     assert _cycle(_graph()) is None
 

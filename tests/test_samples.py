@@ -193,14 +193,23 @@ def test_the_series_names_follow_the_fields_not_their_order():
         "gpu_pcie_replay_errors_total": 3.0, "gpu_nvlink_rx_bytes_per_second": 4.0}
 
 
-def test_a_layer_field_without_a_series_name_is_refused_at_import():
-    from sidecar import samples
+def test_a_figure_named_twice_or_a_share_of_an_undeclared_series_is_refused_at_import():
+    from sidecar import metrics
 
-    @dataclasses.dataclass(frozen=True, slots=True)
-    class Unnamed:
-        figure: float | None = None
+    occupancy = metrics.BY_NAME["gpu_sm_occupancy_ratio"]
+    again = dataclasses.replace(occupancy, name="gpu_sm_occupancy_again_ratio")
+    with pytest.raises(TypeError, match=r"names field \['sm_occupancy_ratio'\] twice"):
+        metrics._declared_once((occupancy, again))
+    share = dataclasses.replace(metrics.BY_NAME["gpu_pcie_tx_bandwidth_util_ratio"],
+                                ratio_of=("gpu_pcie_tx_bytes_per_second", "gpu_no_such_maximum"))
+    with pytest.raises(TypeError, match=r"not both in metrics\.TABLE"):
+        metrics._declared_once((metrics.BY_NAME["gpu_pcie_tx_bytes_per_second"], share))
 
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(samples, "LAYERS", (*samples.LAYERS, Unnamed))
-        with pytest.raises(TypeError, match=r"Unnamed\.figure names no series"):
-            samples._layer_metrics()
+
+def test_every_layer_field_is_an_entry_of_the_metric_table_and_every_entry_with_a_field_is_one():
+    from sidecar import metrics
+
+    declared = {(m.layer, m.field, m.name) for m in metrics.TABLE if m.field}
+    built = {(metrics.LAYERS[i], f.name, f.metadata["metric"])
+             for i, layer in enumerate(LAYERS) for f in dataclasses.fields(layer)}
+    assert built == declared

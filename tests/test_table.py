@@ -95,7 +95,7 @@ def test_piped_run_prints_exposition_not_the_table():
     proc = run_cli("run", "--simulate", "healthy", "--once")
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.startswith("# HELP gpu_sm_occupancy_ratio ")
-    assert "\x1b" not in proc.stdout and "verdict" not in proc.stdout
+    assert "\x1b" not in proc.stdout and "| verdict" not in proc.stdout  # no table header
     rows = run_cli("run", "--simulate", "healthy", "--once", "--output", "json").stdout
     assert all(json.loads(line)["name"] for line in rows.splitlines())
 
@@ -105,7 +105,7 @@ def test_the_table_module_is_not_loaded_on_the_push_or_pipe_path():
             "from sidecar.cli import main\n"
             "with contextlib.redirect_stdout(io.StringIO()):\n"
             "    rc = main(['run', '--simulate', 'healthy', '--once'])\n"
-            "print(rc, 'sidecar.views.table' in sys.modules, 'sidecar.views.diagnose' in sys.modules)\n")
+            "print(rc, 'sidecar.views.table' in sys.modules, 'sidecar.views.report' in sys.modules)\n")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT,
                           timeout=60, env={k: v for k, v in os.environ.items()
                                            if not k.startswith("GPU_SIDECAR_")})

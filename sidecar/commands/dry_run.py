@@ -158,7 +158,7 @@ def _receiver(cfg: Config, kind: str, url: str) -> Check:
                     "without a path")
         elif exc.about_data:  # an empty request holds no data: it is the URL that is refused
             hint = ("even an empty request is refused, so the receiver objects to the URL, not "
-                    f"the data: {_codec(kind).policy.hints.get(404, 'check the URL')}")
+                    f"the data: {_codec(kind).policy.url_hint(url)}")
         else:
             hint = exc.hint
         return False, f"refused: {said}" + (f" ({hint})" if hint else "")

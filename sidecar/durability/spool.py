@@ -37,6 +37,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import fcntl
+import hashlib
 import os
 import re
 import stat
@@ -44,6 +45,7 @@ import struct
 import threading
 import zlib
 from collections import Counter, deque
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -52,6 +54,7 @@ import structlog
 from sidecar.config import Config
 from sidecar.durability import journal
 from sidecar.log import Episodes, log_count
+from sidecar.urls import host_port, redact_url
 
 log = structlog.get_logger("sidecar.spool")
 
@@ -827,3 +830,93 @@ def _verify(data: bytes) -> str | None:
     if zlib.crc32(data[HEADER.size:]) != crc:
         return "checksum mismatch"
     return None
+
+
+# -- naming: a directory per receiver under the spool root, and the orphans adopted -----------
+
+
+def _safe_dir(name: str) -> str:
+    return "".join(c if c.isalnum() or c in "-." else "_" for c in name)
+
+
+def spool_dir_name(name: str, url: str) -> str:
+    """The sink's name made safe for a path, plus a short digest of its URL (credentials left
+    out): two URLs whose names read alike on disk still get two directories."""
+    digest = hashlib.sha256(redact_url(url).encode()).hexdigest()[:8]
+    return f"{_safe_dir(name)}-{digest}"
+
+
+def _old_dir_name(kind: str, url: str) -> str:
+    """Where earlier releases kept a URL's spool: one directory per host and port."""
+    return _safe_dir(f"{kind}:{host_port(url)}")
+
+
+def open_spools(root: str, kind: str, named: Sequence[tuple[str, str]], max_bytes: int,
+                max_memory_bytes: int) -> list[tuple[str, str, Spool]]:
+    """Each (URL, sink name) of one kind of sink with its spool, opened under ``root``; the
+    spools of this kind that no configured URL uses any more (a URL fixed or changed, a
+    directory of an earlier release) adopted by the URL they most likely belong to, so that
+    nothing they hold is orphaned."""
+    urls = [url for url, _ in named]
+    existed = {spool_dir_name(name, url) for url, name in named
+               if os.path.isdir(os.path.join(root, spool_dir_name(name, url)))}
+    opened = [(url, name, Spool(os.path.join(root, spool_dir_name(name, url)), max_bytes,
+                                max_memory_bytes)) for url, name in named]
+    in_use = {spool.dir.name for _, _, spool in opened}
+    per_host = Counter(_old_dir_name(kind, url) for url in urls)
+    for directory in _spool_dirs(root, kind):
+        if directory.name in in_use:
+            continue
+        # an earlier release's directory goes to the URL on its host and port; any other to
+        # the one configured URL only when that URL is new here (the URL was fixed or moved):
+        # a URL that already had its spool was running beside the orphan's, and a receiver
+        # removed on purpose (one of two replicas) must not send its backlog to the other
+        old_release = [spool for url, _, spool in opened
+                       if directory.name == _old_dir_name(kind, url)
+                       and per_host[directory.name] == 1]
+        fresh = [spool for _, _, spool in opened if spool.dir.name not in existed]
+        heirs = old_release or (fresh if len(opened) == 1 else [])
+        if len(heirs) != 1:
+            log.error("spool_orphaned", directory=str(directory), kind=kind,
+                      effect="its batches are not sent: no configured URL of this kind is "
+                             "surely its receiver",
+                      hint="configure its URL again, or start once with only the URL it "
+                           "should go to on a new spool: that sink adopts it")
+            continue
+        taken = heirs[0].adopt(directory)
+        if taken is None:
+            log.warning("spool_not_adopted", directory=str(directory), kind=kind,
+                        effect="another gpu-sidecar holds it: left alone")
+        elif taken != (0, 0) or directory.exists():
+            log.info("spool_adopted", old=str(directory), new=str(heirs[0].dir),
+                     batches=taken[0], samples=taken[1], left_behind=directory.exists(),
+                     note="the spool of a URL no longer configured: its batches are sent to "
+                          "this receiver, in their order; what is not the agent's own file "
+                          "stays in the old directory")
+    return opened
+
+
+def _spool_dirs(root: str, kind: str) -> list[Path]:
+    """The spool directories of one kind of sink under ``root``, by name (never a link)."""
+    prefix = _safe_dir(f"{kind}:")
+    try:
+        with os.scandir(root) as entries:
+            return sorted(Path(e.path) for e in entries
+                          if e.name.startswith(prefix) and e.is_dir(follow_symlinks=False))
+    except OSError:
+        return []
+
+
+def private_root(root: str) -> None:
+    """The spool root, created 0700: batches carry pod names and figures. A root that already
+    exists keeps its mode (the agent changes nothing it did not make; a Kubernetes emptyDir
+    belongs to root): the per-URL directories inside it are 0700 anyway."""
+    try:
+        created = not os.path.isdir(root)
+        os.makedirs(root, mode=0o700, exist_ok=True)
+        if created:
+            os.chmod(root, 0o700)  # the umask may have narrowed makedirs' mode, never widened
+    except OSError as exc:
+        raise SpoolError(
+            f"spool directory {root} is not writable ({exc.strerror}); mount a writable "
+            "emptyDir there or set --spool-dir / GPU_SIDECAR_SPOOL_DIR") from exc

@@ -1,7 +1,7 @@
 """What a receiver's answer means and when to try again: one ``Policy`` per receiver kind.
 
-Every decision about an answer lives here, so that the rules of DESIGN.md ("Reliability
-promises") can be read in one place:
+Every decision about an answer lives here, so that the delivery rules (docs/reliability.md)
+can be read in one place:
 
 - a 2xx is final: the request was stored;
 - a 3xx is an answer about the URL, never followed: retried like an outage (``redirect``);
@@ -27,7 +27,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any
-from urllib.parse import urljoin
+from urllib.parse import urljoin, urlsplit
 
 import tenacity
 
@@ -111,6 +111,17 @@ def _text(response: Response) -> str:
     return response.text
 
 
+@dataclass(frozen=True)
+class Endpoint:
+    """Where one kind of receiver takes a protocol, and from which release: what a hint about a
+    refused URL may suggest. ``requires`` names the minimum release (and any flag), as checked
+    in the receiver's changelog (docs/configuration.md, *Receivers and their versions*)."""
+
+    receiver: str
+    path: str
+    requires: str
+
+
 @dataclass(frozen=True, kw_only=True)
 class Policy:
     """How one kind of receiver answers, and what the agent does about each answer.
@@ -133,6 +144,38 @@ class Policy:
     closing_retry_s: float = 0.25
     """While the agent shuts down, retries are at most this far apart: the time left goes to
     sending."""
+    protocol: str = "remote-write"
+    endpoints: tuple[Endpoint, ...] = ()
+    """Where each receiver takes this protocol: the hint for a refused URL is built from them."""
+    url_statuses: frozenset[int] = frozenset({404})
+    """Refusals that say "nothing here takes this protocol": their hint is ``url_hint``."""
+
+    def url_hint(self, url: str) -> str:
+        """What to check when the receiver refuses the URL itself. Never names the refused URL
+        or suggests its path again: told "use X" after X was refused, an operator tries X again.
+        Where the refused path is one a receiver takes this protocol at, the receiver is older
+        than that or has the protocol off, so the hint says which releases (and flags) take it;
+        the other receivers' paths follow, for a URL that names the wrong receiver."""
+        path = urlsplit(url).path.rstrip("/")
+        longest = max((e.path for e in self.endpoints if path.endswith(e.path)), key=len,
+                      default=None)
+        matched = [e for e in self.endpoints if e.path == longest]
+        others = [e for e in self.endpoints if e.path != longest and e.path not in path]
+        listed = "; ".join(f"{e.receiver} {_verb([e])} {e.path} ({e.requires})" for e in others)
+        if not matched:
+            return f"no receiver takes {self.protocol} at this path: {listed}"
+        parts = [f"the path is where {_names(matched)} {_verb(matched)} {self.protocol}, yet the "
+                 f"receiver refuses it: check its version and that {self.protocol} is on "
+                 f"({'; '.join(f'{e.receiver}: {e.requires}' for e in matched)})"]
+        if others:
+            parts.append(f"elsewhere: {listed}")
+        return "; ".join(parts)
+
+    def hint(self, status: int, url: str) -> str:
+        """The advice for a refusal: about the URL (``url_hint``) or per status."""
+        if status in self.url_statuses and self.endpoints:
+            return self.url_hint(url)
+        return self.hints.get(status, "the receiver refused the request")
 
     def check(self, response: Response, secrets: Iterable[str] = ()) -> None:
         """Raise ``Retryable`` or ``Refused`` unless the receiver accepted the request."""
@@ -150,7 +193,7 @@ class Policy:
         if status in self.retried:
             raise Retryable("http_429" if status == 429 else f"http_{status // 100}xx", detail,
                             parse_retry_after(response.headers.get("Retry-After")))
-        raise Refused(status, detail, self.hints.get(status, "the receiver refused the request"),
+        raise Refused(status, detail, self.hint(status, response.url),
                       about_data=status in self.data_refusals)
 
     def failure_reasons(self) -> tuple[str, ...]:
@@ -170,6 +213,17 @@ class Policy:
             retry=tenacity.retry_if_exception_type(Retryable),
             wait=self.wait(initial_s=initial_s, max_s=max_s, closing=closing),
             stop=stop, sleep=sleep, reraise=True)
+
+
+def _names(endpoints: list[Endpoint]) -> str:
+    names = [e.receiver for e in endpoints]
+    return names[0] if len(names) == 1 else ", ".join(names[:-1]) + " and " + names[-1]
+
+
+def _verb(endpoints: list[Endpoint]) -> str:
+    """"take" for several receivers (or one named "X and Y"), else "takes"."""
+    plural = len(endpoints) > 1 or " and " in endpoints[0].receiver
+    return "take" if plural else "takes"
 
 
 class _Backoff(tenacity.wait.wait_base):
@@ -206,19 +260,30 @@ HINTS = MappingProxyType({
     400: "the receiver refused the data itself; the batch is set aside in the spool's rejected/",
     401: "authentication failed: check the bearer token or basic-auth files",
     403: "not authorised: check the token's permissions or the tenant header",
-    404: "no remote-write endpoint at this URL: Prometheus needs "
-         "--web.enable-remote-write-receiver and the path /api/v1/write; VictoriaMetrics and "
-         "vmagent take /api/v1/write; Mimir /api/v1/push",
+    404: "no remote-write endpoint at this URL (the hint names where each receiver takes it)",
     405: "wrong method for this URL: is it the remote-write path?",
     413: "batch too large for the receiver: lower --batch-max-samples",
     422: "the receiver refused the data itself (unprocessable); the batch is set aside in the "
          "spool's rejected/",
 })
 
+# Minimum releases as their changelogs say (docs/configuration.md, *Receivers and their
+# versions*, cites each). A path not confirmed there (Thanos Receive's OTLP, from v0.38.0) is
+# not suggested.
+REMOTE_WRITE_ENDPOINTS = (
+    Endpoint("Prometheus", "/api/v1/write",
+             "2.33.0 or later, started with --web.enable-remote-write-receiver"),
+    Endpoint("VictoriaMetrics and vmagent", "/api/v1/write",
+             "any release, Debian's 1.79 included"),
+    Endpoint("Mimir", "/api/v1/push", "any release, 2.0.0 on"),
+    Endpoint("Thanos Receive", "/api/v1/receive", "any release"),
+)
+
 REMOTE_WRITE = Policy(
     # remote-write 1.0 and the Pushgateway: 429 and every 5xx are "try later"
     retried=frozenset({429, *range(500, 600)}),
     hints=HINTS,
+    endpoints=REMOTE_WRITE_ENDPOINTS,
 )
 """Remote-write receivers (Prometheus, VictoriaMetrics, Mimir, vmagent) and the Pushgateway."""
 
@@ -242,13 +307,24 @@ OTLP_HINTS = MappingProxyType({
     **HINTS,
     400: "the receiver refused the data itself (OTLP: bad data); the batch is set aside in the "
          "spool's rejected/",
-    404: "no OTLP endpoint at this URL: an OpenTelemetry Collector takes /v1/metrics on port "
-         "4318, Prometheus 3 /api/v1/otlp/v1/metrics (with --web.enable-otlp-receiver), "
-         "VictoriaMetrics /opentelemetry/v1/metrics",
+    404: "no OTLP endpoint at this URL (the hint names where each receiver takes it)",
     405: "wrong method for this URL: is it the OTLP metrics path (.../v1/metrics)?",
     415: "the receiver does not take protobuf bodies or gzip: it must support OTLP/HTTP protobuf",
     501: "the receiver does not implement OTLP metrics at this URL",
 })
+
+OTLP_ENDPOINTS = (
+    Endpoint("VictoriaMetrics and vmagent", "/opentelemetry/v1/metrics",
+             "OTLP from v1.92.0, this path from early 2024; Debian's 1.79 takes no OTLP"),
+    Endpoint("VictoriaMetrics and vmagent", "/opentelemetry/api/v1/push",
+             "v1.92.0 or later: their first OTLP path"),
+    Endpoint("Prometheus", "/api/v1/otlp/v1/metrics",
+             "3.0.0 or later with --web.enable-otlp-receiver; 2.47.0 to 2.55 with "
+             "--enable-feature=otlp-write-receiver"),
+    Endpoint("Mimir", "/otlp/v1/metrics", "2.3 or later, experimental there"),
+    Endpoint("an OpenTelemetry Collector", "/v1/metrics",
+             "its otlp receiver's HTTP protocol, port 4318"),
+)
 
 OTLP = Policy(
     # the OTLP/HTTP specification's retryable statuses, and 500 against its "MUST NOT retry" on
@@ -257,6 +333,8 @@ OTLP = Policy(
     retried=frozenset({429, 500, 502, 503, 504}),
     hints=OTLP_HINTS,
     said=_otlp_said,
+    protocol="OTLP/HTTP",
+    endpoints=OTLP_ENDPOINTS,
 )
 """OTLP/HTTP metrics receivers (an OpenTelemetry Collector, Prometheus 3, VictoriaMetrics)."""
 

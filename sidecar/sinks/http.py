@@ -1,5 +1,5 @@
 """HTTP to one receiver, on ``requests``: one ``Session`` (its own connection pool) per receiver,
-configured TLS and credentials, and the promises DESIGN.md makes of a request:
+configured TLS and credentials, and the promises made of a request (docs/reliability.md):
 
 - redirects are never followed (a POST turned into a GET loses its body, and the credentials
   would go to a host nobody configured): a 3xx is an answer, for ``answers.Policy``;

@@ -23,6 +23,7 @@ from sidecar.log import Episodes, log_count
 from sidecar.samples import Labels, Series
 from sidecar.sinks import IDLE_WAIT_S
 from sidecar.sinks.answers import BODY_LOGGED, Held, Policy, Refused, Response, Retryable, mask
+from sidecar.sinks.cadence import Cadence
 from sidecar.sinks.http import Http, HttpOptions
 from sidecar.urls import redact_url as redact
 
@@ -76,8 +77,10 @@ class SpooledSink:
         push_interval_s: float = Config.push_interval,
         max_batch_samples: int = Config.batch_max_samples,
         clock: Callable[[], float] = time.monotonic,
+        cadence: Cadence | None = None,
     ) -> None:
         self.url = url
+        self.cadence = cadence  # the rare figures sent when they change (sinks/cadence.py)
         self.name = name
         self.codec = codec
         self.log = structlog.get_logger(f"sidecar.{codec.kind}")
@@ -164,6 +167,8 @@ class SpooledSink:
             journal.remove(path)  # empty, unreadable, or counted as lost by the spool
 
     def emit(self, series: list[Series]) -> None:
+        if self.cadence is not None:
+            series = self.cadence.due(series)
         record = self.codec.cycle(series)
         now = self.clock()
         with self._lock:
@@ -474,7 +479,7 @@ class SpooledSink:
             return Refused(refused.status, str(refused),
                            "the receiver refuses even an empty request at this URL (HTTP "
                            f"{again.status}), so it objects to the URL, not the data: "
-                           f"{self.policy.hints.get(404, 'check the URL')}", about_data=False)
+                           f"{self.policy.url_hint(self.url)}", about_data=False)
         self._confirm_url()
         return refused
 

@@ -414,7 +414,18 @@ class AppSocket:
 
 
 def bind_datagram(path: str) -> socket.socket:
-    """Bind ``path`` with mode 0660, replacing a stale socket file but never a live one.
+    """The app socket: ``bind_unix`` of a datagram socket."""
+    sock = bind_unix(path, socket.SOCK_DGRAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1 << 20)
+    # stop() wakes the receive with an empty datagram; the timeout is only a backstop, long
+    # so an idle agent does not wake twice a second for nothing
+    sock.settimeout(5.0)
+    return sock
+
+
+def bind_unix(path: str, kind: int) -> socket.socket:
+    """Bind a Unix socket of ``kind`` at ``path`` with mode 0660, replacing a stale socket file
+    but never a live one.
 
     Every refusal of the directory (read-only volume, no write permission, full) becomes one
     ``SocketUnavailable`` naming the path and the fix, never a traceback."""
@@ -427,18 +438,18 @@ def bind_datagram(path: str) -> socket.socket:
             "emptyDir there or set --socket / GPU_SIDECAR_SOCKET"
         ) from exc
     try:
-        return _bind_in(directory, path)
+        return _bind_in(directory, path, kind)
     except SocketUnavailable:
         raise
     except OSError as exc:
         raise SocketUnavailable(
-            f"cannot bind the app socket {path}: {exc.strerror} (errno {exc.errno}); the "
+            f"cannot bind the socket {path}: {exc.strerror} (errno {exc.errno}); the "
             f"directory {directory} must be writable by this user (uid {os.getuid()}): mount a "
             "writable emptyDir there (not read-only) or set --socket / GPU_SIDECAR_SOCKET"
         ) from exc
 
 
-def _bind_in(directory: str, path: str) -> socket.socket:
+def _bind_in(directory: str, path: str, kind: int) -> socket.socket:
     st = os.stat(directory)
     if st.st_uid == os.getuid() and stat.S_IMODE(st.st_mode) & 0o007:
         os.chmod(directory, stat.S_IMODE(st.st_mode) & ~0o007)
@@ -451,7 +462,8 @@ def _bind_in(directory: str, path: str) -> socket.socket:
             raise SocketUnavailable(
                 f"{path} exists and is not a socket; remove it or choose another --socket path"
             )
-        probe = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        probe = socket.socket(socket.AF_UNIX, kind)
+        probe.settimeout(1.0)
         try:
             probe.connect(path)
         except OSError as exc:
@@ -465,7 +477,7 @@ def _bind_in(directory: str, path: str) -> socket.socket:
             )
         finally:
             probe.close()
-    sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    sock = socket.socket(socket.AF_UNIX, kind)
     old = os.umask(0o117)
     try:
         sock.bind(path)
@@ -475,8 +487,4 @@ def _bind_in(directory: str, path: str) -> socket.socket:
         raise
     finally:
         os.umask(old)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1 << 20)
-    # stop() wakes the receive with an empty datagram; the timeout is only a backstop, long
-    # so an idle agent does not wake twice a second for nothing
-    sock.settimeout(5.0)
     return sock

@@ -28,7 +28,15 @@ from typing import TextIO
 from sidecar.samples import Series
 from sidecar.thresholds import Thresholds
 from sidecar.views.terminal import capable_terminal, isatty
-from sidecar.views.verdict import Figures, Verdict, figures_of, judge, summarize
+from sidecar.views.verdict import (
+    Figures,
+    Verdict,
+    cell_of,
+    exported_verdicts,
+    figures_of,
+    judge,
+    summarize,
+)
 
 HIDE_CURSOR, SHOW_CURSOR = "\x1b[?25l", "\x1b[?25h"
 ALT_SCREEN, MAIN_SCREEN = "\x1b[?1049h", "\x1b[?1049l"
@@ -159,11 +167,20 @@ def _nvlink(tx: float | None, rx: float | None) -> str:
     return "/".join("-" if v is None else f"{v / 1e9:.0f}" for v in (tx, rx))
 
 
-def cells(v: Verdict) -> dict[str, str]:
+def _verdict_cell(v: Verdict, exported: str | None) -> str:
+    """The agent's current verdict (its ``gpu_verdict`` series, judged on its recent window, as
+    ``status`` and ``diagnose`` say it) when the cycle carries one; this frame's own judgement
+    only adds detail (a second finding, the clock's reason) when both name the same kind."""
+    if exported is None or exported == v.key:
+        return v.short()
+    return cell_of(exported)
+
+
+def cells(v: Verdict, exported: str | None = None) -> dict[str, str]:
     w, m = v.window, v.window.mean
     if w.lost:
         out = {c.key: "-" for c in COLUMNS}
-        out.update(gpu=m.index, verdict=v.short())
+        out.update(gpu=m.index, verdict=_verdict_cell(v, exported))
         return out
     return {
         "gpu": m.index, "util": _pct(m.utilization), "occ": _pct(m.occupancy),
@@ -173,16 +190,17 @@ def cells(v: Verdict) -> dict[str, str]:
         "rx": _pct(m.pcie_rx_ratio), "tx": _pct(m.pcie_tx_ratio),
         "rx_rate": _rate(m.pcie_rx), "tx_rate": _rate(m.pcie_tx),
         "nvlink": _nvlink(m.nvlink_tx, m.nvlink_rx), "p50": _seconds(w.p50),
-        "p99": _seconds(w.p99), "verdict": v.short(),
+        "p99": _seconds(w.p99), "verdict": _verdict_cell(v, exported),
     }
 
 
-def row(v: Verdict, cols: Sequence[Column] = COLUMNS) -> str:
-    return _line(cells(v), cols)
+def row(v: Verdict, cols: Sequence[Column] = COLUMNS, exported: str | None = None) -> str:
+    return _line(cells(v, exported), cols)
 
 
 def render(cycles: Sequence[Mapping[str, Figures]], title: str, t: Thresholds | None = None, *,
-           width: int | None = None, height: int | None = None) -> str:
+           width: int | None = None, height: int | None = None,
+           exported: Mapping[str, str] | None = None) -> str:
     """One frame, plain text: the title, the header and a row per GPU, judged on ``cycles``.
 
     With ``width``, only the columns that fit it (``layout``) and prose wrapped to it; with
@@ -200,7 +218,8 @@ def render(cycles: Sequence[Mapping[str, Figures]], title: str, t: Thresholds | 
     verdicts = {u: judge(w, t) for u, w in windows.items()}
     order = sorted(windows, key=lambda u: (len(windows[u].mean.index), windows[u].mean.index))
     head = [*wrap(title), *header(cols)]
-    rows = [row(verdicts[uuid], cols) for uuid in order]
+    exported = exported or {}
+    rows = [row(verdicts[uuid], cols, exported.get(uuid)) for uuid in order]
     if not order:
         rows = wrap("no GPU selected yet: waiting for the app to announce its GPUs (--gpus)")
     tail = [*_engine_line(verdicts, wrap), *wrap(legend(cols))]
@@ -215,7 +234,8 @@ def render(cycles: Sequence[Mapping[str, Figures]], title: str, t: Thresholds | 
         return "\n".join(head + rows[:max(fits, 1)])
     shown = max(fits - 1, 1)
     more = _one_line(MORE.format(n=len(order) - shown), width)
-    return "\n".join(head + [row(verdicts[u], cols) for u in urgent[:shown]] + [more])
+    return "\n".join(head + [row(verdicts[u], cols, exported.get(u)) for u in urgent[:shown]]
+                     + [more])
 
 
 def _one_line(text: str, width: int | None) -> str:
@@ -266,6 +286,7 @@ class Table:
         self.live = capable_terminal(stream) if live is None else live
         self.thresholds = thresholds
         self._cycles: deque[dict[str, Figures]] = deque(maxlen=history)
+        self._exported: dict[str, str] = {}  # the agent's verdicts in the last cycle
         self._title = ""  # of the last frame drawn live, and its terminal's width: what
         self._width = 0  # restore() leaves on the main screen
         self._on_screen = False
@@ -273,14 +294,16 @@ class Table:
     def frame(self, series: list[Series]) -> str:
         gpus = figures_of(series)
         self._cycles.append(gpus)
+        self._exported = exported_verdicts(series)
         title = title_of(series, gpus)
         if not self.live:  # a file, a pipe or a dumb terminal: whole frames, one after another
             width = _size(self.stream)[0] if isatty(self.stream) else None
-            return render(self._cycles, title, self.thresholds, width=width) + "\n\n"
+            return render(self._cycles, title, self.thresholds, width=width,
+                          exported=self._exported) + "\n\n"
         columns, rows = _size(self.stream)
         self._title, self._width = title, columns
         drawn = render(self._cycles, title, self.thresholds, width=columns,
-                       height=max(rows - 1, 1))
+                       height=max(rows - 1, 1), exported=self._exported)
         lines = [line[:columns] for line in drawn.splitlines()][:max(rows - 1, 1)]
         start = ""
         if not self._on_screen:
@@ -297,7 +320,8 @@ class Table:
         self._on_screen = False
         atexit.unregister(self._restore_at_exit)
         # what stays on the main screen at exit: every GPU, at the terminal's width
-        last = render(self._cycles, self._title, self.thresholds, width=self._width)
+        last = render(self._cycles, self._title, self.thresholds, width=self._width,
+                      exported=self._exported)
         return MAIN_SCREEN + SHOW_CURSOR + last + "\n"
 
     def _restore_at_exit(self) -> None:

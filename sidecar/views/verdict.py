@@ -43,9 +43,11 @@ findings are listed, and the table shows the first, in this order):
   or on an old driver, no app figures) is said in a note, never passed off as healthy; it does
   not change the exit code, which says whether a bottleneck was found.
 
-``KINDS`` holds the seed's five kinds in their order, ``HEALTH_KINDS`` the four the health layer
-and the Grace IO figures brought, ``ENGINE_KINDS`` the serving engine's two, and ``ALL_KINDS``
-every kind in ``PRECEDENCE`` order.
+Each kind is one ``Rule`` of ``RULES`` (in that order): its condition, evidence, remedy, table
+cell, title, threshold in words and alert rules; its threshold is a line of
+``sidecar.thresholds``. ``PRECEDENCE``, ``ALL_KINDS``, the threshold prose of diagnose's report
+(``threshold_prose``) and the shipped alert rules (``sidecar.alert_rules``) are read from
+``RULES``; ``kinds_of(layer)`` gives a layer's kinds.
 
 The latency the seed's rule joins is the app's histogram (``sidecar.client``, per GPU) or, when
 the app publishes none, the engine's request latency (the pod's, applied to each of its GPUs);
@@ -55,10 +57,11 @@ the app publishes none, the engine's request latency (the pod's, applied to each
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterable, Mapping, Sequence
+from array import array
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, fields
 
-from sidecar import thresholds
+from sidecar import metrics, thresholds
 from sidecar.samples import Series
 from sidecar.summary import quantile as histogram_quantile
 from sidecar.thresholds import Thresholds
@@ -66,151 +69,48 @@ from sidecar.thresholds import Thresholds
 GiB = 1024**3
 
 
-@dataclass(frozen=True)
-class Figures:
-    """One GPU as the series of one cycle describe it (None: absent), or, in a ``Window``, the
-    mean of the cycles that had the figure (counters, codes and link states: their last value)."""
-
-    uuid: str
-    name: str = ""
-    index: str = ""
-    available: bool = True
-    utilization: float | None = None
-    occupancy: float | None = None
-    tensor: float | None = None
-    sm_active: float | None = None
-    dram_bw: float | None = None
-    mem_used: float | None = None
-    mem_total: float | None = None
-    fragmentation: float | None = None
-    nonreleasable: float | None = None
-    alloc_reserved: float | None = None
-    largest_free: float | None = None
-    retries: float | None = None
-    ooms: float | None = None
-    pcie_tx: float | None = None
-    pcie_rx: float | None = None
-    pcie_tx_ratio: float | None = None
-    pcie_rx_ratio: float | None = None
-    link_max: float | None = None
-    nvlink_tx: float | None = None
-    nvlink_rx: float | None = None
-    # cumulative request-latency buckets: upper bounds (+Inf last) and counts
-    latency: tuple[tuple[float, ...], tuple[float, ...]] | None = None
-    # the PCIe link: its maximum and as trained now, the shares of the trained link, its errors
-    link_gen: float | None = None
-    link_width: float | None = None
-    link_gen_now: float | None = None
-    link_width_now: float | None = None
-    link_now: float | None = None
-    pcie_tx_now_ratio: float | None = None
-    pcie_rx_now_ratio: float | None = None
-    replays: float | None = None
-    l0_recovery: float | None = None
-    pcie_correctable: float | None = None
-    # NVLink-C2C, the host link of Grace Hopper and Grace Blackwell
-    c2c_tx: float | None = None
-    c2c_rx: float | None = None
-    c2c_max: float | None = None
-    c2c_tx_ratio: float | None = None
-    c2c_rx_ratio: float | None = None
-    # health: clocks, what limits them (shares of the interval), power, heat
-    sm_clock: float | None = None
-    sm_clock_max: float | None = None
-    mem_clock: float | None = None
-    mem_clock_max: float | None = None
-    power_cap: float | None = None
-    hw_slowdown: float | None = None
-    hw_thermal: float | None = None
-    hw_power_brake: float | None = None
-    sw_thermal: float | None = None
-    sync_boost: float | None = None
-    power: float | None = None
-    power_limit: float | None = None
-    temperature: float | None = None
-    mem_temperature: float | None = None
-    # health: memory errors and row remapping, Xids
-    ecc_uncorrected: float | None = None
-    ecc_corrected: float | None = None
-    remapped_uncorrectable: float | None = None
-    remapped_correctable: float | None = None
-    remap_pending: float | None = None
-    remap_failed: float | None = None
-    last_xid: float | None = None
-    # Xid code -> count since the agent started, by code (absent until the GPU's first Xid)
-    xids: tuple[tuple[int, float], ...] | None = None
-    # the serving engine's (--engine-metrics-url), the pod's and so every GPU's of it: its
-    # histograms as cumulative buckets, its counters and gauges summed over endpoints and models
-    latency_source: str = ""  # "app" or "engine": whose histogram ``latency`` is
-    engine: str = ""  # the engines seen, e.g. "vllm"
-    engine_latency: tuple[tuple[float, ...], tuple[float, ...]] | None = None
-    queue: tuple[tuple[float, ...], tuple[float, ...]] | None = None
-    ttft: tuple[tuple[float, ...], tuple[float, ...]] | None = None
-    itl: tuple[tuple[float, ...], tuple[float, ...]] | None = None
-    engine_latency_sum: float | None = None
-    engine_latency_count: float | None = None
-    queue_sum: float | None = None
-    queue_count: float | None = None
-    kv_usage: float | None = None
-    running: float | None = None
-    waiting: float | None = None
-    preemptions: float | None = None
-
-    def link_below_max(self) -> bool:
-        """The PCIe link trained below its maximum generation or width (both figures present)."""
-        return ((self.link_gen_now is not None and self.link_gen is not None
-                 and self.link_gen_now < self.link_gen)
-                or (self.link_width_now is not None and self.link_width is not None
-                    and self.link_width_now < self.link_width))
-
-    def link_known(self) -> bool:
-        return (self.link_gen_now is not None and self.link_gen is not None) or \
-            (self.link_width_now is not None and self.link_width is not None)
+Hist = tuple[tuple[float, ...], tuple[float, ...]]  # cumulative buckets: bounds (+Inf last), counts
 
 
-_FIELD_OF = {
-    "gpu_utilization_ratio": "utilization", "gpu_sm_occupancy_ratio": "occupancy",
-    "gpu_tensor_core_util_ratio": "tensor", "gpu_sm_active_ratio": "sm_active",
-    "gpu_mem_bandwidth_util_ratio": "dram_bw", "gpu_memory_used_bytes": "mem_used",
-    "gpu_memory_total_bytes": "mem_total", "gpu_memory_fragmentation_ratio": "fragmentation",
-    "gpu_allocator_nonreleasable_ratio": "nonreleasable",
-    "gpu_allocator_reserved_bytes": "alloc_reserved",
-    "gpu_allocator_largest_free_block_bytes": "largest_free",
-    "gpu_allocator_alloc_retries_total": "retries", "gpu_allocator_ooms_total": "ooms",
-    "gpu_pcie_tx_bytes_per_second": "pcie_tx", "gpu_pcie_rx_bytes_per_second": "pcie_rx",
-    "gpu_pcie_tx_bandwidth_util_ratio": "pcie_tx_ratio",
-    "gpu_pcie_rx_bandwidth_util_ratio": "pcie_rx_ratio",
-    "gpu_pcie_link_max_bytes_per_second": "link_max",
-    "gpu_nvlink_tx_bytes_per_second": "nvlink_tx", "gpu_nvlink_rx_bytes_per_second": "nvlink_rx",
-    "gpu_pcie_link_generation": "link_gen", "gpu_pcie_link_width": "link_width",
-    "gpu_pcie_link_current_generation": "link_gen_now",
-    "gpu_pcie_link_current_width": "link_width_now",
-    "gpu_pcie_link_current_bytes_per_second": "link_now",
-    "gpu_pcie_tx_current_link_util_ratio": "pcie_tx_now_ratio",
-    "gpu_pcie_rx_current_link_util_ratio": "pcie_rx_now_ratio",
-    "gpu_pcie_replay_errors_total": "replays", "gpu_pcie_l0_to_recovery_total": "l0_recovery",
-    "gpu_pcie_correctable_errors_total": "pcie_correctable",
-    "gpu_c2c_tx_bytes_per_second": "c2c_tx", "gpu_c2c_rx_bytes_per_second": "c2c_rx",
-    "gpu_c2c_link_max_bytes_per_second": "c2c_max",
-    "gpu_c2c_tx_bandwidth_util_ratio": "c2c_tx_ratio",
-    "gpu_c2c_rx_bandwidth_util_ratio": "c2c_rx_ratio",
-    "gpu_sm_clock_hertz": "sm_clock", "gpu_sm_clock_max_hertz": "sm_clock_max",
-    "gpu_memory_clock_hertz": "mem_clock", "gpu_memory_clock_max_hertz": "mem_clock_max",
-    "gpu_clocks_event_power_cap_ratio": "power_cap",
-    "gpu_clocks_event_hw_slowdown_ratio": "hw_slowdown",
-    "gpu_clocks_event_hw_thermal_ratio": "hw_thermal",
-    "gpu_clocks_event_hw_power_brake_ratio": "hw_power_brake",
-    "gpu_clocks_event_sw_thermal_ratio": "sw_thermal",
-    "gpu_clocks_event_sync_boost_ratio": "sync_boost",
-    "gpu_power_usage_watts": "power", "gpu_power_limit_watts": "power_limit",
-    "gpu_temperature_celsius": "temperature", "gpu_memory_temperature_celsius": "mem_temperature",
-    "gpu_ecc_uncorrected_volatile_total": "ecc_uncorrected",
-    "gpu_ecc_corrected_volatile_total": "ecc_corrected",
-    "gpu_remapped_rows_uncorrectable": "remapped_uncorrectable",
-    "gpu_remapped_rows_correctable": "remapped_correctable",
-    "gpu_row_remap_pending": "remap_pending", "gpu_row_remap_failed": "remap_failed",
-    "gpu_last_xid": "last_xid",
-}
+def _link_below_max(self: Figures) -> bool:
+    """The PCIe link trained below its maximum generation or width (both figures present)."""
+    return ((self.link_gen_now is not None and self.link_gen is not None
+             and self.link_gen_now < self.link_gen)
+            or (self.link_width_now is not None and self.link_width is not None
+                and self.link_width_now < self.link_width))
+
+
+def _link_known(self: Figures) -> bool:
+    return (self.link_gen_now is not None and self.link_gen is not None) or \
+        (self.link_width_now is not None and self.link_width is not None)
+
+
+# series -> Figures field: every entry of the metric table that names a ``figure``
+_FIELD_OF = {m.name: m.figure for m in metrics.TABLE if m.figure}
+Figures = dataclasses.make_dataclass(
+    "Figures",
+    [("uuid", str), ("name", str, field(default="")), ("index", str, field(default="")),
+     ("available", bool, field(default=True)),
+     # one per figure of the metric table the verdict reads (``figure=`` in its entry)
+     *((name, float | None, field(default=None)) for name in _FIELD_OF.values()),
+     # what is not one series each: the request-latency histogram, the Xid counts by code...
+     ("latency", Hist | None, field(default=None)),
+     ("xids", tuple[tuple[int, float], ...] | None, field(default=None)),
+     # ...and the serving engine's (--engine-metrics-url), the pod's and so every GPU's of
+     # it: its histograms as cumulative buckets, its counters and gauges summed over
+     # endpoints and models
+     ("latency_source", str, field(default="")),  # "app" or "engine": whose ``latency`` is
+     ("engine", str, field(default="")),  # the engines seen, e.g. "vllm"
+     *((name, Hist | None, field(default=None)) for name in ("engine_latency", "queue", "ttft", "itl")),
+     *((name, float | None, field(default=None))
+       for name in ("engine_latency_sum", "engine_latency_count", "queue_sum", "queue_count",
+                    "kv_usage", "running", "waiting", "preemptions"))],
+    frozen=True, slots=True,
+    namespace={"link_below_max": _link_below_max, "link_known": _link_known})
+Figures.__module__ = __name__
+Figures.__doc__ = """One GPU as the series of one cycle describe it (None: absent), or, in a ``Window``,
+the mean of the cycles that had the figure (counters, codes and link states: their last value).
+Built from the metric table: a figure the verdict reads is an entry with ``figure=`` there."""
 _BUCKET = "inference_request_duration_seconds_bucket"
 # engine series -> (Figures field, how endpoints and models combine)
 _ENGINE_HISTS = {"engine_request_duration_seconds": "engine_latency",
@@ -226,16 +126,21 @@ _ENGINE_NUMBERS = {"engine_request_duration_seconds_sum": "engine_latency_sum",
 _HISTS = ("latency", "engine_latency", "queue", "ttft", "itl")
 _XID = "gpu_xid_errors_total"
 _COUNTERS = ("retries", "ooms")  # the app's: increases from the first cycle that had either
-# NVML's counters: increases from the first value each had in the window
-_HEALTH_COUNTERS = ("ecc_uncorrected", "ecc_corrected", "replays", "l0_recovery",
-                    "pcie_correctable", "preemptions", "engine_latency_sum", "engine_latency_count",
-                    "queue_sum", "queue_count")
-# a window keeps the last value of these, not a mean: counters, a code, the link's state
-_LAST = (*_COUNTERS, *_HEALTH_COUNTERS, "last_xid", "link_gen", "link_width", "link_gen_now",
-         "link_width_now")
+# NVML's counters (and the engine's): increases from the first value each had in the window
+_HEALTH_COUNTERS = (*(m.figure for m in metrics.TABLE
+                      if m.figure and m.kind == "counter" and m.figure not in _COUNTERS),
+                    "preemptions", "engine_latency_sum", "engine_latency_count", "queue_sum",
+                    "queue_count")
+# a window keeps the last value of these, not a mean: counters, and states (a code, the link's
+# generation and width)
+_LAST = (*_COUNTERS, *_HEALTH_COUNTERS,
+         *(m.figure for m in metrics.TABLE if m.figure and m.unit in ("code", "generation", "lanes")))
 _NUMBERS = tuple(f.name for f in fields(Figures)
                  if f.name not in ("uuid", "name", "index", "available", "xids", "latency_source",
                                    "engine", *_HISTS))
+_LAST_AT = frozenset(i for i, name in enumerate(_NUMBERS) if name in _LAST)
+_ZEROS = [0.0] * len(_NUMBERS)
+_ZEROS_I = [0] * len(_NUMBERS)
 # a rate above the link as trained at the reading: the link trained down during the interval
 # (traffic stopped, the link went idle), so the reading is no sample of a degraded link
 _RETRAINED_RATIO = 1.05
@@ -387,8 +292,10 @@ class _Running:
 
     def __init__(self) -> None:
         self.n = 0
-        self.sums: dict[str, float] = {}
-        self.counts: dict[str, int] = {}
+        # by position in _NUMBERS: arrays, not dicts, since the running agent keeps one
+        # _Running per GPU per bucket of its window (sidecar/recent.py)
+        self.sums = array("d", _ZEROS)
+        self.counts = array("l", _ZEROS_I)
         self.last: Figures | None = None
         self.first_counters: tuple[float | None, float | None] | None = None
         self.first_hist: dict[str, _Running.Hist] = {}  # histogram field -> first, last
@@ -401,15 +308,15 @@ class _Running:
     def add(self, f: Figures, *, nested: bool = False) -> None:
         self.n += 1
         self.last = f
-        for name in _NUMBERS:
+        for i, name in enumerate(_NUMBERS):
             v = getattr(f, name)
             if v is None:
                 continue
-            if name in _LAST:
-                self.sums[name] = v
+            if i in _LAST_AT:
+                self.sums[i] = v
             else:
-                self.sums[name] = self.sums.get(name, 0.0) + v
-            self.counts[name] = self.counts.get(name, 0) + 1
+                self.sums[i] += v
+            self.counts[i] += 1
             if name in _HEALTH_COUNTERS:
                 self.first.setdefault(name, v)
         if self.first_counters is None and (f.retries is not None or f.ooms is not None):
@@ -436,10 +343,10 @@ class _Running:
         result is what one ``_Running`` that saw both runs of cycles in order holds. The running
         agent keeps its window as time buckets and merges those a question spans."""
         self.n += newer.n
-        for name, v in newer.sums.items():
-            self.sums[name] = v if name in _LAST else self.sums.get(name, 0.0) + v
-        for name, c in newer.counts.items():
-            self.counts[name] = self.counts.get(name, 0) + c
+        for i, c in enumerate(newer.counts):
+            if c:
+                self.sums[i] = newer.sums[i] if i in _LAST_AT else self.sums[i] + newer.sums[i]
+                self.counts[i] += c
         if newer.last is not None:
             self.last = newer.last
         if self.first_counters is None:
@@ -498,8 +405,9 @@ def summarize(cycles: Iterable[Mapping[str, Figures]]) -> dict[str, Window]:
 
 def _means(run: _Running) -> Figures:
     values: dict[str, object] = {}
-    for name, total in run.sums.items():
-        values[name] = total if name in _LAST else total / run.counts[name]
+    for i, name in enumerate(_NUMBERS):
+        if run.counts[i]:
+            values[name] = run.sums[i] if i in _LAST_AT else run.sums[i] / run.counts[i]
     assert run.last is not None
     return dataclasses.replace(run.last, **values)  # type: ignore[arg-type]
 
@@ -518,8 +426,12 @@ def _window(read: _Running, unread: _Running, lost: bool) -> Window:
     first_retries, first_ooms = base.first_counters or (last.retries, last.ooms)
     retries = None if last.retries is None else last.retries - (first_retries or 0)
     ooms = None if last.ooms is None else last.ooms - (first_ooms or 0)
-    p50, p99, requests, since_start = _quantiles(base, "latency")
-    increases = {name: _increase(base.first[name], base.sums[name]) for name in base.first}
+    # a GPU lost after one reading gives no increase: its histogram since the app started
+    # would be another window than the other GPUs' (theirs: the window), so none is given
+    p50, p99, requests, since_start = (_quantiles(base, "latency") if base.n >= 2 or not lost
+                                       else (None, None, 0.0, False))
+    increases = {name: _increase(base.first[name], base.sums[_NUMBERS.index(name)])
+                 for name in base.first}
     engine_p99, queue_p99, ttft_p99, itl_p99 = (_quantiles(base, name)[1] for name in
                                                 ("engine_latency", "queue", "ttft", "itl"))
     queue_share = None
@@ -528,7 +440,9 @@ def _window(read: _Running, unread: _Running, lost: bool) -> Window:
     elif increases.get("engine_latency_sum") and increases.get("queue_sum") is not None:
         queue_share = increases["queue_sum"] / increases["engine_latency_sum"]
     xid_base = base.xid_base or {}
-    xids = {code: _increase(xid_base.get(code, 0.0), n) for code, n in (last.xids or ())}
+    # a GPU lost in the window: its Xids as last known, after the readings (79 lost it)
+    latest = unread.last if lost and unread.last is not None else last
+    xids = {code: _increase(xid_base.get(code, 0.0), n) for code, n in (latest.xids or ())}
     below = base.below
     return Window(mean=mean, samples=read.n, unreadable=unread.n, lost=lost, retries=retries,
                   ooms=ooms, p50=p50, p99=p99, requests=requests, latency_since_start=since_start,
@@ -590,91 +504,6 @@ class Verdict:
         return "ok? no GPM" if self.window.mean.utilization is not None else "ok? no NVML"
 
 
-KINDS = {  # the seed's kinds, in their order of precedence: key: (layer, table cell, title, what to do)
-    "gpu-lost": (
-        "GPU", "LOST", "the GPU stopped answering NVML",
-        "check `nvidia-smi` and the kernel log (`dmesg | grep -i xid`: Xid 79 is a GPU fallen off "
-        "the bus, 48/63/64/94/95 memory errors); the agent re-opens it every --gpu-retry-interval "
-        "s; if it stays lost, drain the node and reset or replace the GPU, and move the pod's "
-        "work to its other GPUs"),
-    "pcie": (
-        "IO", "IO: PCIe", "the PCIe link is saturated",
-        "pin host buffers (DataLoader(pin_memory=True), tensor.pin_memory()) and copy with "
-        "non_blocking=True; prefetch the next batch on a side CUDA stream so copies overlap "
-        "compute; keep weights and reused inputs resident on the GPU instead of re-uploading; "
-        "send smaller dtypes or pre-processed tensors; return only what the client needs (top-k "
-        "on the GPU) for TX; check gpu_pcie_link_generation/width for a link trained down, or "
-        "give --pcie-peak-bytes-per-second a measured peak"),
-    "fragmentation": (
-        "memory", "mem: frag", "the allocator's cache is fragmented",
-        "set PYTORCH_ALLOC_CONF=expandable_segments:True (PyTorch 2.8 and newer; before 2.8 "
-        "the older name PYTORCH_CUDA_ALLOC_CONF, which later releases still read); bucket or "
-        "pad batch shapes (fixed "
-        "sequence-length buckets) so freed blocks fit the next request; call "
-        "torch.cuda.empty_cache() between phases (after loading, after a shape change), not per "
-        "request; warm up with the largest batch at start-up"),
-    "allocator-retries": (
-        "memory", "mem: retries", "the allocator had to retry cudaMalloc",
-        "each retry flushed the allocator cache and synchronised the device: lower the peak (a "
-        "smaller maximum batch or sequence length), apply the fragmentation remedies "
-        "(expandable_segments), and leave headroom beside other processes on the GPU"),
-    "low-occupancy": (
-        "compute", "compute: occ", "small kernels leave the SMs idle",
-        "give the SMs more work per launch: batch requests (dynamic batching, a larger maximum "
-        "batch), capture the steady path with CUDA graphs (torch.compile(mode='reduce-overhead')) "
-        "to remove launch gaps, and fuse small kernels (torch.compile, fused attention, TensorRT)"),
-}
-
-HEALTH_KINDS = {  # the health layer's and the Grace IO's: key: (layer, cell, title, what to do)
-    "hardware-fault": (
-        "health", "HW FAULT", "the GPU reported a hardware fault",
-        "drain the node (`kubectl cordon NODE`, then `kubectl drain NODE --ignore-daemonsets`) so "
-        "no new work lands on this GPU, and treat what ran on it since the fault as suspect (an "
-        "uncorrected error may have changed results: rerun or check them); then reset the GPU "
-        "(`nvidia-smi -r -i INDEX`, or reboot the node) and run `dcgmi diag -r 3`; replace it "
-        "(RMA, with `nvidia-bug-report.sh`) if a row remap failed or the fault comes back; "
-        "`dmesg | grep -i xid` has the driver's own record"),
-    "throttled": (
-        "health", "clocks", "the clocks are held below their maximum",
-        ""),  # by reason: _THROTTLE_REMEDY
-    "pcie-degraded": (
-        "IO", "IO: PCIe link", "the PCIe link trained below its maximum",
-        "reseat the GPU (and its riser or cable), check the slot (its electrical width, a "
-        "bifurcation of x16 into x8x8) and the BIOS's PCIe settings (a generation forced low, "
-        "ASPM); compare LnkCap with LnkSta in `lspci -vv -s BUS_ID` and `nvidia-smi -q -d PCIE`; a "
-        "link that keeps leaving L0 for recovery or replaying (gpu_pcie_l0_to_recovery_total, "
-        "gpu_pcie_replay_errors_total) is a failing slot, riser or card: move the GPU to "
-        "another slot to tell which; until then the copy remedies of `pcie` apply to the slower "
-        "link"),
-    "c2c": (
-        "IO", "IO: C2C", "the NVLink-C2C link to the Grace CPU is saturated",
-        "the GPU streams host (Grace) memory at the link's limit: keep what kernels reuse in HBM "
-        "(weights, the KV cache: no CPU offload of hot tensors), place managed memory on the GPU "
-        "before use (cudaMemPrefetchAsync, cudaMemAdvise with SetPreferredLocation) instead of "
-        "faulting pages across the link, do not oversubscribe HBM with unified memory, and "
-        "batch host copies into large ones that overlap compute on a side stream"),
-}
-
-ENGINE_KINDS = {  # the serving engine's (--engine-metrics-url): key: (layer, cell, title, what to do)
-    "kv-cache": (
-        "engine", "engine: KV", "the engine's KV cache is full",
-        "give the KV cache more room or ask less of it: raise vLLM's --gpu-memory-utilization "
-        "(SGLang: --mem-fraction-static) if the GPU has free memory, shorten --max-model-len "
-        "to what the traffic needs, lower --max-num-seqs so fewer requests share the cache, "
-        "use an FP8 KV cache (--kv-cache-dtype fp8) or prefix caching for shared prompts; "
-        "otherwise add replicas (or tensor-parallel GPUs) so each holds fewer requests"),
-    "queueing": (
-        "engine", "engine: queue", "requests wait in the engine's queue",
-        "the GPU has room and requests wait to be admitted: raise the batch budget (vLLM "
-        "--max-num-seqs, --max-num-batched-tokens; SGLang --max-running-requests; TGI "
-        "--max-batch-total-tokens; Triton's dynamic batcher max_batch_size and queue delay) "
-        "so more requests run at once; if the GPU is already full at a larger batch, add "
-        "replicas and spread the traffic"),
-}
-
-PRECEDENCE = ("gpu-lost", "hardware-fault", "throttled", "pcie-degraded", "pcie", "c2c",
-              "kv-cache", "fragmentation", "allocator-retries", "low-occupancy", "queueing")
-ALL_KINDS = {key: {**KINDS, **HEALTH_KINDS, **ENGINE_KINDS}[key] for key in PRECEDENCE}
 
 def cell_of(kind: str) -> str:
     """The table's cell for a verdict kind (``none``: ok)."""
@@ -839,63 +668,448 @@ def _degraded(w: Window, t: Thresholds) -> bool:
             and t.pcie_degraded(True, b.pcie_tx_now_ratio, b.pcie_rx_now_ratio))
 
 
+@dataclass(frozen=True)
+class Rule:
+    """One verdict kind, whole: where it stands (``RULES`` is in precedence order), its layer,
+    table cell and title, when it holds on a window (``found``, against a threshold of
+    ``sidecar.thresholds``), the figures behind it (``evidence``), what to do (``remedy``), its
+    threshold in words (the head of diagnose's report) and its alert rules (PromQL with the
+    thresholds as ``%(name)s``, rendered by ``sidecar.alert_rules``). ``alone``: judged only where
+    no rule before it found anything (queueing: any other finding explains why requests wait).
+
+    ``evidence`` returns the text, or (cell, text, remedy) where the finding's cell and remedy
+    follow the figures (throttled: by the reasons that held the clocks)."""
+
+    kind: str
+    layer: str  # GPU, health, IO, engine, memory, compute
+    cell: str  # the live table's verdict column
+    title: str
+    remedy: str
+    found: Callable[[Window, Thresholds], bool]
+    evidence: Callable[[Window, Thresholds], str | tuple[str, str, str]]
+    threshold: Callable[[Thresholds], str] | None = None  # None: no threshold (a lost GPU)
+    alerts: str = ""  # alert rules in the group of its layer ("" : none of its own)
+    alone: bool = False
+
+
+RULES: tuple[Rule, ...] = (
+    Rule("gpu-lost", "GPU", "LOST", "the GPU stopped answering NVML",
+         "check `nvidia-smi` and the kernel log (`dmesg | grep -i xid`: Xid 79 is a GPU fallen "
+         "off the bus, 48/63/64/94/95 memory errors); the agent re-opens it every "
+         "--gpu-retry-interval s; if it stays lost, drain the node and reset or replace the GPU, "
+         "and move the pod's work to its other GPUs",
+         found=lambda w, t: w.lost,
+         evidence=lambda w, t: f"unreadable in {w.unreadable} of {w.samples + w.unreadable} "
+                               "samples, including the last (alert GPUSidecarGPUUnavailable)"),
+    Rule("hardware-fault", "health", "HW FAULT", "the GPU reported a hardware fault",
+         "drain the node (`kubectl cordon NODE`, then `kubectl drain NODE --ignore-daemonsets`) "
+         "so no new work lands on this GPU, and treat what ran on it since the fault as suspect "
+         "(an uncorrected error may have changed results: rerun or check them); then reset the "
+         "GPU (`nvidia-smi -r -i INDEX`, or reboot the node) and run `dcgmi diag -r 3`; replace "
+         "it (RMA, with `nvidia-bug-report.sh`) if a row remap failed or the fault comes back; "
+         "`dmesg | grep -i xid` has the driver's own record",
+         found=lambda w, t: t.hardware_fault(dict(xids_in_window(w, t, critical=True)),
+                                             w.increases.get("ecc_uncorrected"),
+                                             w.mean.remap_failed),
+         evidence=lambda w, t: _hardware_evidence(w, t),
+         threshold=lambda t: f"a critical Xid ({', '.join(map(str, t.critical_xids))}), an "
+                             "uncorrected ECC error or a failed row remap",
+         alerts="""\
+      - alert: GPUHardwareFault
+        # the GPU itself failed: a critical Xid (%(critical_xids_list)s; the first
+        # of a code arrives as a new series at 1, which increase() alone would read as 0, hence
+        # the second arm), an uncorrected ECC error, or a failed row remap. Each is a reason to
+        # drain the node
+        expr: |
+          label_replace(
+            increase(gpu_xid_errors_total{xid=~"%(critical_xids_regex)s"}[10m]) > 0
+            or
+            (gpu_xid_errors_total{xid=~"%(critical_xids_regex)s"} > 0
+              unless gpu_xid_errors_total{xid=~"%(critical_xids_regex)s"} offset 10m),
+            "cause", "Xid $1", "xid", "(.+)")
+          or
+          label_replace(increase(gpu_ecc_uncorrected_volatile_total[10m]) > 0,
+            "cause", "uncorrected ECC errors", "", "")
+          or
+          label_replace(gpu_row_remap_failed == 1, "cause", "a failed row remap", "", "")
+        for: 0m
+        labels:
+          severity: critical
+        annotations:
+          summary: "Hardware fault on GPU {{ $labels.gpu_uuid }} of {{ $labels.pod }}: {{ $labels.cause }}"
+          description: >-
+            GPU {{ $labels.gpu_uuid }} ({{ $labels.pod }}, {{ $labels.namespace }}) reported
+            {{ $labels.cause }}: its results may be wrong and it needs a reset or a replacement.
+            Drain the node, reset the GPU (nvidia-smi -r) and run dcgmi diag; replace it if a
+            row remap failed or the fault comes back. dmesg | grep -i xid has the driver's record.
+"""),
+    Rule("throttled", "health", "clocks", "the clocks are held below their maximum",
+         "",  # by reason: _THROTTLE_REMEDY
+         found=lambda w, t: t.throttled(reason_share(w.mean), w.mean.utilization,
+                                        w.mean.sm_clock, w.mean.sm_clock_max),
+         evidence=lambda w, t: _throttled(w, t),
+         threshold=lambda t: f"a clock limit for over {t.throttle_ratio:.0%} of the window with "
+                             f"the SM clock below {t.throttle_clock_ratio:.0%} of its maximum "
+                             f"and utilization above {t.busy_utilization_ratio:.0%}",
+         alerts="""\
+      - alert: GPUClocksThrottled
+        # a limiting reason for more than %(throttle_percent)s %% of 5 minutes on a busy GPU (utilization
+        # above %(busy_percent)s %%) whose SM clock averaged below %(throttle_clock_percent)s %% of its
+        # maximum; sync boost is not a reason here (it follows the slowest GPU of its group,
+        # whose own reason fires there)
+        expr: |
+          (
+            %(throttle_reasons_expr)s
+          )
+          and on (namespace, pod, gpu_uuid)
+          avg_over_time(gpu_utilization_ratio[5m]) > %(busy_utilization_ratio)s
+          and on (namespace, pod, gpu_uuid)
+          avg_over_time(gpu_sm_clock_hertz[5m])
+            < %(throttle_clock_ratio)s * avg_over_time(gpu_sm_clock_max_hertz[5m])
+        for: 5m
+        labels:
+          severity: warning
+        annotations:
+          summary: >-
+            GPU {{ $labels.gpu_uuid }} clocks limited by {{ $labels.reason }}
+            {{ $value | humanizePercentage }} of the time
+          description: >-
+            The clocks of GPU {{ $labels.gpu_uuid }} ({{ $labels.pod }}) are held below
+            %(throttle_clock_percent)s %% of their maximum while it is busy: every kernel runs slower. Power
+            cap: check the power limit (gpu_power_limit_watts) and the workload's power;
+            thermal: the airflow (gpu_temperature_celsius); HW slowdown or power brake: the
+            board and its power supply.
+"""),
+    Rule("pcie-degraded", "IO", "IO: PCIe link", "the PCIe link trained below its maximum",
+         "reseat the GPU (and its riser or cable), check the slot (its electrical width, a "
+         "bifurcation of x16 into x8x8) and the BIOS's PCIe settings (a generation forced low, "
+         "ASPM); compare LnkCap with LnkSta in `lspci -vv -s BUS_ID` and `nvidia-smi -q -d PCIE`; "
+         "a link that keeps leaving L0 for recovery or replaying "
+         "(gpu_pcie_l0_to_recovery_total, gpu_pcie_replay_errors_total) is a failing slot, "
+         "riser or card: move the GPU to another slot to tell which; until then the copy "
+         "remedies of `pcie` apply to the slower link",
+         found=lambda w, t: _degraded(w, t),
+         evidence=lambda w, t: _degraded_evidence(w, t),
+         threshold=lambda t: f"a PCIe link below its maximum carrying over "
+                             f"{t.pcie_degraded_traffic_ratio:.0%} of the link as trained",
+         alerts="""\
+      - alert: GPUPcieLinkDegraded
+        # the link trained below its maximum generation or width while either direction carries
+        # more than %(pcie_degraded_percent)s %% of the link as trained: an idle link trains down to save
+        # power and is never this alert
+        expr: |
+          max by (namespace, pod, gpu_uuid, gpu_name, gpu_index) (
+            {__name__=~"gpu_pcie_(tx|rx)_current_link_util_ratio"}
+          ) > %(pcie_degraded_traffic_ratio)s
+          and on (namespace, pod, gpu_uuid)
+          (
+            gpu_pcie_link_current_generation < gpu_pcie_link_generation
+            or
+            gpu_pcie_link_current_width < gpu_pcie_link_width
+          )
+        for: 5m
+        labels:
+          severity: warning
+        annotations:
+          summary: >-
+            PCIe link of GPU {{ $labels.gpu_uuid }} below its maximum, at
+            {{ $value | humanizePercentage }} of the link as trained
+          description: >-
+            The PCIe link of GPU {{ $labels.gpu_uuid }} ({{ $labels.pod }}) carries traffic
+            while trained below its maximum: compare gpu_pcie_link_current_generation/width
+            with gpu_pcie_link_generation/width. Reseat the GPU, check the slot, the riser and
+            the BIOS's PCIe settings.
+"""),
+    Rule("pcie", "IO", "IO: PCIe", "the PCIe link is saturated",
+         "pin host buffers (DataLoader(pin_memory=True), tensor.pin_memory()) and copy with "
+         "non_blocking=True; prefetch the next batch on a side CUDA stream so copies overlap "
+         "compute; keep weights and reused inputs resident on the GPU instead of re-uploading; "
+         "send smaller dtypes or pre-processed tensors; return only what the client needs "
+         "(top-k on the GPU) for TX; check gpu_pcie_link_generation/width for a link trained "
+         "down, or give --pcie-peak-bytes-per-second a measured peak",
+         found=lambda w, t: t.pcie_saturated(w.mean.pcie_tx_ratio, w.mean.pcie_rx_ratio),
+         evidence=lambda w, t: (
+             f"PCIe RX {pct(w.mean.pcie_rx_ratio)} ({gbps(w.mean.pcie_rx)}), TX "
+             f"{pct(w.mean.pcie_tx_ratio)} ({gbps(w.mean.pcie_tx)}) of the link's "
+             f"{gbps(w.mean.link_max)}, above {t.pcie_util_ratio:.0%} (alert GPUPCIeSaturated)"),
+         threshold=lambda t: f"PCIe above {t.pcie_util_ratio:.0%} of the link",
+         alerts="""\
+      - alert: GPUPCIeSaturated
+        # either direction above %(pcie_percent)s %% of the link maximum (the device's max generation x width,
+        # or the calibrated peak given to the agent)
+        expr: |
+          max by (namespace, pod, gpu_uuid, gpu_name) (
+            {__name__=~"gpu_pcie_(tx|rx)_bandwidth_util_ratio"}
+          ) > %(pcie_util_ratio)s
+        for: 3m
+        labels:
+          severity: warning
+        annotations:
+          summary: "PCIe link of GPU {{ $labels.gpu_uuid }} at {{ $value | humanizePercentage }}"
+          description: >-
+            Host-device copies on {{ $labels.pod }} use more than %(pcie_percent)s %% of the PCIe link: model
+            loads, large batches or pageable copies. gpu_pcie_link_max_bytes_per_second shows the
+            maximum used.
+"""),
+    Rule("c2c", "IO", "IO: C2C", "the NVLink-C2C link to the Grace CPU is saturated",
+         "the GPU streams host (Grace) memory at the link's limit: keep what kernels reuse in "
+         "HBM (weights, the KV cache: no CPU offload of hot tensors), place managed memory on "
+         "the GPU before use (cudaMemPrefetchAsync, cudaMemAdvise with SetPreferredLocation) "
+         "instead of faulting pages across the link, do not oversubscribe HBM with unified "
+         "memory, and batch host copies into large ones that overlap compute on a side stream",
+         found=lambda w, t: t.c2c_saturated(w.mean.c2c_tx_ratio, w.mean.c2c_rx_ratio),
+         evidence=lambda w, t: (
+             f"NVLink-C2C RX {pct(w.mean.c2c_rx_ratio)} ({gbps(w.mean.c2c_rx)}), TX "
+             f"{pct(w.mean.c2c_tx_ratio)} ({gbps(w.mean.c2c_tx)}) of the links' "
+             f"{gbps(w.mean.c2c_max)}, above {t.pcie_util_ratio:.0%} (alert GPUC2CSaturated)"),
+         threshold=lambda t: f"NVLink-C2C above {t.pcie_util_ratio:.0%} of its maximum",
+         alerts="""\
+      - alert: GPUC2CSaturated
+        # Grace Hopper / Grace Blackwell: either direction of NVLink-C2C, the host link there,
+        # above %(pcie_percent)s %% of its maximum
+        expr: |
+          max by (namespace, pod, gpu_uuid, gpu_name) (
+            {__name__=~"gpu_c2c_(tx|rx)_bandwidth_util_ratio"}
+          ) > %(pcie_util_ratio)s
+        for: 3m
+        labels:
+          severity: warning
+        annotations:
+          summary: "NVLink-C2C of GPU {{ $labels.gpu_uuid }} at {{ $value | humanizePercentage }}"
+          description: >-
+            Host memory traffic of {{ $labels.pod }} uses more than %(pcie_percent)s %% of the C2C link to
+            the Grace CPU: keep reused data in HBM, prefetch managed memory to the GPU, avoid
+            oversubscribing HBM.
+"""),
+    Rule("kv-cache", "engine", "engine: KV", "the engine's KV cache is full",
+         "give the KV cache more room or ask less of it: raise vLLM's --gpu-memory-utilization "
+         "(SGLang: --mem-fraction-static) if the GPU has free memory, shorten --max-model-len "
+         "to what the traffic needs, lower --max-num-seqs so fewer requests share the cache, "
+         "use an FP8 KV cache (--kv-cache-dtype fp8) or prefix caching for shared prompts; "
+         "otherwise add replicas (or tensor-parallel GPUs) so each holds fewer requests",
+         found=lambda w, t: t.kv_cache_full(w.mean.kv_usage, w.increases.get("preemptions"),
+                                            w.mean.waiting),
+         evidence=lambda w, t: (
+             f"KV cache {pct(w.mean.kv_usage)} in use (at least {t.kv_cache_full_ratio:.0%}) "
+             f"with {w.increases.get('preemptions') or 0:.0f} preemptions during the window and "
+             f"{w.mean.waiting or 0:.1f} requests waiting, {w.mean.running or 0:.1f} running on "
+             f"average; the engine's p99 request {ms(w.engine_p99)}, of it queue "
+             f"{ms(w.queue_p99)} (engine {w.mean.engine}; alert GPUEngineKVCacheFull)"),
+         threshold=lambda t: f"an engine's KV cache at {t.kv_cache_full_ratio:.0%} with "
+                             "preemptions or waiting requests",
+         alerts="""\
+      - alert: GPUEngineKVCacheFull
+        # the serving engine's KV cache (--engine-metrics-url) at %(kv_cache_percent)s %% or more
+        # while requests are preempted or wait for room: a full cache alone is normal
+        expr: |
+          max by (namespace, pod, engine, endpoint, model) (
+            avg_over_time(engine_kv_cache_usage_ratio[5m])
+          ) >= %(kv_cache_full_ratio)s
+          and on (namespace, pod, engine, endpoint, model)
+          (
+            max by (namespace, pod, engine, endpoint, model) (
+              increase(engine_preemptions_total[5m])) > 0
+            or
+            max by (namespace, pod, engine, endpoint, model) (
+              avg_over_time(engine_requests_waiting[5m])) >= %(kv_cache_waiting_requests)s
+          )
+        for: 5m
+        labels:
+          severity: warning
+        annotations:
+          summary: "KV cache of {{ $labels.model }} on {{ $labels.pod }} at {{ $value | humanizePercentage }}"
+          description: >-
+            The {{ $labels.engine }} engine of {{ $labels.pod }} has no KV-cache room left and
+            preempts or queues requests: raise gpu_memory_utilization, shorten max_model_len,
+            lower the number of concurrent sequences, or add replicas.
+"""),
+    Rule("fragmentation", "memory", "mem: frag", "the allocator's cache is fragmented",
+         "set PYTORCH_ALLOC_CONF=expandable_segments:True (PyTorch 2.8 and newer; before 2.8 "
+         "the older name PYTORCH_CUDA_ALLOC_CONF, which later releases still read); bucket or "
+         "pad batch shapes (fixed sequence-length buckets) so freed blocks fit the next request; "
+         "call torch.cuda.empty_cache() between phases (after loading, after a shape change), "
+         "not per request; warm up with the largest batch at start-up",
+         found=lambda w, t: t.fragmented(w.mean.fragmentation, w.mean.alloc_reserved),
+         evidence=lambda w, t: (
+             f"{pct(w.mean.fragmentation)} of the allocator's {gib(w.mean.alloc_reserved)} cache "
+             f"holds no tensor, above {t.fragmentation_ratio:.0%} on a cache over "
+             f"{gib(t.fragmentation_min_reserved_bytes)}; {pct(w.mean.nonreleasable)} cannot be "
+             f"released; largest free block {gib(w.mean.largest_free)} (alert "
+             "GPUMemoryFragmentationHigh)"),
+         threshold=lambda t: f"fragmentation above {t.fragmentation_ratio:.0%} of a cache over "
+                             f"{gib(t.fragmentation_min_reserved_bytes)}",
+         alerts="""\
+      - alert: GPUMemoryFragmentationHigh
+        # more than %(fragmentation_percent)s %% of the allocator's cache holds no tensor, on a
+        # cache worth looking at
+        expr: |
+          gpu_memory_fragmentation_ratio > %(fragmentation_ratio)s
+          and on (namespace, pod, gpu_uuid)
+          gpu_allocator_reserved_bytes > %(fragmentation_min_reserved_bytes)s
+        for: 5m
+        labels:
+          severity: warning
+        annotations:
+          summary: "GPU allocator cache {{ $value | humanizePercentage }} empty on {{ $labels.pod }}"
+          description: >-
+            The caching allocator of {{ $labels.pod }} ({{ $labels.namespace }}) on GPU
+            {{ $labels.gpu_uuid }} holds memory that no tensor uses: large requests may need
+            cudaMalloc, flushes and retries. Look at gpu_allocator_nonreleasable_ratio and
+            gpu_allocator_largest_free_block_bytes; consider
+            PYTORCH_ALLOC_CONF=expandable_segments:True (PYTORCH_CUDA_ALLOC_CONF before
+            PyTorch 2.8).
+"""),
+    Rule("allocator-retries", "memory", "mem: retries", "the allocator had to retry cudaMalloc",
+         "each retry flushed the allocator cache and synchronised the device: lower the peak (a "
+         "smaller maximum batch or sequence length), apply the fragmentation remedies "
+         "(expandable_segments), and leave headroom beside other processes on the GPU",
+         found=lambda w, t: t.allocator_retrying(w.retries, w.ooms),
+         evidence=lambda w, t: f"{w.retries or 0:.0f} allocation retries and {w.ooms or 0:.0f} "
+                               "OOMs during the window (alerts GPUAllocatorRetrying, "
+                               "GPUOutOfMemory)",
+         threshold=lambda t: "any allocator retry or OOM",
+         alerts="""\
+      - alert: GPUAllocatorRetrying
+        # the direct symptom: cudaMalloc failed, the cache was flushed and the call retried
+        expr: increase(gpu_allocator_alloc_retries_total[5m]) > 0
+        for: 0m
+        labels:
+          severity: warning
+        annotations:
+          summary: "GPU allocator retries on {{ $labels.pod }}"
+          description: >-
+            {{ $labels.pod }} needed {{ $value }} allocation retries on GPU {{ $labels.gpu_uuid }}
+            in 5 minutes: each one synchronises the device and stalls requests.
+
+      - alert: GPUOutOfMemory
+        expr: increase(gpu_allocator_ooms_total[5m]) > 0
+        for: 0m
+        labels:
+          severity: critical
+        annotations:
+          summary: "CUDA out-of-memory errors on {{ $labels.pod }}"
+          description: "{{ $labels.pod }} raised {{ $value }} OOM errors on GPU {{ $labels.gpu_uuid }}."
+"""),
+    Rule("low-occupancy", "compute", "compute: occ", "small kernels leave the SMs idle",
+         "give the SMs more work per launch: batch requests (dynamic batching, a larger maximum "
+         "batch), capture the steady path with CUDA graphs "
+         "(torch.compile(mode='reduce-overhead')) to remove launch gaps, and fuse small kernels "
+         "(torch.compile, fused attention, TensorRT)",
+         found=lambda w, t: t.occupancy_explains_latency(w.mean.occupancy, w.p99),
+         evidence=lambda w, t: (
+             f"SM occupancy {pct(w.mean.occupancy)} (below {t.occupancy_ratio:.0%}) while p99 "
+             f"{ms(w.p99)} is above the {ms(t.p99_latency_s)} objective; utilization reads "
+             f"{pct(w.mean.utilization)}, tensor {pct(w.mean.tensor)} (alert "
+             "GPULowOccupancyAndSlowRequests)"),
+         threshold=lambda t: f"SM occupancy below {t.occupancy_ratio:.0%} with p99 above "
+                             f"{ms(t.p99_latency_s)}",
+         alerts="""\
+      - alert: GPULowOccupancyAndSlowRequests
+        # low occupancy alone is normal for small models; it matters when latency suffers too.
+        # %(p99_latency_s)s s is the p99 objective used here: set your own.
+        # The latency is the app's (per GPU) or, on a GPU whose app publishes none, the
+        # serving engine's (--engine-metrics-url: the pod's, for each of its GPUs).
+        expr: |
+          (
+            avg by (namespace, pod, gpu_uuid) (gpu_sm_occupancy_ratio) < %(occupancy_ratio)s
+            and on (namespace, pod, gpu_uuid)
+            histogram_quantile(0.99,
+              sum by (namespace, pod, gpu_uuid, le) (
+                rate(inference_request_duration_seconds_bucket[5m]))
+            ) > %(p99_latency_s)s
+          )
+          or
+          (
+            avg by (namespace, pod, gpu_uuid) (gpu_sm_occupancy_ratio) < %(occupancy_ratio)s
+            unless on (namespace, pod, gpu_uuid) inference_request_duration_seconds_count
+            and on (namespace, pod)
+            histogram_quantile(0.99,
+              sum by (namespace, pod, le) (rate(engine_request_duration_seconds_bucket[5m]))
+            ) > %(p99_latency_s)s
+          )
+        for: 10m
+        labels:
+          severity: warning
+        annotations:
+          summary: "Low SM occupancy with slow requests on {{ $labels.pod }}"
+          description: >-
+            GPU {{ $labels.gpu_uuid }} keeps its SMs mostly empty while p99 latency is above the
+            objective: small, fragmented kernels; consider batching, CUDA graphs or fusion.
+"""),
+    Rule("queueing", "engine", "engine: queue", "requests wait in the engine's queue",
+         "the GPU has room and requests wait to be admitted: raise the batch budget (vLLM "
+         "--max-num-seqs, --max-num-batched-tokens; SGLang --max-running-requests; TGI "
+         "--max-batch-total-tokens; Triton's dynamic batcher max_batch_size and queue delay) "
+         "so more requests run at once; if the GPU is already full at a larger batch, add "
+         "replicas and spread the traffic",
+         found=lambda w, t: t.queueing(w.queue_share, w.p99),
+         evidence=lambda w, t: _queueing(w, t),
+         threshold=lambda t: f"an engine's queue time at {t.queue_share_ratio:.0%} of p99 above "
+                             f"{ms(t.p99_latency_s)}",
+         alerts="""\
+      - alert: GPUEngineQueueing
+        # requests spend at least %(queue_share_percent)s %% of the p99 latency waiting in the
+        # engine's queue, p99 above the %(p99_latency_s)s s objective, and the KV cache is not
+        # the reason (GPUEngineKVCacheFull). diagnose also checks that no GPU layer explains it;
+        # an engine without queue buckets (Triton: cumulative durations only) is not judged here
+        expr: |
+          (
+            histogram_quantile(0.99, sum by (namespace, pod, engine, endpoint, model, le) (
+              rate(engine_request_queue_duration_seconds_bucket[5m])))
+            / on (namespace, pod, engine, endpoint, model)
+            histogram_quantile(0.99, sum by (namespace, pod, engine, endpoint, model, le) (
+              rate(engine_request_duration_seconds_bucket[5m])))
+          ) >= %(queue_share_ratio)s
+          and on (namespace, pod, engine, endpoint, model)
+          histogram_quantile(0.99, sum by (namespace, pod, engine, endpoint, model, le) (
+            rate(engine_request_duration_seconds_bucket[5m]))) > %(p99_latency_s)s
+          unless on (namespace, pod, engine, endpoint, model)
+          avg_over_time(engine_kv_cache_usage_ratio[5m]) >= %(kv_cache_full_ratio)s
+        for: 10m
+        labels:
+          severity: warning
+        annotations:
+          summary: "{{ $labels.model }} on {{ $labels.pod }}: {{ $value | humanizePercentage }} of p99 queued"
+          description: >-
+            The {{ $labels.engine }} engine of {{ $labels.pod }} admits requests too slowly for
+            the traffic: raise the batch budget (max_num_seqs, max_num_batched_tokens) if the
+            GPU has room, or add replicas.
+""", alone=True),
+)
+PRECEDENCE = tuple(r.kind for r in RULES)
+RULE_OF: dict[str, Rule] = {r.kind: r for r in RULES}
+LAYERS = ("GPU", "health", "IO", "engine", "memory", "compute")  # of the kinds, as RULES name them
+# kind -> (layer, table cell, title, what to do), in PRECEDENCE order: what the views and the
+# store's commands read of a kind
+ALL_KINDS: dict[str, tuple[str, str, str, str]] = {
+    r.kind: (r.layer, r.cell, r.title, r.remedy) for r in RULES}
+
+
+def kinds_of(layer: str) -> tuple[str, ...]:
+    """The kinds of one layer (``GPU``, ``health``, ``IO``, ``engine``, ``memory``,
+    ``compute``), in precedence order."""
+    return tuple(r.kind for r in RULES if r.layer == layer)
+
+
+def threshold_prose(t: Thresholds) -> str:
+    """Every rule's threshold in words, in precedence order: the head of diagnose's report."""
+    return "; ".join(r.threshold(t) for r in RULES if r.threshold is not None)
+
+
 def judge(w: Window, t: Thresholds | None = None) -> Verdict:
     """The findings on one GPU, in ``PRECEDENCE`` order, and what could not be judged.
 
     ``t`` defaults to ``sidecar.thresholds.THRESHOLDS`` as it is at call time (one place to
     change a threshold, for the rules and for this)."""
     t = t or thresholds.THRESHOLDS
-    m = w.mean
-    hardware = t.hardware_fault(dict(xids_in_window(w, t, critical=True)),
-                                w.increases.get("ecc_uncorrected"), m.remap_failed)
-    throttled = t.throttled(reason_share(m), m.utilization, m.sm_clock, m.sm_clock_max)
-    checks = (
-        ("gpu-lost", w.lost,
-         lambda: f"unreadable in {w.unreadable} of {w.samples + w.unreadable} samples, including "
-                 "the last (alert GPUSidecarGPUUnavailable)"),
-        ("hardware-fault", hardware, lambda: _hardware_evidence(w, t)),
-        ("throttled", throttled, lambda: _throttled(w, t)),
-        ("pcie-degraded", _degraded(w, t), lambda: _degraded_evidence(w, t)),
-        ("pcie", t.pcie_saturated(m.pcie_tx_ratio, m.pcie_rx_ratio),
-         lambda: f"PCIe RX {pct(m.pcie_rx_ratio)} ({gbps(m.pcie_rx)}), TX {pct(m.pcie_tx_ratio)} "
-                 f"({gbps(m.pcie_tx)}) of the link's {gbps(m.link_max)}, above "
-                 f"{t.pcie_util_ratio:.0%} (alert GPUPCIeSaturated)"),
-        ("c2c", t.c2c_saturated(m.c2c_tx_ratio, m.c2c_rx_ratio),
-         lambda: f"NVLink-C2C RX {pct(m.c2c_rx_ratio)} ({gbps(m.c2c_rx)}), TX "
-                 f"{pct(m.c2c_tx_ratio)} ({gbps(m.c2c_tx)}) of the links' {gbps(m.c2c_max)}, "
-                 f"above {t.pcie_util_ratio:.0%} (alert GPUC2CSaturated)"),
-        ("kv-cache", t.kv_cache_full(m.kv_usage, w.increases.get("preemptions"), m.waiting),
-         lambda: f"KV cache {pct(m.kv_usage)} in use (at least {t.kv_cache_full_ratio:.0%}) with "
-                 f"{w.increases.get('preemptions') or 0:.0f} preemptions during the window and "
-                 f"{m.waiting or 0:.1f} requests waiting, {m.running or 0:.1f} running on "
-                 f"average; p99 {ms(w.p99)}, of it queue {ms(w.queue_p99)} (engine {m.engine}; "
-                 "alert GPUEngineKVCacheFull)"),
-        ("fragmentation", t.fragmented(m.fragmentation, m.alloc_reserved),
-         lambda: f"{pct(m.fragmentation)} of the allocator's {gib(m.alloc_reserved)} cache holds "
-                 f"no tensor, above {t.fragmentation_ratio:.0%} on a cache over "
-                 f"{gib(t.fragmentation_min_reserved_bytes)}; {pct(m.nonreleasable)} cannot be "
-                 f"released; largest free block {gib(m.largest_free)} (alert "
-                 "GPUMemoryFragmentationHigh)"),
-        ("allocator-retries", t.allocator_retrying(w.retries, w.ooms),
-         lambda: f"{w.retries or 0:.0f} allocation retries and {w.ooms or 0:.0f} OOMs during the "
-                 "window (alerts GPUAllocatorRetrying, GPUOutOfMemory)"),
-        ("low-occupancy", t.occupancy_explains_latency(m.occupancy, w.p99),
-         lambda: f"SM occupancy {pct(m.occupancy)} (below {t.occupancy_ratio:.0%}) while p99 "
-                 f"{ms(w.p99)} is above the {ms(t.p99_latency_s)} objective; utilization reads "
-                 f"{pct(m.utilization)}, tensor {pct(m.tensor)} (alert "
-                 "GPULowOccupancyAndSlowRequests)"),
-    )
     found: list[Finding] = []
-    for key, hit, evidence in (*checks, ("queueing", None, lambda: _queueing(w, t))):
-        if hit is None:  # queueing: only where nothing above explains the latency
-            hit = not found and t.queueing(w.queue_share, w.p99)
-        if not hit:
+    for rule in RULES:
+        if (rule.alone and found) or not rule.found(w, t):
             continue
-        layer, cell, title, remedy = ALL_KINDS[key]
-        said = evidence()
-        if isinstance(said, tuple):  # throttled: the cell and the remedy follow the reasons
+        cell, said, remedy = rule.cell, rule.evidence(w, t), rule.remedy
+        if isinstance(said, tuple):  # the cell and the remedy follow the figures
             cell, said, remedy = said
-        found.append(Finding(key, layer, cell, title, said, remedy))
+        found.append(Finding(rule.kind, rule.layer, cell, rule.title, said, remedy))
     notes: list[str] = []
     if not w.lost:
         notes.extend(_unjudged(w, t, found))

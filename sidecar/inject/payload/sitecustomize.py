@@ -84,10 +84,11 @@ def _chain(here):
 
 
 def _no_empty_entry(here):
-    """Where the container set no PYTHONPATH, the k8s component writes '<this directory>:'
-    (kustomize cannot create it without the separator) and Python reads the empty entry as the
-    working directory. Only that exact value is read back as meant: the working directory off
-    sys.path, and PYTHONPATH without the empty entry for the processes this one starts."""
+    """PYTHONPATH set to '<this directory>:' (by hand, or by an earlier k8s component where the
+    container set none; it now writes the directory alone): Python reads the empty entry as
+    the working directory. Only that exact value is read back as meant: the
+    working directory off sys.path, and PYTHONPATH without the empty entry for the processes
+    this one starts."""
     value = os.environ.get("PYTHONPATH", "")
     if not value.endswith(os.pathsep) or os.path.abspath(value[:-1]) != here \
             or os.pathsep in value[:-1]:

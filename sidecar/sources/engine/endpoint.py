@@ -21,26 +21,38 @@ import structlog
 
 from sidecar.log import Episodes
 from sidecar.samples import Labels, LatencyHistogram, Series, histogram_series
-from sidecar.sources.engine.families import ENGINES, FIGURES
-from sidecar.sources.engine.parse import EngineFigures, Malformed, figures_of
+from sidecar.sources.engine.families import ENGINES, FIGURES, absent_reason
+from sidecar.sources.engine.parse import (
+    MAX_SAMPLES,
+    EngineFigures,
+    Malformed,
+    TooLarge,
+    decoded,
+    figures_of,
+)
 from sidecar.urls import redact_url
 
 log = structlog.get_logger("sidecar.engine")
 
+_ENGINE_TITLES = ", ".join(e.title or e.name for e in ENGINES)
 # why a read gave no figures; every reason is exported at 0 from the start
 REASONS = ("unreachable", "timeout", "too_large", "malformed", "not_an_engine", "redirect",
            "credentials", "http_status")
 HINTS = {
     "unreachable": "is the engine running, and is its metrics port right? (vLLM serves /metrics "
-                   "on its API port, SGLang needs --enable-metrics, Triton uses port 8002)",
+                   "on its API port, SGLang needs --enable-metrics, Triton uses port 8002, "
+                   "llama-server needs --metrics)",
     "timeout": "the engine answers too slowly: raise --engine-metrics-timeout, or check the "
                "engine's load",
     "too_large": "raise --engine-metrics-max-bytes if the engine's metrics are really that "
-                 "large (many models or LoRA adapters)",
+                 f"large (many models or LoRA adapters); more than {MAX_SAMPLES} samples of the "
+                 "families read are never parsed (the agent's memory bound)",
     "malformed": "the endpoint does not serve the Prometheus text format: check the URL's path "
-                 "(usually /metrics)",
+                 "(usually /metrics; trtllm-serve's is /prometheus/metrics, its /metrics "
+                 "answers JSON); a series given twice means two scrapes joined (a proxy) or an "
+                 "exporter's bug",
     "not_an_engine": "the endpoint serves metrics of another program: point "
-                     "--engine-metrics-url at vLLM, SGLang, TGI or Triton",
+                     f"--engine-metrics-url at one of {_ENGINE_TITLES}",
     "redirect": "the endpoint redirects, which the agent never follows: give the final URL",
     "credentials": "the endpoint asks for credentials, which the agent does not send to an "
                    "engine: expose the metrics without authentication on localhost",
@@ -54,8 +66,10 @@ class Fetched:
     (``wiring`` adapts ``sinks.http`` to this, so that no source imports a sink)."""
 
     status: int = 0
-    body: bytes = b""
+    body: bytes = b""  # as sent: compressed if the engine compressed it
     location: str = ""
+    encoding: str = ""  # the answer's Content-Encoding
+    max_bytes: int = 0  # the body's decoded size may reach this (0: the body's own size)
     problem: tuple[str, str] | None = None  # (reason among REASONS, what happened)
 
 
@@ -124,13 +138,15 @@ class EngineEndpoint:
         figures = None
         if problem is None:
             try:
-                figures, prefixes = figures_of(got.body.decode("utf-8", "replace"))
+                figures, prefixes = figures_of(decoded(got.body, got.encoding, got.max_bytes))
+            except TooLarge as exc:
+                problem = ("too_large", str(exc))
             except (Malformed, ValueError) as exc:  # the parser's own errors included
                 problem = ("malformed", f"not the Prometheus text format: {exc}")
             else:
                 if figures is None:
                     seen = ", ".join(sorted(prefixes)[:8]) or "no metric at all"
-                    problem = ("not_an_engine", f"no family of vLLM, SGLang, TGI or Triton "
+                    problem = ("not_an_engine", f"no family of {_ENGINE_TITLES} "
                                f"(metric names seen start with: {seen})")
         del got  # the body is not kept beyond the parse
         self.read_s = self.clock() - began
@@ -167,7 +183,8 @@ class EngineEndpoint:
         self._said.clear()
         if self._found != figures.engine:
             self._found = figures.engine
-            missing = sorted(set(_figures_of(figures.engine)) - set(figures.figures))
+            # every figure of ours this engine gave no value for, and why: absent, never zero
+            missing = {f: _absent(figures.engine, f) for f in FIGURES if f not in figures.figures}
             log.info("engine_metrics_found", endpoint=self.label, engine=figures.engine,
                      models=figures.models, figures=sorted(figures.figures),
                      not_exposed=missing, left_out=list(figures.left_out))
@@ -195,8 +212,8 @@ class EngineEndpoint:
         return last
 
 
-def _figures_of(engine: str) -> list[str]:
-    return next((list(e.figures) for e in ENGINES if e.name == engine), [])
+def _absent(engine: str, figure: str) -> str:
+    return next((absent_reason(e, figure) for e in ENGINES if e.name == engine), "not exposed")
 
 
 class EngineSource:

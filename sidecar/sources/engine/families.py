@@ -1,11 +1,17 @@
 """Which of a serving engine's own Prometheus families become which engine series of ours.
 
-One table per engine: for each figure of ours, the engine's families that carry it, newest name
+One table per engine (vLLM, SGLang, TGI, Triton, TensorRT-LLM's ``trtllm-serve``, llama.cpp's
+``llama-server``): for each figure of ours, the engine's families that carry it, newest name
 first (vLLM renamed two between releases; both names in use in 2026 are here), with the factor
 to our unit. Only these families are read; every other family the engine exposes is dropped
 before parsing, so what is forwarded stays a fixed, small set of series whatever the engine
-adds. ``docs/metrics.md`` renders this table, with each source family and the versions that
-expose it.
+adds. A figure an engine has no family for stays absent, never zero, and ``absent`` says why
+(logged once when the engine is found, as ``not_exposed``). ``docs/metrics.md`` renders this
+table, with each source family and the versions that expose it.
+
+The names were checked in the engines' sources (vLLM's and SGLang's metrics modules, TensorRT-LLM's
+``tensorrt_llm/metrics/collector.py``, llama.cpp's ``tools/server`` metrics handler) and are
+pinned by the real captures in ``tests/realworld/`` (``tests/test_engine_captures.py``).
 """
 
 from __future__ import annotations
@@ -60,6 +66,9 @@ class Engine:
     # summed over them, and the largest taken over any other label (an SGLang tensor-parallel
     # rank reports the same requests as its peers); None: summed over every label
     replicas: tuple[str, ...] | None = None
+    title: str = ""  # as a person names it, in hints and the docs
+    # our figures the engine exposes under no family, and why (said once when it is found)
+    absent: dict[str, str] | None = None
 
 
 def _f(name: str, kind: SourceKind, versions: str, **kw: object) -> Family:
@@ -67,7 +76,7 @@ def _f(name: str, kind: SourceKind, versions: str, **kw: object) -> Family:
 
 
 VLLM = Engine(
-    name="vllm", prefix="vllm:", model_label="model_name", replicas=("engine",),
+    name="vllm", title="vLLM", prefix="vllm:", model_label="model_name", replicas=("engine",),
     default_url="http://127.0.0.1:8000/metrics",
     figures={
         "engine_request_duration_seconds": (
@@ -91,7 +100,8 @@ VLLM = Engine(
 )
 
 SGLANG = Engine(
-    name="sglang", prefix="sglang:", model_label="model_name", replicas=("dp_rank",),
+    name="sglang", title="SGLang", prefix="sglang:", model_label="model_name",
+    replicas=("dp_rank",),
     default_url="http://127.0.0.1:30000/metrics",
     figures={
         "engine_request_duration_seconds": (
@@ -106,13 +116,16 @@ SGLANG = Engine(
             _f("sglang:token_usage", "gauge", "all (tokens in use over capacity)"),),
         "engine_requests_running": (_f("sglang:num_running_reqs", "gauge", "all"),),
         "engine_requests_waiting": (_f("sglang:num_queue_reqs", "gauge", "all"),),
+        # the counter, created at the first retraction (absent before it: said, not zero);
+        # never sglang:num_retracted_reqs, a gauge of the last batch's retractions
         "engine_preemptions_total": (
-            _f("sglang:num_retracted_requests", "counter", "0.5.x (retracted requests)"),),
+            _f("sglang:num_retracted_requests", "counter",
+               "0.5.x (retracted requests; from the first retraction)"),),
     },
 )
 
 TGI = Engine(
-    name="tgi", prefix="tgi_", model_label=None,
+    name="tgi", title="TGI (archived March 2026)", prefix="tgi_", model_label=None,
     default_url="http://127.0.0.1:80/metrics",  # the image's PORT; 3000 outside it
     figures={
         "engine_request_duration_seconds": (_f("tgi_request_duration", "histogram", "all"),),
@@ -124,10 +137,15 @@ TGI = Engine(
         "engine_requests_running": (_f("tgi_batch_current_size", "gauge", "all"),),
         "engine_requests_waiting": (_f("tgi_queue_size", "gauge", "all"),),
     },
+    absent={
+        "engine_time_to_first_token_seconds": "TGI has no time-to-first-token histogram",
+        "engine_kv_cache_usage_ratio": "TGI exposes no KV-cache usage",
+        "engine_preemptions_total": "TGI exposes no preemption count",
+    },
 )
 
 TRITON = Engine(
-    name="triton", prefix="nv_inference_", model_label="model",
+    name="triton", title="Triton", prefix="nv_inference_", model_label="model",
     default_url="http://127.0.0.1:8002/metrics",
     figures={
         "engine_request_duration_seconds": (
@@ -145,9 +163,89 @@ TRITON = Engine(
         "engine_requests_waiting": (
             _f("nv_inference_pending_request_count", "gauge", "all"),),
     },
+    absent={
+        "engine_inter_token_latency_seconds": "Triton has no inter-token latency",
+        "engine_kv_cache_usage_ratio": "Triton's own families hold no KV cache (its TensorRT-LLM "
+                                       "backend's nv_trt_llm_* families are not read)",
+        "engine_requests_running": "Triton exposes no count of requests executing",
+        "engine_preemptions_total": "Triton exposes no preemption count",
+    },
 )
 
-ENGINES: tuple[Engine, ...] = (VLLM, SGLANG, TGI, TRITON)
+# trtllm-serve: prometheus_client's MetricsCollector (tensorrt_llm/metrics/collector.py),
+# labelled model_name and engine_type (both "undefined" under trtllm-serve), served on
+# /prometheus/metrics of the API port only with return_perf_metrics: true (its /metrics answers
+# JSON iteration statistics); the iteration gauges need enable_iter_perf_stats: true too. In
+# prometheus_client's multiprocess mode a gauge carries a pid label: summed over (one writer)
+TRTLLM = Engine(
+    name="trtllm", title="TensorRT-LLM (trtllm-serve)", prefix="trtllm_",
+    model_label="model_name", default_url="http://127.0.0.1:8000/prometheus/metrics",
+    figures={
+        "engine_request_duration_seconds": (
+            _f("trtllm_e2e_request_latency_seconds", "histogram",
+               "1.1 and later (return_perf_metrics)"),),
+        "engine_time_to_first_token_seconds": (
+            _f("trtllm_time_to_first_token_seconds", "histogram",
+               "1.1 and later (return_perf_metrics)"),),
+        "engine_inter_token_latency_seconds": (
+            _f("trtllm_time_per_output_token_seconds", "histogram",
+               "1.1 and later (a request's mean, not each gap)"),),
+        "engine_request_queue_duration_seconds": (
+            _f("trtllm_request_queue_time_seconds", "histogram",
+               "1.1 and later (return_perf_metrics)"),),
+        "engine_kv_cache_usage_ratio": (
+            _f("trtllm_kv_cache_utilization", "gauge",
+               "2026 releases, not 1.1 (enable_iter_perf_stats; used / max blocks, 0..1)"),),
+        "engine_requests_running": (
+            _f("trtllm_num_requests_running", "gauge",
+               "2026 releases, not 1.1 (enable_iter_perf_stats)"),),
+        "engine_requests_waiting": (
+            _f("trtllm_num_requests_waiting", "gauge",
+               "2026 releases, not 1.1 (enable_iter_perf_stats)"),),
+    },
+    absent={
+        "engine_preemptions_total": "trtllm-serve counts no preemptions "
+                                    "(trtllm_num_paused_requests is a gauge of paused requests)",
+    },
+)
+
+# llama-server with --metrics: a handful of unlabelled gauges and counters written by hand
+# (tools/server), no histogram at all; its KV-cache gauges were dropped when the cache was unified
+LLAMACPP = Engine(
+    name="llamacpp", title="llama.cpp (llama-server)", prefix="llamacpp:", model_label=None,
+    default_url="http://127.0.0.1:8080/metrics",  # with --metrics
+    figures={
+        "engine_kv_cache_usage_ratio": (
+            _f("llamacpp:kv_cache_usage_ratio", "gauge",
+               "older builds only (removed upstream when the KV cache was unified)"),),
+        "engine_requests_running": (_f("llamacpp:requests_processing", "gauge", "all"),),
+        "engine_requests_waiting": (_f("llamacpp:requests_deferred", "gauge", "all"),),
+    },
+    absent={
+        "engine_request_duration_seconds": "llama.cpp has no latency histogram (only "
+                                           "cumulative prompt and generation seconds)",
+        "engine_time_to_first_token_seconds": "llama.cpp has no time-to-first-token histogram",
+        "engine_inter_token_latency_seconds": "llama.cpp has no inter-token latency histogram",
+        "engine_request_queue_duration_seconds": "llama.cpp has no queue time",
+        "engine_kv_cache_usage_ratio": "current llama.cpp exposes no KV-cache usage: "
+                                       "llamacpp:kv_cache_usage_ratio was removed upstream",
+        "engine_preemptions_total": "llama.cpp exposes no preemption count",
+    },
+)
+
+ENGINES: tuple[Engine, ...] = (VLLM, SGLANG, TGI, TRITON, TRTLLM, LLAMACPP)
+
+
+def absent_reason(engine: Engine, figure: str) -> str:
+    """Why ``figure`` came with no value from ``engine``: what the table knows it lacks, or,
+    where it has a family, that this text held none of it (a family created at its first event,
+    a feature switched off, an older release)."""
+    known = (engine.absent or {}).get(figure)
+    if known and figure not in engine.figures:
+        return known
+    names = ", ".join(f.name for f in engine.figures.get(figure, ()))
+    why = f"not in the text (the engine's family: {names})" if names else "not exposed"
+    return f"{why}; {known}" if known else why
 
 
 def source_names() -> frozenset[str]:

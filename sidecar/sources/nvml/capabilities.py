@@ -72,6 +72,11 @@ GPM_NVLINK = (  # MiB/s
 )
 
 _SERIES_OF_FIELD = {attr: name for pairs in LAYER_METRICS.values() for attr, name in pairs}
+# Reasons that say what the hardware is, not that anything is wrong: logged at debug only
+# (devices._report); `probe` lists them all the same.
+NO_NVLINK = "no NVLink on this GPU"
+MIG_PARENT_ONLY = "MIG instance: reported on the parent GPU only"
+
 # the series only GPM gives: absent, with the reason, on a GPU without it
 GPM_ONLY_SERIES = tuple(_SERIES_OF_FIELD[f.field] for f in GPM_CORE)
 
@@ -204,7 +209,7 @@ def detect_mig(handle: Any, parent: Capabilities) -> Capabilities:
     absent: dict[str, str] = {}
     memory = detect_memory(handle, absent)
     absent.update(dict.fromkeys((*_MIG_PARENT_ONLY, *HEALTH_SERIES, *CURRENT_LINK_SERIES,
-                                 *C2C_SERIES), "MIG instance: reported on the parent GPU only"))
+                                 *C2C_SERIES), MIG_PARENT_ONLY))
     if not parent.gpm:
         absent.update({name: parent.absent.get(name, "no GPM") for name in GPM_ONLY_SERIES})
     return Capabilities(memory=memory, gpm=parent.gpm,
@@ -338,7 +343,7 @@ def _choose_nvlink(handle: Any, links: int, *, gpm: bool,
         except pynvml.NVMLError as exc:
             if not is_unsupported(exc):
                 raise
-    why = "no NVLink on this GPU" if not links else "NVLink counters unsupported"
+    why = NO_NVLINK if not links else "NVLink counters unsupported"
     absent["gpu_nvlink_tx_bytes_per_second"] = why
     absent["gpu_nvlink_rx_bytes_per_second"] = why
     return None

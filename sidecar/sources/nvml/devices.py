@@ -17,8 +17,16 @@ import pynvml
 import structlog
 
 from sidecar.samples import GpuIdentity
-from sidecar.sources.nvml.capabilities import Capabilities, detect, detect_mig, try_nvml
+from sidecar.sources.nvml.capabilities import (
+    MIG_PARENT_ONLY,
+    NO_NVLINK,
+    Capabilities,
+    detect,
+    detect_mig,
+    try_nvml,
+)
 from sidecar.sources.nvml.errors import Failures
+from sidecar.sources.nvml.health import NO_C2C
 from sidecar.sources.nvml.reading import Handles, ReadState, alloc_gpm_samples
 
 log = structlog.get_logger("sidecar.nvml")
@@ -137,10 +145,24 @@ def _find_mig(parent: Any, dev: Device) -> Any:
     raise pynvml.NVMLError(pynvml.NVML_ERROR_NOT_FOUND)  # re-partitioned: gone for now
 
 
+EXPECTED_ABSENCES = frozenset({NO_C2C, NO_NVLINK, MIG_PARENT_ONLY})
+"""Absences that describe the hardware (no C2C on a GPU that is not a Grace one, no NVLink on a
+PCIe card, a MIG instance's GPU-wide figures): nothing to act on, so at debug, where they do not
+push the live table's first frame off a terminal. `probe` lists them all the same."""
+
+
 def _report(dev: Device) -> None:
-    if dev.caps.absent:
+    """Once per GPU at open: what it cannot give and why; the unexpected at info, the rest at
+    debug (``EXPECTED_ABSENCES``)."""
+    absent = dict(sorted(dev.caps.absent.items()))
+    expected = {name: why for name, why in absent.items() if why in EXPECTED_ABSENCES}
+    unexpected = {name: why for name, why in absent.items() if name not in expected}
+    if unexpected:
         log.info("gpu_metrics_absent", gpu_uuid=dev.identity.uuid, gpu_name=dev.identity.name,
-                 absent=dict(sorted(dev.caps.absent.items())))
+                 absent=unexpected)
+    if expected:
+        log.debug("gpu_metrics_absent_by_design", gpu_uuid=dev.identity.uuid,
+                  gpu_name=dev.identity.name, absent=expected)
 
 
 def _bus_id(handle: Any) -> str:

@@ -77,6 +77,8 @@ CURRENT_LINK_SERIES = ("gpu_pcie_link_current_generation", "gpu_pcie_link_curren
 C2C_SERIES = ("gpu_c2c_tx_bytes_per_second", "gpu_c2c_rx_bytes_per_second",
               "gpu_c2c_link_max_bytes_per_second", "gpu_c2c_tx_bandwidth_util_ratio",
               "gpu_c2c_rx_bandwidth_util_ratio")
+NO_C2C = "no NVLink-C2C (not a Grace Hopper or Grace Blackwell GPU)"
+"""Why the C2C series are absent on a GPU without the link: the hardware's shape, not a fault."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -157,8 +159,7 @@ def detect_health(handle: Any, absent: dict[str, str], probe: Any) -> HealthCaps
            if links is not None and per_link is not None and links.value and per_link.value
            else None)
     if c2c is None:
-        absent.update(dict.fromkeys(C2C_SERIES, "no NVLink-C2C (not a Grace Hopper or Grace "
-                                                "Blackwell GPU)"))
+        absent.update(dict.fromkeys(C2C_SERIES, NO_C2C))
     return HealthCaps(fields=fields, counters=counters, bits=bits,
                       reasons_call=reasons_call if bits else None, power_field=power_field,
                       power_call=power_call, power_limit=power_limit, temperature=temperature,

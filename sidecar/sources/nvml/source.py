@@ -107,6 +107,11 @@ class NvmlSource:
     def capabilities(self, uuid: str) -> dict[str, Any]:
         return self._devices[uuid].caps.summary()
 
+    def xid_counts(self, uuid: str) -> tuple[tuple[int, int], ...]:
+        """The Xid counts of one GPU by code, read or not: the event that lost a GPU (Xid 79)
+        is known although the GPU no longer answers."""
+        return self._xids.counts(uuid)[1]
+
     def is_lost(self, uuid: str) -> bool:
         dev = self._devices.get(uuid)
         return dev is not None and dev.lost_since is not None

@@ -1,4 +1,5 @@
-"""``gpu-sidecar status``: what the running agent knows, read from beside it.
+"""The status file the running agent writes beside its socket, for ``gpu-sidecar status``
+(``sidecar.commands.status`` reads it).
 
 The agent writes a small JSON file, ``status.json`` beside its app socket (the socket's volume,
 writable while the root file system is read-only), after its cycles: at most twice a second,
@@ -8,9 +9,17 @@ backlog and failures; per app process the last message, and the rejections by re
 exported and why; per engine endpoint whether it is read.
 
 ``status`` prints it for a person; ``status --alive`` is the liveness probe: exit 0 while the
-file is younger than ``alive_after_s`` (three intervals, at least 30 s), 1 otherwise, so that
-only an agent whose cycles stopped is restarted (a receiver outage, a missing app or a lost GPU
-leave the cycles running).
+agent's heartbeat is younger than ``alive_after_s`` (three intervals, at least 30 s), 1 otherwise,
+so that only an agent whose cycles stopped is restarted (a receiver outage, a missing app, a lost
+GPU or a full volume leave the cycles running).
+
+The heartbeat is the file's modification time, not its content: after each cycle whose status
+cannot be rewritten (a full volume refuses the new file's blocks) the agent sets the old file's
+time with ``utime``, which needs no free block, so a full volume never has a healthy agent
+restarted; ``status`` then says the content is stale and why. The file lies in a volume the app's
+container shares, so the reader trusts nothing of it: only a regular file (never through a
+symbolic link, never a FIFO that would block it), at most ``MAX_BYTES``, and a time in the
+future is no proof of life.
 """
 
 from __future__ import annotations
@@ -18,7 +27,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterable
@@ -29,12 +37,16 @@ from sidecar.samples import Series
 
 if TYPE_CHECKING:
     from sidecar.agent import Agent
-    from sidecar.config import Config
 
 FILE_NAME = "status.json"
 WRITE_EVERY_S = 0.5  # the file is rewritten at most this often
 ALIVE_MIN_S = 30.0  # --alive: the least age that counts as stuck
 ALIVE_INTERVALS = 3  # ...or this many intervals, if longer
+# the largest status a reader takes: the biggest the agent writes (64 GPUs x 256 processes, each
+# with its GPUs) is about 1.6 MB; a bound keeps a planted 1 GB file or /dev/zero out of memory
+MAX_BYTES = 4 << 20
+FUTURE_SKEW_S = 5.0  # a time later than now by more than this was not set by the agent's clock
+STALE_CONTENT_S = 2.0  # heartbeat newer than the content by more: the content could not be written
 
 
 def status_path(socket: str) -> Path:
@@ -66,8 +78,8 @@ class StatusWriter:
         try:
             _write(self.path, snapshot(self.agent, series, started_at=self.started_at,
                                        written_at=self.wall()))
-            self._failed = False
         except Exception as exc:  # never the cycle's end: the status is a report
+            beating = _beat(self.path)
             if not self._failed:  # once per episode
                 self._failed = True
                 import structlog
@@ -75,8 +87,38 @@ class StatusWriter:
                 structlog.get_logger("sidecar.status").warning(
                     "status_write_failed", path=str(self.path),
                     error=getattr(exc, "strerror", None) or type(exc).__name__,
-                    effect="gpu-sidecar status and the liveness probe read an old status",
-                    hint="the socket's directory must be writable by the agent")
+                    effect=("gpu-sidecar status shows the last status written, marked stale; "
+                            "the liveness probe still passes (the file's time is kept fresh)"
+                            if beating else "gpu-sidecar status and the liveness probe read an "
+                            "old status: the kubelet will restart the agent"),
+                    hint="free space on the socket's volume (an emptyDir shared with the app), "
+                         "or make its directory writable by the agent")
+            return
+        if self._failed:
+            self._failed = False
+            import structlog
+
+            structlog.get_logger("sidecar.status").info("status_write_recovered",
+                                                         path=str(self.path))
+
+
+def _beat(path: Path) -> bool:
+    """The heartbeat when the status cannot be rewritten: the file's time set to now, which
+    takes no data block (only the inode changes), or, with no file yet, an empty one (an inode,
+    no block). Never through a symbolic link another container placed. True when it beat."""
+    try:
+        os.utime(path, follow_symlinks=False)
+        return True
+    except FileNotFoundError:
+        pass
+    except OSError:
+        return False
+    try:
+        os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW
+                         | os.O_CLOEXEC, 0o600))  # as mkstemp makes the status
+        return True
+    except OSError:
+        return False
 
 
 def _write(path: Path, data: dict[str, Any]) -> None:
@@ -99,6 +141,7 @@ def snapshot(agent: Agent, series: Iterable[Series], *, started_at: float,
     sinks: dict[str, dict[str, Any]] = {}
     engines: dict[str, dict[str, Any]] = {}
     available: dict[str, dict[str, str]] = {}
+    verdicts: dict[str, str] = {}  # the agent's current verdict per GPU (gpu_verdict)
     for s in series:
         labels = dict(s.labels)
         name = s.name
@@ -127,6 +170,8 @@ def snapshot(agent: Agent, series: Iterable[Series], *, started_at: float,
                 e["engine"] = labels.get("engine", "")
             elif name == "gpu_sidecar_engine_read_failures_total":
                 e["failures"][labels.get("reason", "")] = s.value
+        elif name == "gpu_verdict" and s.value == 1:
+            verdicts[labels.get("gpu_uuid", "")] = labels.get("verdict", "")
         elif name == "gpu_sidecar_gpu_available":
             available[labels.get("gpu_uuid", "")] = {
                 "index": labels.get("gpu_index", ""), "name": labels.get("gpu_name", ""),
@@ -137,7 +182,8 @@ def snapshot(agent: Agent, series: Iterable[Series], *, started_at: float,
         cfg.gpus, "named with --gpus")
     left_out = {"announced": "not announced by the app (--gpus announced)"}.get(
         cfg.gpus, "not named with --gpus")
-    gpus = [{"uuid": u, **available.get(u, {}), "why": why} for u in selected]
+    gpus = [{"uuid": u, **available.get(u, {}), "why": why,
+             **({"verdict": verdicts[u]} if u in verdicts else {})} for u in selected]
     not_exported = [{"uuid": i.uuid, "index": i.index, "name": i.name,
                      "why": left_out}
                     for i in agent._identities.values() if i.uuid not in selected]
@@ -159,91 +205,3 @@ def _version() -> str:
     from sidecar import __version__
 
     return __version__
-
-
-# -- the command ------------------------------------------------------------------------------
-
-
-def status(cfg: Config, *, alive: bool) -> int:
-    """0: the running agent's status (printed), or alive; 1: not alive (the file too old, or
-    missing); 2: no status to read (no agent ever ran on this socket's volume)."""
-    path = status_path(cfg.socket)
-    try:
-        data = json.loads(path.read_text())
-    except FileNotFoundError:
-        print(f"gpu-sidecar status: no {path}: no agent runs with --socket {cfg.socket} (give "
-              "the socket path the agent uses; in a pod, run this in its container)",
-              file=sys.stderr)
-        return 1 if alive else 2
-    except (OSError, ValueError) as exc:
-        print(f"gpu-sidecar status: cannot read {path}: {exc}", file=sys.stderr)
-        return 1 if alive else 2
-    age = time.time() - float(data.get("written_at", 0))
-    limit = float(data.get("alive_after_s", ALIVE_MIN_S))
-    if alive:
-        if age <= limit:
-            return 0
-        print(f"gpu-sidecar status: the agent (pid {data.get('pid')}) has written no status "
-              f"for {age:.0f} s (more than {limit:.0f} s): its cycles have stopped",
-              file=sys.stderr)
-        return 1
-    sys.stdout.write(report(data, age))
-    return 0 if age <= limit else 1
-
-
-def _ago(at: float | None, now: float) -> str:
-    return "never" if not at else f"{now - at:.0f} s ago"
-
-
-def report(data: dict[str, Any], age: float) -> str:
-    now = time.time()
-    lines = [f"gpu-sidecar {data.get('version')} (pid {data.get('pid')}, {data.get('mode')}): "
-             f"{data.get('cycles')} cycles every {data.get('interval_s')} s since "
-             f"{time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(data.get('started_at', 0)))}; "
-             f"status written {age:.0f} s ago"
-             + (" (STALE: its cycles have stopped)" if age > data.get("alive_after_s", 30) else "")
-             + (", stopping" if data.get("stopping") else "")]
-    lines.append("sinks:")
-    for name, s in sorted(data.get("sinks", {}).items()):
-        failures = ", ".join(f"{r} {n:.0f}" for r, n in sorted(s["failures"].items()) if n) \
-            or "none"
-        spool = s.get("spool_bytes", {})
-        backlog = (f"; backlog {s.get('spool_batches', 0):.0f} batches, "
-                   f"{spool.get('pending', 0):.0f} bytes pending, {spool.get('rejected', 0):.0f} "
-                   "set aside") if spool else ""
-        pushed = s.get("pushed_samples")
-        lines.append(f"  {name}: last success {_ago(s.get('last_success_at'), now)}"
-                     + (f", {pushed:.0f} samples pushed" if pushed is not None else "")
-                     + f"{backlog}; failures: {failures}")
-    if not data.get("sinks"):
-        lines.append("  stdout only (no receiver configured)")
-    app = data.get("app", {})
-    rejected = ", ".join(f"{r} {n}" for r, n in sorted(app.get("rejected", {}).items())) or "none"
-    lines.append(f"app socket {app.get('socket')}: {app.get('accepted', 0)} messages accepted, "
-                 f"rejected: {rejected}")
-    for reason, (at, detail) in sorted(app.get("last_rejections", {}).items()):
-        lines.append(f"  last {reason}: {_ago(at, now)}: {detail}")
-    for p in app.get("processes", []):
-        lines.append(f"  process {p['pid']}: last message {p['last_message_s_ago']:.0f} s ago, "
-                     f"GPUs {', '.join(p['gpus'])}")
-    if not app.get("processes"):
-        lines.append("  no process publishes (is the injected publisher on the app's "
-                     "PYTHONPATH, or sidecar.client started, on this socket?)")
-    gpus = data.get("gpus", {})
-    lines.append(f"GPUs (--gpus {gpus.get('mode')}):")
-    for g in gpus.get("exported", []):
-        lines.append(f"  exported GPU {g.get('index', '?')} {g.get('name', '')} {g['uuid']}: "
-                     f"{g['why']}" + ("" if g.get("available", "yes") == "yes"
-                                      else "; NOT READABLE (lost or failing)"))
-    for g in gpus.get("not_exported", []):
-        lines.append(f"  not exported GPU {g.get('index')} {g.get('name')} {g['uuid']}: "
-                     f"{g['why']}")
-    if not gpus.get("exported"):
-        lines.append("  none exported" + (": no GPU announced by the app yet"
-                                          if gpus.get("mode") == "announced" else ""))
-    for endpoint, e in sorted(data.get("engines", {}).items()):
-        failures = ", ".join(f"{r} {n:.0f}" for r, n in sorted(e["failures"].items()) if n) \
-            or "none"
-        lines.append(f"engine {endpoint} ({e.get('engine') or 'not recognised'}): "
-                     f"{'read' if e.get('up') else 'NOT READ'}; failures: {failures}")
-    return "\n".join(lines) + "\n"

@@ -1,0 +1,340 @@
+"""``gpu-sidecar diagnose --query-url URL``: the same judgement as the live diagnose, on the
+series the agents stored in long-term storage, for a window that may be hours old.
+
+The store is asked for the raw samples of the window (a range selector in an instant query: one
+query for the GPU series, one for the engine's and the agent's own, whatever the number of
+GPUs), so each stored cycle is rebuilt exactly as the agent exported it and read back through
+``verdict.figures_of``: one mapping from series to figures, one judge, one set of thresholds for
+the three sources. What the store cannot give as the agent had it is said, never smoothed over:
+
+- a counter that went backwards (the agent or the app restarted) counts on from its previous
+  value, as PromQL's ``increase()`` counts it, and a note says when;
+- cycles missing for longer than three intervals are a gap, said with its times; nothing is
+  filled in (a raw selector, not ``query_range``'s five-minute look-back, which would repeat the
+  last value across a gap and keep an old process's series alive beside the new one's);
+- a layer with no series is "not judged" (``verdict.judge``'s notes), never healthy.
+
+Then, for each finding and for p99, **when it started**: the judge on a trailing window
+(``onset_window``) slid over the cycles gives the first time from which each finding held to
+the end of the window, and the report lists them in time order.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import itertools
+import json
+import re
+import statistics
+import sys
+import time
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from sidecar import config, thresholds
+from sidecar.samples import Series
+from sidecar.store import GPU_LABELS, Row, Store, StoreError, duration, selector
+from sidecar.thresholds import Thresholds
+from sidecar.views.report import report
+from sidecar.views.verdict import ALL_KINDS, Figures, Summary, Verdict, figures_of, judge, ms
+
+if TYPE_CHECKING:
+    from sidecar.config import Config
+
+POD_KEY = ("namespace", "pod", "node")  # what ties a pod's engine series to its GPUs
+GPU_FAMILIES = "gpu_.+|inference_request_duration_seconds_bucket"
+POD_FAMILIES = "engine_.+|gpu_sidecar_samples_collected_total"
+RESTARTS = "gpu_sidecar_samples_collected_total"  # goes back to 0 when the agent restarts
+CUMULATIVE = ("_total", "_bucket", "_sum", "_count")
+GAP_INTERVALS = 3.0  # cycles missing for longer than this many intervals are a gap
+ONSET_MAX_S = 30.0  # the trailing window an onset is judged on (at least 3 cycles)
+LOOKED_BACK_S = 7 * 86400  # how far back an empty window looks for the selector's GPUs
+NOT_FUTURE_S = 60.0  # --at may be this far past the local clock (clock skew), no further
+
+
+class Refused(ValueError):
+    """A window the command cannot ask for (a time in the future): exit 2, as a bad option."""
+
+
+@dataclass(frozen=True)
+class Window:
+    start: float
+    end: float
+
+    def shown(self) -> str:
+        return f"{stamp(self.start)}..{stamp(self.end)}"
+
+
+@dataclass(frozen=True)
+class Pod:
+    """One pod's stored cycles, rebuilt: series by cycle time, and what was said about them."""
+
+    key: tuple[str, ...]
+    cycles: tuple[tuple[float, tuple[Series, ...]], ...]
+    notes: tuple[str, ...] = ()
+    interval_s: float = 0.0
+
+
+@dataclass
+class Stored:
+    """What the store held for the window: the pods, each with its GPUs' cycles."""
+
+    pods: list[Pod] = field(default_factory=list)
+
+
+def stamp(t: float) -> str:
+    return datetime.datetime.fromtimestamp(t, datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def clock(t: float) -> str:
+    return datetime.datetime.fromtimestamp(t, datetime.UTC).strftime("%H:%M:%S")
+
+
+def window_of(cfg: Config, now: float | None = None) -> Window:
+    """The window --at and --duration name; a time in the future is refused."""
+    now = time.time() if now is None else now
+    try:
+        end = config.instant(cfg.at, now)
+    except ValueError as exc:
+        raise Refused(f"--at {cfg.at!r} {exc}") from None
+    if end > now + NOT_FUTURE_S:
+        raise Refused(f"--at {cfg.at!r} is {end - now:.0f} s in the future (by this machine's "
+                      "clock): nothing is stored there yet; give a past time or 'now'")
+    return Window(end - cfg.duration, end)
+
+
+def fetch(store: Store, select: Sequence[tuple[str, str, str]], w: Window) -> Stored:
+    """The window's raw samples: two queries, whatever the number of GPUs."""
+    rng = f"[{duration(w.end - w.start)}]"
+    gpu_rows = store.query(selector(GPU_FAMILIES, select, 'gpu_uuid!=""', 'pid=""') + rng, w.end)
+    keys = sorted({_pod_key(r) for r in gpu_rows})
+    pod_rows: list[Row] = []
+    if keys:
+        pods = sorted({dict(zip(POD_KEY, k, strict=True))["pod"] for k in keys} - {""})
+        extra = [f"pod=~{json.dumps('|'.join(_literal(p) for p in pods))}"] if pods else []
+        pod_rows = store.query(selector(POD_FAMILIES, select, *extra, skip=GPU_LABELS) + rng,
+                               w.end)
+    by_pod: dict[tuple[str, ...], list[Row]] = {k: [] for k in keys}
+    for row in (*gpu_rows, *pod_rows):
+        if (k := _pod_key(row)) in by_pod:
+            by_pod[k].append(row)
+    return Stored([_rebuild(k, rows) for k, rows in by_pod.items()])
+
+
+def _literal(text: str) -> str:
+    """``text`` as an RE2 regex matching itself (PromQL's regexes are RE2, fully anchored)."""
+    return re.sub(r"([\\.+*?()|\[\]{}^$])", r"\\\1", text)
+
+
+def _pod_key(row: Row) -> tuple[str, ...]:
+    return tuple(row.label(k) for k in POD_KEY)
+
+
+def _rebuild(key: tuple[str, ...], rows: list[Row]) -> Pod:
+    """A pod's cycles from its rows: counters made monotonic as PromQL's increase() reads them
+    (each reset said), samples grouped by their time (one cycle of the agent each)."""
+    by_time: dict[int, list[Series]] = {}
+    resets: dict[str, list[float]] = {}
+    for row in rows:
+        name = row.name
+        labels = tuple((k, v) for k, v in row.labels if k != "__name__")
+        offset, previous = 0.0, None
+        for p in sorted(row.points, key=lambda p: p.t):
+            value = p.v
+            if name.endswith(CUMULATIVE):
+                if previous is not None and value < previous:
+                    offset += previous
+                    what = "agent" if name == RESTARTS else "counter"
+                    resets.setdefault(what, []).append(p.t)
+                previous = value
+                value += offset
+            if name == RESTARTS:
+                continue
+            ms_ = round(p.t * 1000)
+            by_time.setdefault(ms_, []).append(Series(name, labels, value, ms_))
+    times = sorted(by_time)
+    notes: list[str] = []
+    if restarts := sorted(set(resets.get("agent", []))):
+        notes.append(f"the agent restarted inside the window (at {_times(restarts)}): its "
+                     "counters and histograms count on across the restart, as PromQL's "
+                     "increase() counts them")
+    others = sorted(set(resets.get("counter", [])) - set(resets.get("agent", [])))
+    if others:
+        notes.append(f"a counter went back to a lower value at {_times(others)} (a restart of "
+                     "the app or the agent): counted on from its previous value, as PromQL's "
+                     "increase() does")
+    interval = statistics.median(b - a for a, b in itertools.pairwise(times)) / 1000 \
+        if len(times) > 1 else 0.0
+    gaps = [(a / 1000, b / 1000) for a, b in itertools.pairwise(times)
+            if interval and (b - a) / 1000 > GAP_INTERVALS * interval]
+    if gaps:
+        notes.append("no cycle stored from " + ", from ".join(
+            f"{clock(a)} to {clock(b)} ({b - a:.0f} s)" for a, b in gaps[:5])
+            + (f" and {len(gaps) - 5} more gaps" if len(gaps) > 5 else "")
+            + ": judged on the cycles stored, nothing filled in (the agent was down, or its "
+            "pushes were lost)")
+    cycles = tuple((ms_ / 1000, tuple(by_time[ms_])) for ms_ in times)
+    return Pod(key, cycles, tuple(notes), interval)
+
+
+def _times(ts: Iterable[float]) -> str:
+    found = sorted(ts)
+    shown = ", ".join(clock(t) for t in found[:5])
+    return shown + (f" and {len(found) - 5} more" if len(found) > 5 else "")
+
+
+@dataclass(frozen=True)
+class Judged:
+    verdicts: dict[str, Verdict]
+    cycles: int
+    interval_s: float
+
+
+def judge_stored(stored: Stored, w: Window, t: Thresholds | None = None) -> Judged:
+    """Each GPU's verdict over the window, with the store's notes and the onsets."""
+    t = t or thresholds.THRESHOLDS
+    verdicts: dict[str, Verdict] = {}
+    cycles, intervals = 0, []
+    for pod in stored.pods:
+        summary = Summary()
+        timeline: dict[str, list[tuple[float, Figures]]] = {}
+        for at, series in pod.cycles:
+            figures = figures_of(series)
+            summary.add(figures)
+            for uuid, fig in figures.items():
+                timeline.setdefault(uuid, []).append((at, fig))
+        cycles = max(cycles, summary.cycles)
+        if pod.interval_s:
+            intervals.append(pod.interval_s)
+        for uuid, window in summary.windows().items():
+            v = judge(window, t)
+            extra = [*pod.notes]
+            if said := onset_note(v, timeline[uuid], w, pod.interval_s, t):
+                extra.append(said)
+            verdicts[uuid] = dataclasses.replace(v, notes=(*v.notes, *extra))
+    order = sorted(verdicts, key=lambda u: (_ident(verdicts[u]), u))
+    return Judged({u: verdicts[u] for u in order}, cycles,
+                  statistics.median(intervals) if intervals else 0.0)
+
+
+def _ident(v: Verdict) -> tuple[int, str]:
+    index = v.window.mean.index
+    return (int(index) if index.isdigit() else 1 << 20, index)
+
+
+def onset_window(w: Window, interval_s: float) -> float:
+    """The trailing window an onset is judged on: short enough to place a change within it, long
+    enough (at least three cycles) that one slow request does not make a p99."""
+    return max(3 * interval_s, min(ONSET_MAX_S, (w.end - w.start) / 10))
+
+
+def onsets(v: Verdict, timeline: Sequence[tuple[float, Figures]], w: Window, interval_s: float,
+           t: Thresholds) -> list[tuple[float, str, bool]]:
+    """For each finding of ``v`` and for a p99 above the objective: (since when it held to the
+    end of the window on a trailing window, what, whether it held from the window's start)."""
+    wanted = [f.key for f in v.findings]
+    slow_overall = t.slow(v.window.p99)
+    if not wanted and not slow_overall:
+        return []
+    span = onset_window(w, interval_s)
+    held: dict[str, float | None] = {k: None for k in (*wanted, "p99")}
+    first_at = timeline[0][0] if timeline else w.start
+    settled = first_at + span - interval_s  # the first trailing window that is full
+    start = 0
+    for i, (at, _) in enumerate(timeline):
+        while timeline[start][0] <= at - span:
+            start += 1
+        s = Summary()
+        for _, fig in timeline[start:i + 1]:
+            s.add({"gpu": fig})
+        trailing = judge(s.windows()["gpu"], t)
+        now = {f.key for f in trailing.findings}
+        if t.slow(trailing.window.p99):
+            now.add("p99")
+        for key in held:
+            if key in now:
+                if held[key] is None:
+                    held[key] = at
+            else:
+                held[key] = None
+    out = []
+    for key, since in held.items():
+        if since is None or (key == "p99" and not slow_overall):
+            continue
+        out.append((since, key, since <= settled))
+    return sorted(out)
+
+
+def onset_note(v: Verdict, timeline: Sequence[tuple[float, Figures]], w: Window,
+               interval_s: float, t: Thresholds) -> str:
+    found = onsets(v, timeline, w, interval_s, t)
+    if not found:
+        return ""
+    span = onset_window(w, interval_s)
+    parts = []
+    for since, key, from_start in found:
+        what = (f"p99 above {ms(t.p99_latency_s)}" if key == "p99"
+                else f"{key} ({ALL_KINDS[key][2]})")
+        parts.append(f"{what} already at the window's start" if from_start
+                     else f"{what} from {clock(since)}")
+    unsettled = [f.key for f in v.findings if f.key not in {k for _, k, _ in found}]
+    tail = (f"; {', '.join(unsettled)} found over the whole window but not held to its end"
+            if unsettled else "")
+    return (f"when it started (UTC, each judged on the trailing {span:.0f} s, held to the "
+            f"window's end): {'; '.join(parts)}{tail}")
+
+
+def explain_empty(store: Store, select: Sequence[tuple[str, str, str]], w: Window) -> str:
+    """Why no GPU matched: the selector matches nothing lately, or the window holds nothing
+    (before the agents pushed, or outside the store's retention). One more query."""
+    shown = ", ".join(f"{a}{op}{b}" for a, op, b in select) or "(none)"
+    rows = store.query(f"count(last_over_time({selector('gpu_sidecar_gpu_available', select)}"
+                       f"[{duration(LOOKED_BACK_S)}]))", time.time())
+    lately = int(rows[0].value) if rows else 0
+    if lately:
+        return (f"no GPU series in the window {w.shown()} with --select {shown}, though "
+                f"{lately} GPU(s) match it in the last {LOOKED_BACK_S // 86400} days: the window "
+                "is before the agents pushed, or older than the store keeps (its retention: "
+                "VictoriaMetrics -retentionPeriod, Prometheus --storage.tsdb.retention.time); "
+                "pick another --at")
+    return (f"no GPU matches --select {shown} in {store.shown}, in the window {w.shown()} nor in "
+            f"the last {LOOKED_BACK_S // 86400} days: check the labels (namespace, pod, node, "
+            "gpu_uuid, job_name as the agents set them; `gpu-sidecar fleet --query-url URL` "
+            "lists what the store holds) and that the agents push there")
+
+
+def from_store(cfg: Config, *, t: Thresholds | None = None) -> int:
+    """The command with --query-url: 0 nothing found, 1 a finding, 2 no GPU matched (or a bad
+    --at), 6/7/8 the store unreachable / refusing the credentials / refusing the query."""
+    try:
+        w = window_of(cfg)
+    except Refused as exc:
+        print(f"gpu-sidecar diagnose: {exc}", file=sys.stderr)
+        return 2
+    store = Store(cfg)
+    try:
+        stored = fetch(store, cfg.select, w)
+        if not stored.pods:
+            print(f"gpu-sidecar diagnose: {explain_empty(store, cfg.select, w)}",
+                  file=sys.stderr)
+            return 2
+    except StoreError as exc:
+        print(f"gpu-sidecar diagnose: {exc}", file=sys.stderr)
+        return exc.code
+    finally:
+        store.close()
+    judged = judge_stored(stored, w, t)
+    every = (f"every stored cycle (the agents' interval, about {judged.interval_s:g} s)"
+             if judged.interval_s else "every stored cycle")
+    source = (f"long-term storage {store.shown}, window {w.shown()} (UTC), {every}; "
+              f"{store.queries} queries")
+    sys.stdout.write(report(judged.verdicts, seconds=w.end - w.start, samples=judged.cycles,
+                            label="  [from long-term storage]", t=t, source=source))
+    return 1 if any(v.findings for v in judged.verdicts.values()) else 0
+
+
+def by_uuid(judged: Judged) -> Mapping[str, str]:
+    """Each GPU's verdict key (for scripts and tests)."""
+    return {u: v.key for u, v in judged.verdicts.items()}

@@ -1,0 +1,213 @@
+"""Long-term storage as a source for ``diagnose --query-url`` and ``fleet``: the Prometheus HTTP
+query API (``/api/v1/query``), which Prometheus, VictoriaMetrics (single node and the cluster's
+``select`` path), Mimir and Thanos all serve, so one client works against each unchanged.
+
+Requests go through ``sidecar.sinks.http.Http``: the receivers' credentials (bearer token file,
+basic auth, ``--header`` such as ``X-Scope-OrgID``), TLS, masked secrets, and a deadline over the
+whole request (``--query-timeout``), so a store that trickles its answer cannot hold the command.
+No retry: a person waits at a terminal, and one clear failure beats a minute of silent tries.
+
+What the store answers becomes one of four outcomes, each its own exception and exit code (see
+``EXIT_CODES``): an answer, no answer (unreachable, too slow: 6), credentials refused (401, 403:
+7), the query refused (400, 413, 422, 503 with the store's reason: too many series, too long a
+range: 8).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from urllib.parse import urlencode
+
+from sidecar.config import Config
+from sidecar.sinks.answers import Retryable
+from sidecar.sinks.http import Http, HttpOptions
+from sidecar.urls import redact_url
+
+ANSWER_MAX_BYTES = 256 << 20  # a query's answer is read up to this; larger: narrow the query
+GPU_LABELS = ("gpu_uuid", "gpu_name", "gpu_index")  # only the GPU series carry these
+EXIT_UNREACHABLE, EXIT_DENIED, EXIT_REFUSED = 6, 7, 8
+EXIT_CODES = {EXIT_UNREACHABLE: "the store did not answer within --query-timeout (unreachable, "
+                                "too slow, or an answer that is no query API's)",
+              EXIT_DENIED: "the store refused the credentials (401, 403)",
+              EXIT_REFUSED: "the store refused the query (400, 413, 422, 503: too many series, "
+                            "too long a range, a bad expression)"}
+
+
+class StoreError(Exception):
+    """Why the store gave no answer; ``code`` is the command's exit code."""
+
+    code = EXIT_UNREACHABLE
+
+
+class StoreUnreachable(StoreError):
+    code = EXIT_UNREACHABLE
+
+
+class StoreDenied(StoreError):
+    code = EXIT_DENIED
+
+
+class StoreRefused(StoreError):
+    code = EXIT_REFUSED
+
+
+@dataclass(frozen=True)
+class Point:
+    """One stored sample: Unix seconds and value."""
+
+    t: float
+    v: float
+
+
+@dataclass(frozen=True)
+class Row:
+    """One series of an answer: its labels (``__name__`` included where the store kept it) and
+    its samples (one for an instant vector)."""
+
+    labels: tuple[tuple[str, str], ...]
+    points: tuple[Point, ...]
+
+    @property
+    def name(self) -> str:
+        return dict(self.labels).get("__name__", "")
+
+    def label(self, key: str) -> str:
+        return dict(self.labels).get(key, "")
+
+    @property
+    def value(self) -> float:
+        return self.points[-1].v
+
+
+def matchers(select: Sequence[tuple[str, str, str]], *, skip: Sequence[str] = ()) -> str:
+    """The ``--select`` matchers as PromQL (``namespace="prod",pod=~"web-.*"``), without the
+    labels in ``skip`` (the GPU's, for series the pod exports: the engine's)."""
+    return ",".join(f"{label}{op}{json.dumps(value)}" for label, op, value in select
+                    if label not in skip)
+
+
+def selector(name_or_regex: str, select: Sequence[tuple[str, str, str]], *extra: str,
+             skip: Sequence[str] = ()) -> str:
+    """``{__name__=~"...", <select>, <extra>}``: a name or a regex of names, always as a
+    ``__name__`` matcher (it works on every engine, for one name or several)."""
+    op = "=~" if any(c in name_or_regex for c in "|.*+") else "="
+    parts = [f"__name__{op}{json.dumps(name_or_regex)}", *extra]
+    if m := matchers(select, skip=skip):
+        parts.append(m)
+    return "{" + ",".join(parts) + "}"
+
+
+def duration(seconds: float) -> str:
+    """A PromQL duration in whole seconds (at least 1s)."""
+    return f"{max(1, round(seconds))}s"
+
+
+class Store:
+    """One store's query API, counting the queries it made (the fleet view promises a fixed
+    number whatever the fleet's size, and the benchmark reports it)."""
+
+    def __init__(self, cfg: Config) -> None:
+        assert cfg.query_url
+        self.url = cfg.query_url.rstrip("/")
+        self.shown = redact_url(self.url)
+        self.timeout_s = cfg.query_timeout
+        self.http = Http(HttpOptions(
+            timeout_s=cfg.query_timeout, bearer_token_file=cfg.bearer_token_file,
+            basic_auth_user=cfg.basic_auth_user,
+            basic_auth_password_file=cfg.basic_auth_password_file, ca_file=cfg.ca_file,
+            cert_file=cfg.cert_file, key_file=cfg.key_file,
+            insecure_skip_verify=cfg.insecure_skip_verify, headers=cfg.header,
+            max_answer_bytes=ANSWER_MAX_BYTES))
+        self.queries = 0
+        self.seconds = 0.0  # spent waiting for answers
+
+    def close(self) -> None:
+        self.http.close()
+
+    def query(self, expr: str, at: float) -> list[Row]:
+        """An instant query at ``at``: a vector (one point per row) or, for a range selector, a
+        matrix (every sample in the range). POST, so a long selector fits."""
+        self.queries += 1
+        body = urlencode({"query": expr, "time": f"{at:.3f}"}).encode()
+        started = time.monotonic()
+        failure: StoreError | None = None
+        try:
+            answer = self.http.request(
+                "POST", f"{self.url}/api/v1/query", data=body,
+                headers={"Content-Type": "application/x-www-form-urlencoded",
+                         "Accept": "application/json"})
+        except Retryable as exc:  # no answer: its text names the push's option, not ours
+            failure = StoreUnreachable(str(exc).replace("--push-timeout", "--query-timeout"))
+        finally:
+            self.seconds += time.monotonic() - started
+        if failure is not None:
+            raise failure
+        return self._rows(answer.status_code, answer.content, answer.unread)
+
+    def _said(self, content: bytes) -> str:
+        """The store's own reason (its JSON ``error``, or the start of its text), secrets
+        masked: a proxy may echo the request."""
+        text = content[:2000].decode("utf-8", "replace")
+        try:
+            doc = json.loads(text)
+            if isinstance(doc, dict) and doc.get("error"):
+                text = str(doc["error"])
+        except ValueError:
+            pass
+        for secret in self.http.secrets(self.url):
+            text = text.replace(secret, "***")
+        return " ".join(text.split())[:400]
+
+    def _rows(self, status: int, content: bytes, unread: str | None) -> list[Row]:
+        where = self.shown
+        if status in (401, 403):
+            raise StoreDenied(
+                f"{where} refused the credentials ({status}: {self._said(content)}): give the "
+                "ones it expects with --bearer-token-file, --basic-auth-user and "
+                "--basic-auth-password-file, and the tenant with --header X-Scope-OrgID=TENANT "
+                "(Mimir, a gateway) or in the URL's path (VictoriaMetrics cluster: "
+                "/select/TENANT/prometheus)")
+        if status in (400, 413, 422, 503) or (400 <= status < 500 and status != 404):
+            raise StoreRefused(
+                f"{where} refused the query ({status}: {self._said(content)}): narrow it with "
+                "--select (fewer GPUs) or a shorter --duration, or raise the store's limits "
+                "(VictoriaMetrics -search.maxUniqueTimeseries, -search.maxSamplesPerQuery; "
+                "Prometheus --query.max-samples, --query.timeout)")
+        if status == 404:
+            raise StoreUnreachable(
+                f"{where}/api/v1/query does not exist (404): --query-url is the base of the "
+                "Prometheus query API, e.g. http://victoria-metrics:8428, "
+                "http://vmselect:8481/select/0/prometheus, http://mimir/prometheus")
+        if status != 200:
+            raise StoreUnreachable(f"{where} answered {status}: {self._said(content)}")
+        if unread is not None and "longer than" in unread:
+            raise StoreRefused(f"{where}: {unread}; narrow the query with --select or a shorter "
+                               "--duration")
+        if unread is not None:  # the deadline passed while the answer came in
+            raise StoreUnreachable(
+                f"{where} did not send its whole answer within --query-timeout "
+                f"{self.timeout_s:g} s (a store too slow, or a proxy trickling it): raise "
+                "--query-timeout, or ask less with --select or a shorter --duration")
+        try:
+            doc = json.loads(content)
+            data = doc["data"]
+            kind, result = data["resultType"], data["result"]
+        except (ValueError, KeyError, TypeError):
+            raise StoreUnreachable(f"{where} answered 200 with something that is no Prometheus "
+                                   "query API answer: check --query-url") from None
+        if kind == "matrix":
+            return [Row(_labels(r["metric"]), tuple(Point(float(t), float(v))
+                                                    for t, v in r["values"])) for r in result]
+        if kind == "vector":
+            return [Row(_labels(r["metric"]), (Point(float(r["value"][0]),
+                                                     float(r["value"][1])),)) for r in result]
+        if kind == "scalar":
+            return [Row((), (Point(float(result[0]), float(result[1])),))]
+        raise StoreUnreachable(f"{where} answered a {kind!r} result, which no query here asks for")
+
+
+def _labels(metric: dict[str, str]) -> tuple[tuple[str, str], ...]:
+    return tuple(sorted(metric.items()))

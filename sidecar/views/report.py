@@ -1,0 +1,157 @@
+"""The report ``gpu-sidecar diagnose`` prints: a block per GPU with every layer's figures, the
+verdict, why and what to do, then one line of result. A pure renderer of ``Verdict``s, whatever
+the window came from (sampled afresh, or the running agent's window).
+"""
+
+from __future__ import annotations
+
+import textwrap
+from collections.abc import Mapping
+
+from sidecar import thresholds
+from sidecar.thresholds import Thresholds
+from sidecar.views.verdict import (
+    Verdict,
+    celsius,
+    gbps,
+    ghz,
+    gib,
+    link,
+    ms,
+    pct,
+    ratio_of,
+    reasons,
+    threshold_prose,
+    watts,
+)
+
+
+def report(verdicts: Mapping[str, Verdict], *, seconds: float, samples: int, label: str,
+           t: Thresholds | None = None, held: str = "", source: str = "") -> str:
+    """What diagnose prints: where the window came from, a block per GPU, then one line of
+    result."""
+    t = t or thresholds.THRESHOLDS
+    out = [f"gpu-sidecar diagnose: {len(verdicts)} GPU(s), {samples} samples over "
+           f"{seconds:.1f} s{label}",
+           *textwrap.wrap(f"window: {source}" if source else "", 100, subsequent_indent="  "),
+           *textwrap.wrap(f"NOTE: {held}" if held else "", 100, subsequent_indent="  "),
+           *textwrap.wrap(
+               "thresholds (sidecar/thresholds.py, as in the shipped alert rules): "
+               + threshold_prose(t),
+               100, subsequent_indent="  ")]
+    for uuid, v in verdicts.items():
+        out += ["", *_block(uuid, v)]
+    bad = [f"GPU {v.window.mean.index} {v.key}" for v in verdicts.values() if v.findings]
+    out += ["", f"result: a bottleneck on {len(bad)} of {len(verdicts)} GPU(s): {', '.join(bad)}"
+            if bad else f"result: nothing found on {len(verdicts)} GPU(s)"]
+    return "\n".join(out) + "\n"
+
+
+def _block(uuid: str, v: Verdict) -> list[str]:
+    w, m = v.window, v.window.mean
+    head = f"GPU {m.index}  {m.name}  {uuid}"
+    if v.findings:
+        verdict = f"  verdict: {v.key} ({v.findings[0].layer}: {v.findings[0].title})"
+    else:
+        verdict = "  verdict: none" + ("" if v.compute_judged else " (compute not judged)")
+    lines = [head, verdict]
+    if w.lost and w.samples:
+        lines += _wrapped("figures:", f"from the {w.samples} reading(s) before it was lost; "
+                          f"{w.unreadable} cycle(s) could not read it since")
+    if w.samples:
+        since = " since the app started" if w.latency_since_start else " in the window"
+        lines += [
+            f"  compute: utilization {pct(m.utilization)}, SM occupancy {pct(m.occupancy)}, "
+            f"tensor {pct(m.tensor)}, SM active {pct(m.sm_active)}",
+            f"  memory:  device {gib(m.mem_used)} of {gib(m.mem_total)}, DRAM bandwidth "
+            f"{pct(m.dram_bw)}, fragmentation {pct(m.fragmentation)}"
+            + ("" if m.alloc_reserved is None else f" of {gib(m.alloc_reserved)}")
+            + f", retries {_count(w.retries)}, OOMs {_count(w.ooms)}",
+            f"  IO:      PCIe RX {pct(m.pcie_rx_ratio)} ({gbps(m.pcie_rx)}), TX "
+            f"{pct(m.pcie_tx_ratio)} ({gbps(m.pcie_tx)}) of {gbps(m.link_max)}"
+            + _link(v) + f"; NVLink TX {gbps(m.nvlink_tx)}, RX {gbps(m.nvlink_rx)}"
+            + ("" if m.c2c_max is None and m.c2c_rx is None and m.c2c_tx is None else
+               f"; C2C RX {pct(m.c2c_rx_ratio)} ({gbps(m.c2c_rx)}), TX {pct(m.c2c_tx_ratio)} "
+               f"({gbps(m.c2c_tx)}) of {gbps(m.c2c_max)}"),
+            *_health(v),
+            (f"  app:     p50 {ms(w.p50)}, p99 {ms(w.p99)} over {w.requests:.0f} requests{since}"
+             + (" (the engine's latency: the app publishes none)"
+                if m.latency_source == "engine" else ""))
+            if w.p99 is not None else "  app:     no request latency",
+            *_engine(v),
+        ]
+    for n, f in enumerate(v.findings, 1):
+        tag = f"{n}. " if len(v.findings) > 1 else ""
+        lines += [*_wrapped("why:", f"{tag}{f.layer}: {f.evidence}"), *_wrapped("do:", f.remedy)]
+    for note in v.notes:
+        lines += _wrapped("note:", note)
+    return lines
+
+
+def _engine(v: Verdict) -> list[str]:
+    """The serving engine's figures (--engine-metrics-url), where there is one."""
+    w, m = v.window, v.window.mean
+    if not m.engine:
+        return []
+    return _wrapped("engine:", (
+        f"{m.engine}: KV cache {pct(m.kv_usage)}, requests running {_num(m.running)}, waiting "
+        f"{_num(m.waiting)}, preemptions {_count(w.increases.get('preemptions'))}; p99 request "
+        f"{ms(w.engine_p99)}, queue {ms(w.queue_p99)}, time to first token {ms(w.ttft_p99)}, "
+        f"inter-token {ms(w.itl_p99)}"))
+
+
+def _num(value: float | None) -> str:
+    return "absent" if value is None else f"{value:.1f}"
+
+
+def _link(v: Verdict) -> str:
+    """The link's maximum, and as trained when it ran below it (the trained state of those
+    samples, not a mean of generations)."""
+    w, m = v.window, v.window.mean
+    if m.link_gen is None and m.link_width is None:
+        return ""
+    out = f" ({link(m.link_gen, m.link_width)})"
+    b = w.below_max
+    if b is not None:
+        out += (f", trained at {link(b.link_gen_now, b.link_width_now)} in "
+                f"{w.below_max_samples} of {w.link_samples} samples: RX "
+                f"{pct(b.pcie_rx_now_ratio)}, TX {pct(b.pcie_tx_now_ratio)} of it")
+    return out
+
+
+def _health(v: Verdict) -> list[str]:
+    """The health line (clocks, what limited them, power, heat, memory errors, Xids), wrapped;
+    none on a GPU that gives no health figure."""
+    w, m = v.window, v.window.mean
+    if all(x is None for x in (m.sm_clock, m.power, m.temperature, m.ecc_uncorrected,
+                               m.remap_pending, m.xids)) and not reasons(m):
+        return []
+    limited = ", ".join(f"{name.replace('_', ' ')} {pct(share)}" for name, share in reasons(m)
+                        if share > 0) or "nothing"
+    if m.sync_boost:
+        limited += f" (sync boost {pct(m.sync_boost)})"
+    ecc = w.increases.get("ecc_uncorrected")
+    xids = ", ".join(f"{code} x{n:.0f}" for code, n in sorted(w.xids.items()) if n > 0) or "none"
+    text = (f"SM clock {ghz(m.sm_clock)} of {ghz(m.sm_clock_max)} "
+            f"({pct(ratio_of(m.sm_clock, m.sm_clock_max))}), limited by {limited}; power "
+            f"{watts(m.power)} of {watts(m.power_limit)}; GPU {celsius(m.temperature)}, HBM "
+            f"{celsius(m.mem_temperature)}; uncorrected ECC "
+            + ("absent" if ecc is None else f"+{ecc:.0f}")
+            + f", remap pending {_flag(m.remap_pending)}, failed {_flag(m.remap_failed)}; "
+            f"Xids in the window: {xids}")
+    return textwrap.wrap(text, 100, initial_indent="  health:  ", subsequent_indent=" " * 11,
+                         break_on_hyphens=False)
+
+
+def _flag(value: float | None) -> str:
+    return "absent" if value is None else ("yes" if value > 0 else "no")
+
+
+def _wrapped(tag: str, text: str) -> list[str]:
+    """Prose lines wrapped for a terminal, continued under the text."""
+    return textwrap.wrap(text, 100, initial_indent=f"  {tag:<9}", subsequent_indent=" " * 11,
+                         break_on_hyphens=False)
+
+
+def _count(value: float | None) -> str:
+    return "absent" if value is None else f"+{value:.0f}"

@@ -1,0 +1,231 @@
+"""``gpu-sidecar diagnose --query-url``: the verdicts, figures and remedies of the live paths, from
+what real agents stored in a real VictoriaMetrics and a real Prometheus.
+
+Equivalence is checked twice per scenario: the verdict per GPU against ``diagnose --fresh``
+sampling the same simulated scenario at the same time, and every figure of the judged window
+against the agent's own cycles (what it printed with --stdout, judged as the live diagnose
+judges its cycles) within FIGURE_REL: VictoriaMetrics keeps 12 significant digits, Prometheus
+every bit."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from sidecar.commands.from_store import Window, fetch, judge_stored
+from sidecar.config import SCENARIOS, Config
+from sidecar.samples import Series
+from sidecar.store import Store
+from sidecar.views.verdict import Summary, figures_of, judge
+from tests.conftest import ROOT, run_cli
+from tests.receivers import Agent, Prometheus, VictoriaMetrics, running
+from tests.stored import add_gpu, gpu_labels, push
+from tests.test_diagnose import verdicts as report_verdicts
+from tests.waiting import until
+
+FIGURE_REL = 1e-9
+CYCLES = 12
+
+
+@pytest.fixture(scope="module")
+def stores(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[VictoriaMetrics,
+                                                                       Prometheus]]:
+    vm_dir, prom_dir = (tmp_path_factory.mktemp(n) for n in ("vm", "prom"))
+    vm, prom = VictoriaMetrics(vm_dir), Prometheus(prom_dir)
+    with running(vm, prom):
+        vm.start()
+        prom.start()
+        yield vm, prom
+
+
+def agent_for(scenario: str, stores: tuple[VictoriaMetrics, Prometheus], spool: Path,
+              namespace: str = "eq") -> Agent:
+    vm, prom = stores
+    return Agent(["--simulate", scenario, "--interval", "0.5", "--push-interval", "1",
+                  "--remote-write-url", vm.write_url, "--remote-write-url", prom.write_url,
+                  "--spool-dir", str(spool), "--pod-namespace", namespace,
+                  "--pod-name", scenario, "--node-name", "node-a"])
+
+
+def cycles_of(agents: list[Agent]) -> list[list[Series]]:
+    """The cycles the agents printed (and pushed), oldest first."""
+    by_ts: dict[int, list[Series]] = {}
+    for agent in agents:
+        for name, labels, ts, value in agent.sampled():
+            by_ts.setdefault(ts, []).append(Series(name, labels, value, ts))
+    return [by_ts[ts] for ts in sorted(by_ts)]
+
+
+def window_around(cycles: list[list[Series]]) -> Window:
+    first, last = cycles[0][0].timestamp_ms / 1000, cycles[-1][0].timestamp_ms / 1000
+    return Window(first - 0.25, last + 0.001)
+
+
+def store_cfg(url: str, scenario: str, w: Window, namespace: str = "eq") -> Config:
+    return Config(query_url=url, select=(("namespace", "=", namespace), ("pod", "=", scenario)),
+                  at=f"{w.end:.3f}", duration=w.end - w.start)
+
+
+def judged_from(url: str, scenario: str, w: Window, want_cycles: int):
+    """The store's judgement, once it serves every cycle pushed (ingestion settles in ~1 s)."""
+    def ready():
+        store = Store(store_cfg(url, scenario, w))
+        try:
+            judged = judge_stored(fetch(store, store_cfg(url, scenario, w).select, w), w)
+        finally:
+            store.close()
+        return judged if judged.cycles >= want_cycles else None
+    return until(ready, 30, interval=0.5, what=f"{want_cycles} cycles of {scenario} in {url}")
+
+
+def assert_same_figures(stored, live, where: str) -> None:
+    for f in dataclasses.fields(stored.mean):
+        a, b = getattr(stored.mean, f.name), getattr(live.mean, f.name)
+        if isinstance(a, float) and isinstance(b, float):
+            assert math.isclose(a, b, rel_tol=FIGURE_REL, abs_tol=1e-12), (where, f.name, a, b)
+        else:
+            assert a == b or (a is not None and b is not None and str(a) == str(b)), \
+                (where, f.name, a, b)
+    for name in ("samples", "p50", "p99", "requests", "retries", "ooms", "engine_p99",
+                 "queue_p99", "queue_share"):
+        a, b = getattr(stored, name), getattr(live, name)
+        assert (a == b) or (a is not None and b is not None
+                            and math.isclose(a, b, rel_tol=FIGURE_REL, abs_tol=1e-12)), \
+            (where, name, a, b)
+
+
+@pytest.mark.parametrize("scenario", SCENARIOS)
+def test_every_scenario_stored_by_a_real_agent_gets_the_live_verdict_and_figures(
+        scenario, stores, tmp_path):
+    vm, prom = stores
+    live = subprocess.Popen(
+        [sys.executable, "-m", "sidecar", "diagnose", "--simulate", scenario, "--fresh",
+         "--duration", "4", "--interval", "0.5"], stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE, text=True, cwd=ROOT)
+    agent = agent_for(scenario, stores, tmp_path / "spool")
+    try:
+        with running(agent):
+            agent.start()
+            agent.more_cycles(CYCLES, "pushing")
+        live_out, _ = live.communicate(timeout=60)
+    finally:
+        if live.poll() is None:
+            live.kill()
+            live.communicate()
+    cycles = cycles_of([agent])
+    w = window_around(cycles)
+    summary = Summary()
+    for c in cycles:
+        summary.add(figures_of(c))
+    own = {u: judge(win) for u, win in summary.windows().items()}
+    live_verdicts = report_verdicts(live_out)
+    for store in (vm, prom):
+        judged = judged_from(store.base, scenario, w, len(cycles))
+        assert set(judged.verdicts) == set(own), store.base
+        for uuid, v in judged.verdicts.items():
+            assert v.key == own[uuid].key, (store.base, uuid)
+            assert_same_figures(v.window, own[uuid].window, f"{store.base} {uuid}")
+            assert [f.evidence for f in v.findings] == [f.evidence for f in own[uuid].findings]
+        proc = run_cli("diagnose", "--query-url", store.base, "--select", "namespace=eq",
+                       "--select", f"pod={scenario}", f"--at={w.end:.3f}",
+                       "--duration", f"{w.end - w.start:.3f}")
+        assert report_verdicts(proc.stdout) == live_verdicts, (store.base, proc.stdout,
+                                                               live_out)
+        assert proc.returncode == (1 if any(k != "none" for k in live_verdicts.values()) else 0)
+        assert "long-term storage" in proc.stdout and "result: " in proc.stdout
+
+
+def test_an_agent_restart_inside_the_window_is_counted_across_and_said(stores, tmp_path):
+    """Two agents in turn for one pod, 3 s apart: the histogram's increase is the two runs'
+    together (the second counted from 0, as increase() counts a reset), the restart and the gap
+    are said, and the verdict is the scenario's."""
+    vm, _ = stores
+    first = agent_for("pcie-saturated", stores, tmp_path / "spool", namespace="restart")
+    with running(first):
+        first.start()
+        first.more_cycles(8)
+    # the pod stays down for 3 s, six intervals: a gap the report must say
+    stopped = max(ts for _, _, ts, _ in first.sampled()) / 1000
+    until(lambda: time.time() >= stopped + 3, 10, what="3 s without the agent")
+    second = agent_for("pcie-saturated", stores, tmp_path / "spool", namespace="restart")
+    with running(second):
+        second.start()
+        second.more_cycles(8)
+    cycles = cycles_of([first, second])
+    w = window_around(cycles)
+    cfg = store_cfg(vm.base, "pcie-saturated", w, namespace="restart")
+
+    def requests_of(agent: Agent) -> tuple[float, float]:
+        inf = sorted((ts, v) for n, lab, ts, v in agent.sampled()
+                     if n == "inference_request_duration_seconds_bucket"
+                     and dict(lab).get("le") == "+Inf" and dict(lab).get("gpu_index") == "0")
+        return inf[0][1], inf[-1][1]
+
+    (a0, a1), (_, b1) = requests_of(first), requests_of(second)
+
+    def settled():
+        store = Store(cfg)
+        try:
+            judged = judge_stored(fetch(store, cfg.select, w), w)
+        finally:
+            store.close()
+        return judged if judged.cycles >= len(cycles) else None
+
+    judged = until(settled, 30, interval=0.5, what="both agents' cycles in VictoriaMetrics")
+    gpu0 = next(v for v in judged.verdicts.values() if v.window.mean.index == "0")
+    assert gpu0.key == "pcie"
+    assert gpu0.window.requests == pytest.approx((a1 - a0) + b1)
+    said = " ".join(gpu0.notes)
+    assert "the agent restarted inside the window" in said
+    assert "no cycle stored from" in said
+
+
+def test_the_report_says_which_layer_moved_first(stores, tmp_path):
+    """A GPU whose fragmentation was high all along, whose PCIe RX crossed 80 % at +30 s and whose
+    p99 crossed the objective at +120 s (stored with past timestamps through the write path):
+    the onsets come in that order, with their times."""
+    vm, _ = stores
+    start_ms = (int(time.time()) - 3600) * 1000
+    times = list(range(start_ms, start_ms + 180_000, 1000))
+    pcie_at, slow_at = start_ms + 30_000, start_ms + 120_000
+    labels = gpu_labels("GPU-0a5e7000-0000-4000-8000-000000000001", 0, "onset", "web-1", "n1")
+    series: dict = {}
+    add_gpu(series, labels, times, {
+        "gpu_sidecar_gpu_available": 1, "gpu_utilization_ratio": 0.97,
+        "gpu_sm_occupancy_ratio": 0.6,
+        "gpu_pcie_rx_bandwidth_util_ratio": lambda ts: 0.95 if ts >= pcie_at else 0.3,
+        "gpu_pcie_tx_bandwidth_util_ratio": 0.1,
+        "gpu_pcie_link_max_bytes_per_second": 63e9,
+        "gpu_memory_fragmentation_ratio": 0.7, "gpu_allocator_reserved_bytes": 40 * 2**30,
+        "latency": lambda ts: (50.0, 0.2 if ts >= slow_at else 0.0)})
+    push(vm.write_url, series)
+    end = (times[-1] + 1) / 1000
+    proc = until(lambda: (p := run_cli(
+        "diagnose", "--query-url", vm.base, "--select", "namespace=onset", f"--at={end:.3f}",
+        "--duration", "180")) and "when it started" in p.stdout and p,
+        30, interval=0.5, what="the backfilled GPU in VictoriaMetrics")
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    text = " ".join(proc.stdout.split())
+    text = text[text.index("when it started"):]
+    frag = text.index("fragmentation (")
+    pcie = text.index("pcie (")
+    p99 = text.index("p99 above 250 ms from")
+    assert frag < pcie < p99, text
+    assert "fragmentation (the allocator" in text or "already at the window's start" in \
+        text[frag:pcie]
+    from sidecar.commands.from_store import clock
+    # each onset within one trailing window (18 s here: a tenth of 180 s) after the change
+    found_pcie = text[pcie:].split(" from ", 1)[1][:8]
+    found_p99 = text[p99:].split(" from ", 1)[1][:8]
+    for found, at in ((found_pcie, pcie_at), (found_p99, slow_at)):
+        t = time.strptime(found, "%H:%M:%S")
+        seconds = (t.tm_hour * 3600 + t.tm_min * 60 + t.tm_sec)
+        expected = int(at / 1000) % 86400
+        assert 0 <= (seconds - expected) % 86400 <= 18, (found, clock(at / 1000))
