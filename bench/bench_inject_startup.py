@@ -19,25 +19,53 @@ that a drift of the machine hits them alike, and the medians are compared:
 
     python bench/bench_inject_startup.py [--runs 200] [--json out.json]
 
+With ``--real-torch`` (issue #37) it measures instead, with this venv's Python and the real
+PyTorch installed in it (2.13.0, a CPU build), the placed publisher on ``PYTHONPATH`` and
+``GPU_SIDECAR_SOCKET`` naming a socket this benchmark binds, as the k8s component sets up an
+app container:
+
+- ``import torch`` wall time with and without the injection, interleaved, medians of
+  ``--torch-runs`` (at least 20). Target: within 2 % and within 20 ms of without;
+- the publisher thread's CPU per publish, with the stand-in CUDA (tests/standins/torch: real
+  torch has no CUDA here): an app that initialises CUDA on 2 stand-in GPUs and allocates, the
+  placed interval 1 s; the thread's CPU from /proc/<pid>/task/<tid>/schedstat over a window,
+  divided by the rounds the bound socket received in it;
+- a storm of 300 short-lived ``python -c pass`` processes (16 at a time), with and without the
+  injection, interleaved storms: each storm's total wall time, and the median process's;
+- threads and file descriptors of ``python -c "import torch, time; time.sleep(1)"`` (it
+  prints a line once torch is imported, then sleeps) with and without the injection, counted
+  from /proc while it sleeps. Target: no thread, file or socket more in a process that never
+  initialises CUDA.
+
+    python bench/bench_inject_startup.py --real-torch [--torch-runs 30] [--results FILE]
+
+``--results FILE`` writes the real-torch report into FILE's section "Injected publisher with
+real torch" (from its heading to its "Checks:" line and the verdict line after it).
+
 Waits while /tmp/bench_running exists (another benchmark on the machine).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import glob
 import json
 import os
 import re
+import socket
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+
+from _report import finish, heading, replace_section, section, stop, wait_until  # noqa: E402
 
 from sidecar import config  # noqa: E402
 from sidecar.inject import placement  # noqa: E402
@@ -147,12 +175,236 @@ def run(exe: str, runs: int, placed: Path, empty: Path) -> dict:
     }
 
 
+# -- with the real torch (issue #37) -----------------------------------------------------------
+
+TORCH_RATIO = 1.02  # import torch injected: within 2 % of without...
+TORCH_EXTRA_S = 0.020  # ...and within 20 ms
+STORM = 300
+STORM_PARALLEL = 16
+PUBLISH_WINDOW_S = 30.0
+STANDIN_GPUS = ("GPU-0c4b24ac-fb68-413f-6f0c-54be2b5a94c7,"
+                "GPU-5d8a2b1e-3c4f-4e6a-9b7c-8d9e0f1a2b3c")
+
+# an app on the stand-in CUDA: initialises it, allocates on both GPUs, says its publisher
+# thread's native id, and holds its memory until the file named by its argument exists
+PUBLISHING_APP = r"""
+import os, sys, threading, time
+import torch
+torch.cuda.init()
+held = [torch.empty(n << 20, dtype=torch.uint8, device=f"cuda:{d}")
+        for d in (0, 1) for n in (3, 7, 3, 12, 5)]
+del held[::2]
+deadline = time.monotonic() + 30
+while time.monotonic() < deadline:
+    found = [t for t in threading.enumerate() if t.name == "gpu-sidecar-inject"]
+    if found:
+        print(found[0].native_id, flush=True)
+        break
+    time.sleep(0.01)
+while not os.path.exists(sys.argv[1]):
+    time.sleep(0.05)
+"""
+SLEEPER = "import torch, time; print('imported', flush=True); time.sleep(1)"
+
+
+def schedstat_s(pid: int, tid: int) -> float:
+    """CPU seconds of one thread (/proc/<pid>/task/<tid>/schedstat, in ns)."""
+    return int(Path(f"/proc/{pid}/task/{tid}/schedstat").read_text().split()[0]) / 1e9
+
+
+def drain(sock: socket.socket) -> list[dict]:
+    """Every datagram waiting on ``sock``, parsed."""
+    out = []
+    while True:
+        try:
+            out.append(json.loads(sock.recv(65536)))
+        except BlockingIOError:
+            return out
+
+
+def torch_env(placed: Path | None, sock_path: Path, extra: str = "") -> dict[str, str]:
+    """An app container's environment: with ``placed``, what the k8s component adds."""
+    env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": os.environ.get("HOME", "/"),
+           "PYTHONDONTWRITEBYTECODE": "1"}
+    paths = [str(p) for p in (placed, extra) if p]
+    if paths:
+        env["PYTHONPATH"] = os.pathsep.join(paths)
+    if placed is not None:
+        env["GPU_SIDECAR_SOCKET"] = str(sock_path)
+    return env
+
+
+def import_torch(runs: int, envs: dict[str, dict[str, str]]) -> dict[str, list[float]]:
+    wall: dict[str, list[float]] = {k: [] for k in envs}
+    for env in envs.values():  # warm the page cache
+        timed([sys.executable, "-c", "import torch"], env)
+    for _ in range(runs):
+        for name, env in envs.items():
+            wall[name].append(timed([sys.executable, "-c", "import torch"], env)[0])
+    return wall
+
+
+def publish_cost(placed: Path, sock: socket.socket, sock_path: Path, tmp: Path) -> dict:
+    """The publisher thread's CPU per round it sent, in an app on the stand-in CUDA."""
+    env = torch_env(placed, sock_path, str(STANDINS))
+    env["TORCH_STANDIN_GPUS"] = STANDIN_GPUS
+    release = tmp / "release"
+    app = subprocess.Popen([sys.executable, "-c", PUBLISHING_APP, str(release)], env=env,
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp)
+    try:
+        tid = int(app.stdout.readline() or 0)
+        if not tid:
+            raise RuntimeError(f"the app named no publisher thread: {app.stderr.read()[-2000:]}")
+        got: list[dict] = []
+
+        def first_round() -> bool:
+            got.extend(drain(sock))
+            return any(m.get("kind") == "round" for m in got)
+
+        wait_until(first_round, 30, "the publisher's first round")
+        cpu0, t0 = schedstat_s(app.pid, tid), time.monotonic()
+        time.sleep(PUBLISH_WINDOW_S)
+        cpu1, t1 = schedstat_s(app.pid, tid), time.monotonic()
+        sent = drain(sock)
+        rounds = sum(1 for m in sent if m.get("kind") == "round")
+        release.touch()
+        app.wait(timeout=30)
+        return {"cpu_s": cpu1 - cpu0, "window_s": t1 - t0, "rounds": rounds,
+                "hellos": sum(1 for m in sent if m.get("kind") == "hello"),
+                "gpus": sorted({g for m in sent for g in m.get("gpus", ())}),
+                "per_round_us": (cpu1 - cpu0) / rounds * 1e6 if rounds else float("nan")}
+    finally:
+        release.touch()
+        stop(app)
+
+
+def storm(env: dict[str, str]) -> tuple[float, list[float]]:
+    """``STORM`` short-lived ``python -c pass``, ``STORM_PARALLEL`` at a time: total wall and
+    each process's."""
+    t = time.perf_counter()
+    with ThreadPoolExecutor(STORM_PARALLEL) as pool:
+        each = list(pool.map(lambda _: timed([sys.executable, "-c", "pass"], env)[0],
+                             range(STORM)))
+    return time.perf_counter() - t, each
+
+
+def at_rest(env: dict[str, str]) -> dict:
+    """Threads and descriptors of a process that imported torch and sleeps (no CUDA)."""
+    proc = subprocess.Popen([sys.executable, "-c", SLEEPER], env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.DEVNULL, text=True, cwd="/")
+    try:
+        if proc.stdout.readline().strip() != "imported":
+            raise RuntimeError("the sleeper did not import torch")
+        tasks = sorted(Path(f"/proc/{proc.pid}/task").iterdir())
+        fds = []
+        for fd in Path(f"/proc/{proc.pid}/fd").iterdir():
+            with contextlib.suppress(OSError):  # the listing's own descriptor, gone
+                fds.append(re.sub(r"\[\d+\]$", "", os.readlink(fd)))  # pipe:[inode]
+        return {"threads": len(tasks), "fds": sorted(fds)}
+    finally:
+        proc.wait(timeout=30)
+
+
+def real_torch(runs: int) -> tuple[list[str], bool]:
+    import torch
+
+    with tempfile.TemporaryDirectory(prefix="inject-bench-torch-") as tmp:
+        tmp_path = Path(tmp)
+        sock_path = tmp_path / "run" / "app.sock"
+        cfg = config.Config(socket=str(sock_path), interval=1.0)
+        placed = placement.place(placement.inject_dir(cfg), placement.render(cfg)).directory
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        sock.bind(str(sock_path))
+        sock.setblocking(False)
+        try:
+            envs = {"without": torch_env(None, sock_path),
+                    "injected": torch_env(placed, sock_path)}
+            wall = import_torch(runs, envs)
+            print(f"import torch: {json.dumps(wall)}", file=sys.stderr, flush=True)
+            pub = publish_cost(placed, sock, sock_path, tmp_path)
+            print(f"publish: {pub}", file=sys.stderr, flush=True)
+            storms: dict[str, list[tuple[float, list[float]]]] = {k: [] for k in envs}
+            for _ in range(3):
+                for name, env in envs.items():
+                    storms[name].append(storm(env))
+            rest = {name: at_rest(env) for name, env in envs.items()}
+            sent_at_rest = drain(sock)
+        finally:
+            sock.close()
+
+    def ms(values: list[float]) -> float:
+        return statistics.median(values) * 1000
+
+    without, injected = ms(wall["without"]), ms(wall["injected"])
+    torch_ok = (injected <= without * TORCH_RATIO and injected - without <= TORCH_EXTRA_S * 1000)
+    rest_ok = (rest["injected"]["threads"] == rest["without"]["threads"]
+               and rest["injected"]["fds"] == rest["without"]["fds"] and not sent_at_rest)
+
+    def runs_of(values: list[float]) -> str:
+        return ", ".join(f"{v * 1000:.0f}" for v in values)
+
+    total = {k: [t for t, _ in storms[k]] for k in storms}
+    each = {k: ms([x for _, e in storms[k] for x in e]) for k in storms}
+    fds = {k: len(rest[k]["fds"]) for k in rest}
+
+    def v(ok: bool) -> str:
+        return "met" if ok else "**MISSED**"
+
+    lines = [
+        heading("Injected publisher with real torch (issue #37, bench_inject_startup.py "
+                "--real-torch)", f"torch {torch.__version__}, {runs} interleaved runs"),
+        "",
+        "| measure | without the injection | injected | difference | target | verdict |",
+        "|---|---|---|---|---|---|",
+        f"| `import torch`, wall, median of {runs} | {without:.1f} ms | {injected:.1f} ms | "
+        f"{injected - without:+.1f} ms ({(injected / without - 1) * 100:+.1f} %) | within "
+        f"{(TORCH_RATIO - 1) * 100:.0f} % and {TORCH_EXTRA_S * 1000:.0f} ms | {v(torch_ok)} |",
+        f"| a process that imports torch and sleeps (never initialises CUDA): threads | "
+        f"{rest['without']['threads']} | {rest['injected']['threads']} | "
+        f"{rest['injected']['threads'] - rest['without']['threads']:+d} | none more | "
+        f"{v(rest['injected']['threads'] == rest['without']['threads'])} |",
+        f"| the same: open descriptors (files, sockets, pipes) | {fds['without']} | "
+        f"{fds['injected']} | {fds['injected'] - fds['without']:+d} | none more | "
+        f"{v(rest['injected']['fds'] == rest['without']['fds'])} |",
+        f"| storm of {STORM} `python -c pass`, {STORM_PARALLEL} at a time: total wall, median of "
+        f"3 storms (each) | {ms(total['without']):.0f} ms ({runs_of(total['without'])}) | "
+        f"{ms(total['injected']):.0f} ms ({runs_of(total['injected'])}) | "
+        f"{ms(total['injected']) - ms(total['without']):+.0f} ms | - | - |",
+        f"| the same: one process's wall, median of {3 * STORM} | {each['without']:.1f} ms | "
+        f"{each['injected']:.1f} ms | {each['injected'] - each['without']:+.1f} ms | - | - |",
+        "",
+        f"Publisher thread with the stand-in CUDA (2 GPUs, placed interval 1 s): "
+        f"{pub['cpu_s'] * 1000:.1f} ms of CPU over {pub['window_s']:.1f} s and {pub['rounds']} "
+        f"rounds ({pub['hellos']} hellos): **{pub['per_round_us']:.0f} µs per publish** "
+        f"(schedstat of its thread; at the default 5 s interval, "
+        f"{pub['per_round_us'] / 5 / 1000:.3f} mCPU).",
+        "",
+        f"Checks: descriptors without {rest['without']['fds']}, injected "
+        f"{rest['injected']['fds']}; datagrams from the sleeping processes: "
+        f"{len(sent_at_rest)}; the publisher's rounds named {pub['gpus']}.",
+    ]
+    return lines, torch_ok and rest_ok
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--runs", type=int, default=200)
     parser.add_argument("--json", type=Path)
+    parser.add_argument("--real-torch", action="store_true",
+                        help="measure with this venv's real torch instead (issue #37)")
+    parser.add_argument("--torch-runs", type=int, default=30)
+    parser.add_argument("--results", type=Path, metavar="FILE",
+                        help="with --real-torch: also write the report into FILE's section")
     args = parser.parse_args()
     wait_for_quiet()
+    if args.real_torch:
+        if args.torch_runs < 20:
+            parser.error("--torch-runs: at least 20 (medians of at least 20 each)")
+        lines, ok = real_torch(args.torch_runs)
+        if args.results is not None:
+            replace_section(args.results, section(lines, ok),
+                            "Injected publisher with real torch", last="Checks:")
+        return finish(lines, ok)
     with tempfile.TemporaryDirectory(prefix="inject-bench-") as tmp:
         tmp_path = Path(tmp)
         cfg = config.Config(socket=str(tmp_path / "run" / "app.sock"))

@@ -25,8 +25,8 @@ RESERVED_LABELS = frozenset({"gpu_uuid", "gpu_name", "gpu_index", "namespace", "
                              "mode", "job_name", "job_index", "figure", "condition", "engine",
                              "endpoint", "model"})
 SCENARIOS = ("healthy", "pcie-saturated", "fragmented", "low-occupancy", "gpu-lost", "old-driver",
-             "throttled", "pcie-degraded", "hardware-fault", "grace-hopper", "kv-cache-full",
-             "queueing")
+             "throttled", "pcie-degraded", "hardware-fault", "grace-hopper", "nvlink-saturated",
+             "kv-cache-full", "queueing")
 
 
 RETRY_AFTER_CAP_S = 300.0  # Retry-After is honoured up to this (sidecar.sinks.answers.Policy)

@@ -23,8 +23,10 @@ from sidecar.agent import PRIME_WINDOW_S, Agent
 from sidecar.durability.spool import Spool, open_spools, private_root, spool_dir_name
 from sidecar.inject import placement as inject_placement
 from sidecar.inject.versions import PublisherAwareAppState
+from sidecar.metrics import RARE
 from sidecar.recent import Recent
 from sidecar.sinks import Sink
+from sidecar.sinks.cadence import Cadence
 from sidecar.sources.app_socket import AppSocket, AppState, SocketUnavailable
 from sidecar.sources.nvml import NvmlSource
 from sidecar.summary import Checkpoint
@@ -89,7 +91,8 @@ def build_sinks(cfg: config.Config, spool_root: str) -> list[Sink]:
                                         sink_name, cfg):
             sinks.append(RemoteWriteSink(url, spool, http,
                                          name=name, push_interval_s=cfg.push_interval,
-                                         max_batch_samples=cfg.batch_max_samples))
+                                         max_batch_samples=cfg.batch_max_samples,
+                                         cadence=Cadence(RARE)))
     if cfg.otlp_url:
         from sidecar.sinks.otlp import otlp_sink
         from sidecar.sinks.otlp import sink_name as otlp_name
@@ -98,7 +101,8 @@ def build_sinks(cfg: config.Config, spool_root: str) -> list[Sink]:
             sinks.append(otlp_sink(url, spool, http, name=name,
                                    extra_labels=tuple(k for k, _ in cfg.extra_label),
                                    push_interval_s=cfg.push_interval,
-                                   max_batch_samples=cfg.batch_max_samples))
+                                   max_batch_samples=cfg.batch_max_samples,
+                                   cadence=Cadence(RARE)))
     if cfg.pushgateway_url:
         from sidecar.sinks.pushgateway import PushgatewaySink
 

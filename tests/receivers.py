@@ -23,6 +23,9 @@ from typing import TypeVar
 import pytest
 import requests
 
+from sidecar.metrics import RARE
+from sidecar.samples import Series
+from sidecar.sinks.cadence import Cadence
 from tests.conftest import ROOT
 
 LOCAL = "127.0.0.1"
@@ -420,6 +423,8 @@ class Agent:
     # signal dispositions the test states itself instead of inheriting pytest's (nohup)
     wrapper: tuple[str, ...] = ()
     _rows: list[tuple[str, tuple, int, float]] = field(default_factory=list, repr=False)
+    _sent: list[tuple[str, tuple, int, float]] = field(default_factory=list, repr=False)
+    _cadence: Cadence = field(default_factory=lambda: Cadence(RARE), repr=False)
     _parsed: int = field(default=0, repr=False)
 
     def start(self) -> Agent:
@@ -459,16 +464,27 @@ class Agent:
             self.signal(signal.SIGTERM)
         return self.wait(timeout)
 
-    def sampled(self) -> list[tuple[str, tuple, int, float]]:
+    def recorded(self) -> list[tuple[str, tuple, int, float]]:
+        """Every series of every cycle, as the agent printed them on stdout."""
         # parsed once per line: tests poll this while the agent runs
         lines = self.out[:]  # whole lines only: the reader appends complete ones
         for line in lines[self._parsed:]:
             if line.startswith("{"):
                 r = json.loads(line)
-                self._rows.append((r["name"], tuple(sorted(r["labels"].items())),
-                                   r["timestamp_ms"], float(r["value"])))
+                row = (r["name"], tuple(sorted(r["labels"].items())), r["timestamp_ms"],
+                       float(r["value"]))
+                self._rows.append(row)
+                if self._cadence.due([Series(row[0], row[1], row[3], row[2])]):
+                    self._sent.append(row)
         self._parsed = len(lines)
         return list(self._rows)
+
+    def sampled(self) -> list[tuple[str, tuple, int, float]]:
+        """What the agent sent a pushing sink (remote-write, OTLP): its stdout record thinned
+        by the same cadence (sidecar/sinks/cadence.py: a rare figure when it changes and every
+        minute), which is what a receiver must hold, no more and no less."""
+        self.recorded()
+        return list(self._sent)
 
     def events(self) -> list[dict]:
         out = []

@@ -63,6 +63,16 @@ def test_each_scenario_gets_its_verdict_and_exit_code(scenario, expected, code):
     assert proc.stdout.rstrip().splitlines()[-1].startswith("result: ")
 
 
+def test_a_tensor_parallel_server_whose_all_reduce_fills_nvlink_is_named_on_all_eight_gpus():
+    proc = run_cli("diagnose", "--simulate", "nvlink-saturated", "--duration", "5", timeout=60)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert verdicts(proc.stdout) == dict.fromkeys(range(8), "nvlink"), proc.stdout
+    flat = " ".join(proc.stdout.split())
+    assert "of the active links' 478.1 GB/s, above 80%" in flat  # 18 links x 26,562 MBps
+    assert "tensor-parallel degree" in flat and "nvidia-smi topo -m" in flat
+    assert "NVLink above 80% of its maximum on a busy GPU or with p99 above the objective" in flat
+
+
 def test_remedies_are_the_seeds():
     out = {s: run_cli("diagnose", "--simulate", s, *WINDOW).stdout
            for s in ("pcie-saturated", "fragmented", "low-occupancy")}

@@ -225,9 +225,17 @@ def test_a_clean_stop_pushes_gpu_sidecar_up_0_last_and_a_killed_agent_leaves_1(t
         killed.signal(signal.SIGKILL)
         killed.wait()
         vm.settled(len(clean.sampled()) + len(killed.sampled()) // 2)
-        values = {pod: [v for _, _, _, v in sorted(
-                      vm.samples(f'{{__name__="gpu_sidecar_up",pod="{pod}"}}'),
-                      key=lambda row: row[2])] for pod in ("ended-0", "gone-0")}
+
+        def up(pod: str) -> list[float]:
+            return [v for _, _, _, v in sorted(
+                vm.samples(f'{{__name__="gpu_sidecar_up",pod="{pod}"}}'), key=lambda r: r[2])]
+
+        # every gpu_sidecar_up the clean agent printed, its last one included, is searchable
+        printed = sum(1 for n, _, _, _ in clean.sampled() if n == "gpu_sidecar_up")
+        until(lambda: len(up("ended-0")) >= printed,
+              what=lambda: f"{printed} gpu_sidecar_up of the stopped agent stored "
+                           f"(at {len(up('ended-0'))})")
+        values = {pod: up(pod) for pod in ("ended-0", "gone-0")}
     assert values["ended-0"][-1] == 0.0 and set(values["ended-0"][:-1]) == {1.0}
     assert values["gone-0"] and set(values["gone-0"]) == {1.0}
 

@@ -19,7 +19,6 @@ import re
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -166,28 +165,31 @@ def planted(tmp_path: Path, data: dict, *, mtime: float | None = None) -> Path:
     return sock
 
 
+# a small parent between the test and the CLI: a child forked from pytest itself starts with
+# pytest's resident pages counted in its peak (hundreds of MiB late in a full run)
+_MEASURE = """
+import os, subprocess, sys
+child = subprocess.Popen(sys.argv[1:], stdout=subprocess.DEVNULL)
+_, status, usage = os.wait4(child.pid, 0)
+print(usage.ru_maxrss * 1024)
+sys.exit(os.waitstatus_to_exitcode(status))
+"""
+
+
 def run_measured(*args: str) -> tuple[int, str, int]:
-    """The CLI as a child of its own: exit code, stderr and its peak RSS in bytes, killed after
-    CLI_TIMEOUT_S."""
-    with tempfile.TemporaryFile("w+") as err:
-        env = {k: v for k, v in os.environ.items() if not k.startswith("GPU_SIDECAR_")}
-        proc = subprocess.Popen([sys.executable, "-m", "sidecar", *args], cwd=ROOT, env=env,
-                                stdout=subprocess.DEVNULL, stderr=err)
-        deadline = time.monotonic() + CLI_TIMEOUT_S
-        try:
-            while True:
-                pid, code, usage = os.wait4(proc.pid, os.WNOHANG)
-                if pid:
-                    proc.returncode = os.waitstatus_to_exitcode(code)
-                    break
-                assert time.monotonic() < deadline, f"{args} still runs after {CLI_TIMEOUT_S} s"
-                time.sleep(0.05)
-        finally:
-            if proc.returncode is None:
-                proc.kill()
-                proc.wait()
-        err.seek(0)
-        return proc.returncode, err.read(), usage.ru_maxrss * 1024
+    """The CLI as a child of a small parent of its own: exit code, stderr and its peak RSS in
+    bytes, killed (with that parent) after CLI_TIMEOUT_S."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("GPU_SIDECAR_")}
+    proc = subprocess.Popen([sys.executable, "-c", _MEASURE, sys.executable, "-m", "sidecar",
+                             *args], cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=CLI_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
+        raise AssertionError(f"{args} still runs after {CLI_TIMEOUT_S} s") from None
+    return proc.returncode, err, int(out.strip().splitlines()[-1])
 
 
 def test_a_fifo_in_place_of_the_status_is_refused_at_once_and_never_blocks(tmp_path):

@@ -55,10 +55,11 @@ def agent_for(scenario: str, stores: tuple[VictoriaMetrics, Prometheus], spool: 
 
 
 def cycles_of(agents: list[Agent]) -> list[list[Series]]:
-    """The cycles the agents printed (and pushed), oldest first."""
+    """The cycles the agents judged, whole, as printed (a pushing sink sends the rare figures
+    only when they change and every minute), oldest first."""
     by_ts: dict[int, list[Series]] = {}
     for agent in agents:
-        for name, labels, ts, value in agent.sampled():
+        for name, labels, ts, value in agent.recorded():
             by_ts.setdefault(ts, []).append(Series(name, labels, value, ts))
     return [by_ts[ts] for ts in sorted(by_ts)]
 

@@ -91,6 +91,10 @@ DECIDING: dict[str, Figure] = {
                          "gpu_c2c_tx_bandwidth_util_ratio"),), ("gpu_uuid",),
                   lambda v, t: f"NVLink-C2C {pct(_v(v))} of its maximum (above "
                                f"{t.pcie_util_ratio:.0%})"),
+    "nvlink": Figure((_pair("gpu_nvlink_rx_bandwidth_util_ratio",
+                            "gpu_nvlink_tx_bandwidth_util_ratio"),), ("gpu_uuid",),
+                     lambda v, t: f"NVLink {pct(_v(v))} of its maximum (above "
+                                  f"{t.nvlink_util_ratio:.0%})"),
     "kv-cache": Figure(
         ("max by (namespace, pod) (avg_over_time(" + _sel("engine_kv_cache_usage_ratio", pod=True)
          + "))",), ("namespace", "pod"),

@@ -34,7 +34,9 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from sidecar import config, thresholds
+from sidecar.metrics import RARE
 from sidecar.samples import Series
+from sidecar.sinks.cadence import RESEND_S
 from sidecar.store import GPU_LABELS, Row, Store, StoreError, duration, selector
 from sidecar.thresholds import Thresholds
 from sidecar.views.report import report
@@ -107,7 +109,8 @@ def window_of(cfg: Config, now: float | None = None) -> Window:
 
 def fetch(store: Store, select: Sequence[tuple[str, str, str]], w: Window) -> Stored:
     """The window's raw samples: two queries, whatever the number of GPUs."""
-    rng = f"[{duration(w.end - w.start)}]"
+    # from before the window too: a rare figure (sent every minute) stands in its first cycles
+    rng = f"[{duration(w.end - w.start + RARE_BEFORE_S)}]"
     gpu_rows = store.query(selector(GPU_FAMILIES, select, 'gpu_uuid!=""', 'pid=""') + rng, w.end)
     keys = sorted({_pod_key(r) for r in gpu_rows})
     pod_rows: list[Row] = []
@@ -120,7 +123,7 @@ def fetch(store: Store, select: Sequence[tuple[str, str, str]], w: Window) -> St
     for row in (*gpu_rows, *pod_rows):
         if (k := _pod_key(row)) in by_pod:
             by_pod[k].append(row)
-    return Stored([_rebuild(k, rows) for k, rows in by_pod.items()])
+    return Stored([_rebuild(k, rows, w.start) for k, rows in by_pod.items()])
 
 
 def _literal(text: str) -> str:
@@ -132,7 +135,11 @@ def _pod_key(row: Row) -> tuple[str, ...]:
     return tuple(row.label(k) for k in POD_KEY)
 
 
-def _rebuild(key: tuple[str, ...], rows: list[Row]) -> Pod:
+LOOKBACK_MS = 300_000  # Prometheus' default look-back: a sample stands this long
+RARE_BEFORE_S = 2 * RESEND_S  # fetched before the window, for the rare figures' last values
+
+
+def _rebuild(key: tuple[str, ...], rows: list[Row], start: float) -> Pod:
     """A pod's cycles from its rows: counters made monotonic as PromQL's increase() reads them
     (each reset said), samples grouped by their time (one cycle of the agent each)."""
     by_time: dict[int, list[Series]] = {}
@@ -147,13 +154,17 @@ def _rebuild(key: tuple[str, ...], rows: list[Row]) -> Pod:
                 if previous is not None and value < previous:
                     offset += previous
                     what = "agent" if name == RESTARTS else "counter"
-                    resets.setdefault(what, []).append(p.t)
+                    if p.t >= start:  # said only inside the window
+                        resets.setdefault(what, []).append(p.t)
                 previous = value
                 value += offset
             if name == RESTARTS:
                 continue
             ms_ = round(p.t * 1000)
             by_time.setdefault(ms_, []).append(Series(name, labels, value, ms_))
+    _carry_rare(by_time, sorted(by_time))
+    for ms_ in [ms_ for ms_ in by_time if ms_ < start * 1000]:  # fetched only to carry from
+        del by_time[ms_]
     times = sorted(by_time)
     notes: list[str] = []
     if restarts := sorted(set(resets.get("agent", []))):
@@ -177,6 +188,23 @@ def _rebuild(key: tuple[str, ...], rows: list[Row]) -> Pod:
             "pushes were lost)")
     cycles = tuple((ms_ / 1000, tuple(by_time[ms_])) for ms_ in times)
     return Pod(key, cycles, tuple(notes), interval)
+
+
+def _carry_rare(by_time: dict[int, list[Series]], times: list[int]) -> None:
+    """The rare figures are pushed when they change and every minute (sinks/cadence.py):
+    each stored cycle without one takes its last value, as PromQL's look-back does (up to 5
+    minutes), so the cycles judged here are the ones the agent judged."""
+    last: dict[tuple[str, tuple[tuple[str, str], ...]], tuple[int, float]] = {}
+    for ms_ in times:
+        cycle = by_time[ms_]
+        present = set()
+        for s in cycle:
+            if s.name in RARE:
+                last[(s.name, s.labels)] = (ms_, s.value)
+                present.add((s.name, s.labels))
+        for (name, labels), (at, value) in last.items():
+            if (name, labels) not in present and ms_ - at <= LOOKBACK_MS:
+                cycle.append(Series(name, labels, value, ms_))
 
 
 def _times(ts: Iterable[float]) -> str:

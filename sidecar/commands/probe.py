@@ -81,9 +81,11 @@ def _probe_block(source: NvmlSource, ident: GpuIdentity, reading: NvmlReading | 
     link = (f"PCIe gen {caps['link_generation']} x{caps['link_width']}, "
             f"{_gb(caps['link_max_bytes_per_second'])} per direction"
             if caps["link_max_bytes_per_second"] else "PCIe link unknown")
+    nvlink_max = (f", {_gb(caps['nvlink_max_bytes_per_second'])} per direction over the active ones"
+                  if caps["nvlink_max_bytes_per_second"] else "")
     lines.append(f"  sources: memory {caps['memory'] or 'none'}, GPM {'yes' if caps['gpm'] else 'no'}"
                  f", PCIe rate from {caps['pcie'] or 'none'}, NVLink from {caps['nvlink'] or 'none'}"
-                 f" ({caps['nvlink_links']} links), replays from {caps['replay'] or 'none'}")
+                 f" ({caps['nvlink_links']} links{nvlink_max}), replays from {caps['replay'] or 'none'}")
     lines.append(f"  link: {link}")
     if caps.get("host_link") == "c2c":
         lines.append(f"  host traffic: over NVLink-C2C ({_gb(caps['c2c_link_max_bytes_per_second'])}"
@@ -115,7 +117,10 @@ def _probe_block(source: NvmlSource, ident: GpuIdentity, reading: NvmlReading | 
         f"({_pct(ratio(io.pcie_tx_bytes_per_second, io.pcie_link_max_bytes_per_second))}), RX "
         f"{_gb(io.pcie_rx_bytes_per_second)} "
         f"({_pct(ratio(io.pcie_rx_bytes_per_second, io.pcie_link_max_bytes_per_second))}), NVLink "
-        f"TX {_gb(io.nvlink_tx_bytes_per_second)} RX {_gb(io.nvlink_rx_bytes_per_second)}, "
+        f"TX {_gb(io.nvlink_tx_bytes_per_second)} "
+        f"({_pct(ratio(io.nvlink_tx_bytes_per_second, io.nvlink_link_max_bytes_per_second))}) RX "
+        f"{_gb(io.nvlink_rx_bytes_per_second)} "
+        f"({_pct(ratio(io.nvlink_rx_bytes_per_second, io.nvlink_link_max_bytes_per_second))}), "
         f"replays {io.pcie_replay_errors if io.pcie_replay_errors is not None else 'absent'}")
     if io.pcie_link_current_generation is not None:
         lines.append(f"           link now gen {io.pcie_link_current_generation} "

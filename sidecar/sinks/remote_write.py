@@ -15,6 +15,7 @@ from sidecar.config import Config
 from sidecar.durability.spool import Spool
 from sidecar.samples import Series
 from sidecar.sinks.answers import REMOTE_WRITE, Response
+from sidecar.sinks.cadence import Cadence
 from sidecar.sinks.http import HttpOptions
 from sidecar.sinks.spooled import SpooledSink
 from sidecar.urls import sink_label
@@ -65,7 +66,8 @@ class RemoteWriteSink(SpooledSink):
         push_interval_s: float = Config.push_interval,
         max_batch_samples: int = Config.batch_max_samples,
         clock: Callable[[], float] = time.monotonic,
+        cadence: Cadence | None = None,
     ) -> None:
         super().__init__(url, spool, http, RemoteWriteCodec(), name=name or sink_name(url),
                          push_interval_s=push_interval_s, max_batch_samples=max_batch_samples,
-                         clock=clock)
+                         clock=clock, cadence=cadence)

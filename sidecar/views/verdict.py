@@ -26,6 +26,11 @@ findings are listed, and the table shows the first, in this order):
 - ``pcie`` (IO): either direction above ``pcie_util_ratio`` of the link, averaged over the window;
 - ``c2c`` (IO): on Grace Hopper and Grace Blackwell, NVLink-C2C (the host link there) above
   ``pcie_util_ratio`` of its maximum in either direction;
+- ``nvlink`` (IO): NVLink between the GPUs above ``nvlink_util_ratio`` of the active links'
+  maximum in either direction while the GPU is busy (utilization above
+  ``busy_utilization_ratio``) or p99 is above ``p99_latency_s``: with tensor parallelism every
+  layer waits for its all-reduce. After the host links (a copy from the host feeds what the
+  GPUs then exchange), before the engine's and the allocator's figures;
 - ``kv-cache`` (engine): the serving engine's KV cache at ``kv_cache_full_ratio`` or more
   (the window's mean) while requests were preempted during the window or waited (on average at
   least ``kv_cache_waiting_requests``). After the GPU's own faults and links (a throttled GPU or
@@ -155,8 +160,13 @@ def figures_of(series: Iterable[Series]) -> dict[str, Figures]:
     buckets: dict[str, list[tuple[float, float]]] = {}
     xids: dict[str, list[tuple[int, float]]] = {}
     engine = _EngineFigures()
+    seen: dict[tuple[tuple[str, str], ...], dict[str, str]] = {}  # labels read once per set
     for s in series:
-        labels = dict(s.labels)
+        if s.name not in _READ and not s.name.startswith("engine_"):
+            continue  # what no verdict reads (the agent's own counters, most health counters)
+        labels = seen.get(s.labels)
+        if labels is None:
+            labels = seen[s.labels] = dict(s.labels)
         uuid = labels.get("gpu_uuid")
         if uuid is None:
             if s.name.startswith("engine_"):
@@ -187,6 +197,10 @@ def figures_of(series: Iterable[Series]) -> dict[str, Figures]:
         elif pod.get("engine_latency") is not None:  # the app publishes none: the engine's
             row["latency"], row["latency_source"] = pod["engine_latency"], "engine"
     return {uuid: Figures(**row) for uuid, row in rows.items()}  # type: ignore[arg-type]
+
+
+# the series figures_of reads: the judged figures, the latency buckets, Xids, availability
+_READ = frozenset({*_FIELD_OF, _BUCKET, _XID, "gpu_sidecar_gpu_available"})
 
 
 def exported_verdicts(series: Iterable[Series]) -> dict[str, str]:
@@ -881,9 +895,62 @@ RULES: tuple[Rule, ...] = (
             the Grace CPU: keep reused data in HBM, prefetch managed memory to the GPU, avoid
             oversubscribing HBM.
 """),
+    Rule("nvlink", "IO", "IO: NVLink", "NVLink between the GPUs is saturated",
+         "the tensor-parallel all-reduce fills the links: check the tensor-parallel degree against "
+         "the model's size (a model that fits on fewer GPUs runs faster with a smaller TP degree "
+         "and more replicas, or with pipeline parallelism across nodes instead of a wider TP "
+         "group); overlap communication with compute (the engine's async or fused all-reduce, "
+         "NCCL on a side stream); keep each TP group within one NVSwitch domain, on GPUs "
+         "connected by NVLink (`nvidia-smi topo -m`: NV# between each pair, not PIX/PHB/SYS), "
+         "and check `nvidia-smi nvlink -s` for a link down or running slow",
+         found=lambda w, t: t.nvlink_saturated(w.mean.nvlink_tx_ratio, w.mean.nvlink_rx_ratio,
+                                               w.mean.utilization, w.p99),
+         evidence=lambda w, t: (
+             f"NVLink RX {pct(w.mean.nvlink_rx_ratio)} ({gbps(w.mean.nvlink_rx)}), TX "
+             f"{pct(w.mean.nvlink_tx_ratio)} ({gbps(w.mean.nvlink_tx)}) of the active links' "
+             f"{gbps(w.mean.nvlink_max)}, above {t.nvlink_util_ratio:.0%}, while utilization is "
+             f"{pct(w.mean.utilization)} (busy above {t.busy_utilization_ratio:.0%}) and p99 "
+             f"{ms(w.p99)} (objective {ms(t.p99_latency_s)}); SM occupancy "
+             f"{pct(w.mean.occupancy)} (alert GPUNVLinkSaturated)"),
+         threshold=lambda t: f"NVLink above {t.nvlink_util_ratio:.0%} of its maximum on a busy "
+                             "GPU or with p99 above the objective",
+         alerts="""\
+      - alert: GPUNVLinkSaturated
+        # either direction of NVLink between the GPUs above %(nvlink_util_ratio)s of the active
+        # links' maximum while the GPU is busy (utilization above %(busy_utilization_ratio)s) or the
+        # app's p99 is above the %(p99_latency_s)s s objective: a full link on an idle GPU with
+        # fast requests costs nothing yet
+        expr: |
+          max by (namespace, pod, gpu_uuid, gpu_name) (
+            {__name__=~"gpu_nvlink_(tx|rx)_bandwidth_util_ratio"}
+          ) > %(nvlink_util_ratio)s
+          and on (namespace, pod, gpu_uuid)
+          (
+            max by (namespace, pod, gpu_uuid) (
+              avg_over_time(gpu_utilization_ratio[5m])
+            ) > %(busy_utilization_ratio)s
+            or
+            histogram_quantile(0.99,
+              sum by (namespace, pod, gpu_uuid, le) (
+                rate(inference_request_duration_seconds_bucket[5m]))
+            ) > %(p99_latency_s)s
+          )
+        for: 3m
+        labels:
+          severity: warning
+        annotations:
+          summary: "NVLink of GPU {{ $labels.gpu_uuid }} at {{ $value | humanizePercentage }}"
+          description: >-
+            The GPUs of {{ $labels.pod }} exchange more over NVLink than its links carry: with
+            tensor parallelism every layer waits for its all-reduce. Check the tensor-parallel
+            degree against the model size, overlap communication with compute, and keep the
+            group on NVLink-connected GPUs (nvidia-smi topo -m). gpu_nvlink_link_max_bytes_per_second
+            shows the maximum used.
+"""),
     Rule("kv-cache", "engine", "engine: KV", "the engine's KV cache is full",
          "give the KV cache more room or ask less of it: raise vLLM's --gpu-memory-utilization "
-         "(SGLang: --mem-fraction-static) if the GPU has free memory, shorten --max-model-len "
+         "(SGLang: --mem-fraction-static; trtllm-serve: --kv_cache_free_gpu_memory_fraction; "
+         "llama-server: a larger --ctx-size) if the GPU has free memory, shorten --max-model-len "
          "to what the traffic needs, lower --max-num-seqs so fewer requests share the cache, "
          "use an FP8 KV cache (--kv-cache-dtype fp8) or prefix caching for shared prompts; "
          "otherwise add replicas (or tensor-parallel GPUs) so each holds fewer requests",
@@ -1039,7 +1106,8 @@ RULES: tuple[Rule, ...] = (
     Rule("queueing", "engine", "engine: queue", "requests wait in the engine's queue",
          "the GPU has room and requests wait to be admitted: raise the batch budget (vLLM "
          "--max-num-seqs, --max-num-batched-tokens; SGLang --max-running-requests; TGI "
-         "--max-batch-total-tokens; Triton's dynamic batcher max_batch_size and queue delay) "
+         "--max-batch-total-tokens; Triton's dynamic batcher max_batch_size and queue delay; "
+         "trtllm-serve --max_batch_size, --max_num_tokens; llama-server --parallel) "
          "so more requests run at once; if the GPU is already full at a larger batch, add "
          "replicas and spread the traffic",
          found=lambda w, t: t.queueing(w.queue_share, w.p99),
@@ -1137,7 +1205,7 @@ def _unjudged(w: Window, t: Thresholds, found: list[Finding]) -> Iterable[str]:
                f"Hopper or newer and a recent driver); utilization {pct(m.utilization)} only "
                "says that some kernel ran")
     if m.pcie_tx_ratio is None and m.pcie_rx_ratio is None and m.c2c_tx_ratio is None \
-            and m.c2c_rx_ratio is None:
+            and m.c2c_rx_ratio is None and m.nvlink_tx_ratio is None and m.nvlink_rx_ratio is None:
         yield "IO not judged: no PCIe rate or link maximum on this GPU"
     if m.utilization is not None and m.sm_clock is None and reason_share(m) is None:
         yield "clocks not judged: no SM clock or clock-event reasons on this GPU"

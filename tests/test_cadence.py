@@ -1,0 +1,90 @@
+"""The rare figures' cadence (docs/metrics.md, *Cadence*; issue #37): a pushing sink sends a
+figure that changes a few times a year when it changes and again every minute, every other
+figure every cycle; nothing an alert or a verdict needs is lost, nothing goes stale.
+
+The rule on its own, then a real agent pushing to a real VictoriaMetrics on the hardware-fault
+scenario (a GPU whose uncorrected ECC count climbs) and restarted."""
+
+from __future__ import annotations
+
+from sidecar.metrics import BY_NAME, RARE
+from sidecar.samples import Series
+from sidecar.simulate.scenarios import FAULT_ECC_INDEX
+from sidecar.sinks.cadence import RESEND_S, Cadence
+from tests.receivers import Agent, VictoriaMetrics, running
+
+GPU = (("gpu_uuid", "GPU-1"),)
+ECC = "gpu_ecc_uncorrected_volatile_total"
+MAX = "gpu_sm_clock_max_hertz"
+
+
+def sent(cadence: Cadence, at_s: float, **values: float) -> set[str]:
+    cycle = [Series(name, GPU, value, int(at_s * 1000)) for name, value in values.items()]
+    return {s.name for s in cadence.due(cycle)}
+
+
+def test_the_rare_figures_are_the_ones_that_change_a_few_times_a_year():
+    assert {ECC, MAX, "gpu_power_limit_watts", "gpu_pcie_link_generation",
+            "gpu_row_remap_pending", "gpu_xid_errors_total"} <= RARE
+    # what a verdict reads every cycle never thins: rates, shares, clocks, the trained link
+    assert not RARE & {"gpu_pcie_rx_bandwidth_util_ratio", "gpu_sm_clock_hertz",
+                       "gpu_pcie_link_current_generation", "gpu_utilization_ratio",
+                       "gpu_verdict", "gpu_sidecar_up"}
+    assert all(BY_NAME[name].cadence == "rare" for name in RARE)
+
+
+def test_a_changed_counter_is_sent_in_the_same_cycle_and_an_unchanged_one_within_its_period():
+    cadence = Cadence(RARE)
+    util = "gpu_utilization_ratio"
+    assert sent(cadence, 0, **{ECC: 0, MAX: 2e9, util: 0.5}) == {ECC, MAX, util}  # first cycle
+    assert sent(cadence, 1, **{ECC: 0, MAX: 2e9, util: 0.5}) == {util}
+    assert sent(cadence, 2, **{ECC: 3, MAX: 2e9, util: 0.5}) == {ECC, util}  # changed: at once
+    assert sent(cadence, RESEND_S - 1, **{ECC: 3, MAX: 2e9, util: 0.5}) == {util}
+    assert sent(cadence, RESEND_S, **{ECC: 3, MAX: 2e9, util: 0.5}) == {MAX, util}
+    assert sent(cadence, RESEND_S + 2, **{ECC: 3, MAX: 2e9, util: 0.5}) == {ECC, util}
+    assert RESEND_S * 4 < 300  # re-sent well within Prometheus' 5-minute look-back
+    # a restart: a new sink's memory is empty, so it sends every figure again
+    assert sent(Cadence(RARE), RESEND_S + 3, **{ECC: 3, MAX: 2e9}) == {ECC, MAX}
+
+
+def test_a_receiver_gets_every_change_of_a_climbing_ecc_count_and_a_restart_resends_all(tmp_path):
+    vm = VictoriaMetrics(tmp_path).start()
+    args = ["--simulate", "hardware-fault", "--interval", "0.5", "--push-interval", "1",
+            "--remote-write-url", vm.write_url, "--spool-dir", str(tmp_path / "spool"),
+            "--socket", str(tmp_path / "run" / "app.sock")]
+    with running(vm):
+        first = Agent(args).start()
+        try:
+            first.more_cycles(8, "on the first run")
+        finally:
+            assert first.stop() == 0
+        second = Agent(args).start()
+        try:
+            second.more_cycles(2, "after the restart")
+        finally:
+            assert second.stop() == 0
+        stored = vm.settled(len(first.sampled()) + len(second.sampled()))
+    keyed = {(n, lab, ts): v for n, lab, ts, v in stored}
+    for agent in (first, second):
+        recorded = agent.recorded()
+        cycles = sorted({ts for _, _, ts, _ in recorded})
+        # every change of the fault GPU's ECC count is stored at the cycle that saw it
+        ecc = [(ts, v) for n, lab, ts, v in recorded
+               if n == ECC and dict(lab)["gpu_index"] == str(FAULT_ECC_INDEX)]
+        changes = [(ts, v) for (ts, v), (_, before) in zip(ecc[1:], ecc, strict=False)
+                   if v != before]
+        assert changes or agent is second, "the scenario's ECC count did not climb"
+        changes.append(ecc[0])  # and the first cycle of each run sends it
+        for ts, v in changes:
+            (key,) = [k for k in keyed if k[0] == ECC and k[2] == ts
+                      and dict(k[1])["gpu_index"] == str(FAULT_ECC_INDEX)]
+            assert keyed[key] == v
+        # an unchanged maximum: stored in the agent's first cycle, not in every cycle after
+        maxima = sorted(ts for n, lab, ts, _ in stored
+                        if n == MAX and dict(lab)["gpu_index"] == "0" and ts in cycles)
+        assert maxima and maxima[0] == cycles[0]
+        assert len(maxima) < len(cycles) or len(cycles) <= 2
+        # what moves every cycle is stored every cycle
+        util = {ts for n, lab, ts, _ in stored
+                if n == "gpu_utilization_ratio" and dict(lab)["gpu_index"] == "0"}
+        assert set(cycles) <= util
