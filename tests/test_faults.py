@@ -304,16 +304,19 @@ def test_every_byte_the_spool_keeps_counts_against_its_bound_the_open_journal_in
     agent = Agent(args(vm.write_url, spool, "--interval", "0.1", "--push-interval", "2",
                        "--spool-max-bytes", str(bound))).start()
     until(lambda: events(agent, "spool_full_dropped_oldest"), what="the bound reached")
-    peaks = []
+    peaks, journals = [], []
     for _ in range(3):  # at three instants of the journal's growth
         agent.more_cycles(7)
         peaks.append(sum(p.stat().st_size for p in spool.rglob("*")
                          if p.is_file() and not p.is_symlink()))
+        journals += [p.stat().st_size for p in spool.rglob("*.journal")]
     agent.signal(signal.SIGKILL)
     agent.wait()
     peaks.append(sum(p.stat().st_size for p in spool.rglob("*") if p.is_file()))
-    journals = [p.stat().st_size for p in spool.rglob("*.journal")]
-    assert journals and max(journals) > 0, "no journal open when killed: nothing was measured"
+    journals += [p.stat().st_size for p in spool.rglob("*.journal")]
+    # (a kill may land between a batch's seal and the next cycle's record: the journal is
+    # looked for at every instant measured, not at the kill alone)
+    assert journals and max(journals) > 0, "no journal open at any instant: nothing measured"
     # 64 bytes of bookkeeping: the lock (a pid) and the ledger
     assert max(peaks) <= bound + 64, f"the spool held {max(peaks)} bytes against {bound}"
 

@@ -254,7 +254,7 @@ def build(name: str, gpus: int | None = None) -> Scenario:
                         tuple(_h200(name, i) for i in range(n)), AppProfile())
     if name == "pcie-saturated":
         return Scenario(
-            name, "Host-to-device copies fill about 90 % of the PCIe link; latency 80 -> 260 ms.",
+            name, "Host-to-device copies fill about 90 % of the PCIe link; p99 near 300 ms.",
             tuple(_h200(name, i, utilization=Signal(96, 0.02, 29), sm_occupancy=Signal(35, 0.05, 37),
                         pcie_rx=Signal(0.90 * H200_LINK, 0.03, 19),
                         pcie_tx=Signal(0.30 * H200_LINK, 0.05, 23)) for i in range(n)),
@@ -347,7 +347,7 @@ def build(name: str, gpus: int | None = None) -> Scenario:
         )
     if name == "kv-cache-full":
         return Scenario(
-            name, "vLLM's KV cache 98 % full: requests wait and are preempted; p99 9 s while the "
+            name, "vLLM's KV cache 98 % full: requests wait and are preempted; p99 near 10 s while the "
             "GPU layers are comfortable.",
             tuple(_h200(name, i, utilization=Signal(93, 0.02, 29), sm_occupancy=Signal(52, 0.05, 37),
                         memory_used=Signal(131 * GiB, 0.005, 45)) for i in range(n)),
@@ -358,7 +358,7 @@ def build(name: str, gpus: int | None = None) -> Scenario:
                                  ttft_median_s=0.9, ttft_p99_s=3.0))
     if name == "queueing":
         return Scenario(
-            name, "Requests wait in vLLM's queue for most of their p99 (7 of 8 s) while the GPU "
+            name, "Requests wait in vLLM's queue for most of their p99 (about 9 of 10 s) while the GPU "
             "runs half full and the KV cache has room.",
             tuple(_h200(name, i, utilization=Signal(58, 0.04, 29), sm_occupancy=Signal(41, 0.05, 37))
                   for i in range(n)),
