@@ -22,7 +22,8 @@ from sidecar.views.verdict import Figures, Summary, Verdict, judge
 
 WINDOW_S = 900.0  # how far back the agent can answer: 15 minutes, at any interval
 # the window's resolution: a question's start is rounded out to a bucket; 15 s keeps the window
-# of 8 GPUs near 2 MiB (tests/test_agent_window.py holds it to its bound)
+# of 8 GPUs near 4 MiB (bench/bench_deployed.py measures it; tests/test_agent_window.py holds it
+# to its bound)
 BUCKET_S = 15.0
 # the current verdict (the table's column, status, the gpu_verdict series): the window of a
 # plain `diagnose` (its default --duration), so that beside the agent all four say the same
