@@ -27,7 +27,7 @@ from sidecar import thresholds
 from sidecar.commands.from_store import Refused, Window, explain_empty, window_of
 from sidecar.store import GPU_LABELS, Store, StoreError, duration, selector
 from sidecar.thresholds import Thresholds
-from sidecar.views.verdict import ALL_KINDS, PRECEDENCE, ms, pct
+from sidecar.views.verdict import ALL_KINDS, PRECEDENCE, gib, ms, pct
 
 if TYPE_CHECKING:
     from sidecar.config import Config
@@ -103,7 +103,7 @@ DECIDING: dict[str, Figure] = {
         ("avg by (gpu_uuid) (avg_over_time(" + _sel("gpu_memory_fragmentation_ratio") + "))",
          "avg by (gpu_uuid) (avg_over_time(" + _sel("gpu_allocator_reserved_bytes") + "))"),
         ("gpu_uuid",),
-        lambda v, t: f"fragmentation {pct(_v(v))} of a {_gib(_v(v, 1))} cache (above "
+        lambda v, t: f"fragmentation {pct(_v(v))} of a {gib(_v(v, 1))} cache (above "
                      f"{t.fragmentation_ratio:.0%})"),
     "allocator-retries": Figure(
         ("sum by (gpu_uuid) (increase(" + _sel("gpu_allocator_alloc_retries_total") + "))",
@@ -136,9 +136,6 @@ def _count(v: float | None) -> str:
 def _int(v: float | None) -> str:
     return "?" if v is None else f"{v:.0f}"
 
-
-def _gib(v: float | None) -> str:
-    return "absent" if v is None else f"{v / 1024**3:.1f} GiB"
 
 
 def _expand(expr: str, select: Sequence[tuple[str, str, str]], rng: str,
