@@ -311,6 +311,10 @@ TABLE: tuple[MetricSpec, ...] = (
        "NVML field 186 (mW), else nvmlDeviceGetPowerUsage (mW) / 1000",
        "Power drawn by the board now.",
        otel="hw.power", dcgm="DCGM_FI_DEV_POWER_USAGE*", field="power_watts", figure="power"),
+    _m("gpu_energy_joules_total", "counter", "joules", "health", "NVML field 83 (mJ) / 1000",
+       "Energy the board used since the driver loaded (Volta and newer). Its rate() is the mean power "
+       "over the window, every moment counted, where gpu_power_usage_watts is one reading a cycle.",
+       otel="hw.energy", dcgm="DCGM_FI_DEV_TOTAL_ENERGY_CONSUMPTION* (mJ)", field="energy_joules"),
     _m("gpu_power_limit_watts", "gauge", "watts", "health", "nvmlDeviceGetEnforcedPowerLimit (mW) / 1000",
        "Power limit the GPU is held to.",
        otel="gpu.power.limit", dcgm="DCGM_FI_DEV_ENFORCED_POWER_LIMIT", field="power_limit_watts",
@@ -663,7 +667,7 @@ _UCUM = {"ratio": "1", "bytes": "By", "bytes/s": "By/s", "seconds": "s", "boolea
          "generation": "{generation}", "lanes": "{lane}", "samples": "{sample}",
          "cycles": "{cycle}", "messages": "{message}", "requests": "{request}",
          "batches": "{batch}", "records": "{record}", "hertz": "Hz", "watts": "W",
-         "celsius": "Cel", "events": "{event}", "rows": "{row}", "code": "1"}
+         "celsius": "Cel", "events": "{event}", "rows": "{row}", "code": "1", "joules": "J"}
 
 
 # hw.gpu.io has no Prometheus series of its own: the OTLP encoder integrates the PCIe rates

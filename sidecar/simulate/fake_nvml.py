@@ -237,7 +237,7 @@ class FakeGpu:
     memory_clock_max: int = 3201
     video_clock: Signal = Signal(1545.0)
     video_clock_max: int = 1545
-    power: Signal = Signal(450.0)
+    power: Signal = Signal(450.0)  # its integral is the energy counter (field 83)
     power_limit: float = 700.0  # enforced
     power_usage_averaged: bool = True  # nvmlDeviceGetPowerUsage: 1 s mean (not on GA100)
     temperature: Signal = Signal(52.0)
@@ -745,8 +745,9 @@ class FakeNvml:
                       t: float) -> tuple[int, int] | None:
         """(value type, value) of a health field on a physical GPU, or None where the real
         library answers this field NOT_SUPPORTED (or does not know the id, on an older driver).
-        Value types as the driver fills them: the nanosecond counters and ECC totals 64-bit,
-        the rest unsigned int (what NCCL, DCGM and nvidia-smi read them as)."""
+        Value types as the driver fills them: the nanosecond counters, ECC totals and energy
+        (nvmlDeviceGetTotalEnergyConsumption's unsigned long long) 64-bit, the rest unsigned int
+        (what NCCL, DCGM and nvidia-smi read them as)."""
         major = self.driver_major
         if fid in self.clock_counter_fields:
             if not gpu.has_clock_event_counters:
@@ -758,6 +759,9 @@ class FakeNvml:
         if fid == pynvml.NVML_FI_DEV_POWER_INSTANT:  # scope 0: the GPU alone
             return (UINT, round(gpu.power.value(t) * 1000)) if major >= 535 and scope == 0 \
                 else None  # mW
+        if fid == pynvml.NVML_FI_DEV_TOTAL_ENERGY_CONSUMPTION:  # nvml.h: Volta and newer
+            return (ULL, self.energy_mj(gpu, t)) \
+                if gpu.architecture >= pynvml.NVML_DEVICE_ARCH_VOLTA else None
         if fid in ECC_FIELDS:
             corrected, volatile = ECC_FIELDS[fid]
             if not gpu.has_ecc or (volatile and gpu.mig):
@@ -787,6 +791,11 @@ class FakeNvml:
                 return UINT, 1  # active
             return UINT, gpu.c2c_link_max_mb_per_second
         return None
+
+    def energy_mj(self, gpu: FakeGpu, t: float) -> int:
+        """Whole millijoules the board has used since the driver loaded (t = 0): the exact
+        integral of the power it reports, so the counter's rate is that power."""
+        return int(gpu.power.integral(t) * 1000)
 
     def reason_ns(self, gpu: FakeGpu, bit: int, t: float) -> int:
         """Cumulative nanoseconds the reason ``bit`` has held the clocks down."""

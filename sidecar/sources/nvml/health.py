@@ -29,6 +29,7 @@ MB = 1e6  # NVML_FI_DEV_C2C_LINK_GET_MAX_BW is in MB/s per link
 # HealthLayer field <- NVML field value (scale to the field's unit)
 FIELD_FIGURES: tuple[tuple[int, str, float], ...] = (
     (pynvml.NVML_FI_DEV_MEMORY_TEMP, "memory_temperature_celsius", 1.0),
+    (pynvml.NVML_FI_DEV_TOTAL_ENERGY_CONSUMPTION, "energy_joules", 1e-3),  # mJ since load
     (pynvml.NVML_FI_DEV_PCIE_L0_TO_RECOVERY_COUNTER, "pcie_l0_to_recovery", 1),
     (pynvml.NVML_FI_DEV_PCIE_COUNT_CORRECTABLE_ERRORS, "pcie_correctable_errors", 1),
     (pynvml.NVML_FI_DEV_PCIE_COUNT_NAKS_RECEIVED, "pcie_naks_received", 1),
