@@ -1,6 +1,6 @@
-"""PEP 517 build backend of gpu-sidecar-client: the wheel holds sidecar/__init__.py, client.py
-and protocol.py, taken from the repository's own sidecar/ (no copy to drift), and declares no
-dependencies. Standard library only, so a build needs nothing from an index.
+"""PEP 517 build backend of gpu-sidecar-client: the wheel holds sidecar/__init__.py, client.py,
+protocol.py and app_shared.py, taken from the repository's own sidecar/ (no copy to drift), and
+declares no dependencies. Standard library only, so a build needs nothing from an index.
 
 A wheel is a zip of the files plus ``*.dist-info/{METADATA,WHEEL,RECORD}``; a sdist is a tar of
 the sources plus ``PKG-INFO``, from which this same backend builds the same wheel.
@@ -20,7 +20,7 @@ from pathlib import Path
 
 NAME = "gpu-sidecar-client"
 DIST = NAME.replace("-", "_")
-FILES = ("sidecar/__init__.py", "sidecar/client.py", "sidecar/protocol.py")
+FILES = ("sidecar/__init__.py", "sidecar/client.py", "sidecar/protocol.py", "sidecar/app_shared.py")
 HERE = Path(__file__).resolve().parent
 # in the repository the sources are ../sidecar; unpacked from the sdist, ./sidecar
 ROOT = HERE if (HERE / FILES[0]).is_file() else HERE.parent

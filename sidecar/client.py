@@ -15,7 +15,9 @@ For apps without torch (JAX, TensorRT, custom allocators)::
     pub.send_allocator("GPU-5e0a...", reserved_bytes=r, allocated_bytes=a)
 
 The socket path is the variable ``protocol.SOCKET_ENV`` (``GPU_SIDECAR_SOCKET``) or else
-``protocol.DEFAULT_SOCKET_PATH``, as on the sidecar.
+``protocol.DEFAULT_SOCKET_PATH``, as on the sidecar. The figures read from torch, the UUIDs and
+the socket are ``sidecar.app_shared``'s, the same file the agent places beside its injected
+publisher: the two publishers cannot read the allocator differently.
 """
 
 from __future__ import annotations
@@ -24,18 +26,17 @@ import atexit
 import contextlib
 import functools
 import os
-import random
-import socket
 import sys
 import threading
 import time
 import weakref
 from bisect import bisect_left
 from collections import deque
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, TypeVar
 
-from sidecar import protocol
+from sidecar import app_shared, protocol
+from sidecar.app_shared import allocator_figures, snapshot_figures
 
 __all__ = ["Histogram", "Publisher", "allocator_figures", "observe", "snapshot_figures", "start",
            "stop", "timed", "timer"]
@@ -106,46 +107,6 @@ class Histogram:
             return tuple(cumulative), self._sum
 
 
-def allocator_figures(stats: Mapping[str, Any]) -> dict[str, int]:
-    """The figures the sidecar wants, from ``torch.cuda.memory_stats(device)``."""
-
-    def get(key: str) -> int:
-        return int(stats.get(key, 0) or 0)
-
-    return {
-        "reserved_bytes": get("reserved_bytes.all.current"),
-        "allocated_bytes": get("allocated_bytes.all.current"),
-        "active_bytes": get("active_bytes.all.current"),
-        "inactive_split_bytes": get("inactive_split_bytes.all.current"),
-        "alloc_retries": get("num_alloc_retries"),
-        "ooms": get("num_ooms"),
-    }
-
-
-def snapshot_figures(segments: Sequence[Mapping[str, Any]]) -> dict[int, dict[str, int]]:
-    """Per device, from ``torch.cuda.memory_snapshot()``: the largest inactive block (the
-    biggest request the cache can serve without cudaMalloc) and the bytes held by private pools
-    (CUDA graphs; ``segment_pool_id`` other than (0, 0))."""
-    out: dict[int, dict[str, int]] = {}
-    for seg in segments:
-        fig = out.setdefault(int(seg.get("device", 0)),
-                             {"largest_free_block_bytes": 0, "private_pool_bytes": 0})
-        pool = tuple(seg.get("segment_pool_id") or (0, 0))
-        if pool != (0, 0):
-            fig["private_pool_bytes"] += int(seg.get("total_size", 0))
-        for block in seg.get("blocks", ()):
-            if block.get("state") == "inactive":
-                size = int(block.get("size", 0))
-                if size > fig["largest_free_block_bytes"]:
-                    fig["largest_free_block_bytes"] = size
-    return out
-
-
-def _uuid_text(raw: object) -> str:
-    text = str(raw)
-    return text if text.startswith(("GPU-", "MIG-")) else f"GPU-{text}"
-
-
 class _TorchReader:
     """Reads the caching allocator of the CUDA devices this process uses, never initialising
     CUDA itself (a publisher must not create contexts on GPUs the app does not use)."""
@@ -169,75 +130,16 @@ class _TorchReader:
                 continue  # a device this process never allocated on
             uuid = self._uuids.get(index)
             if uuid is None:
-                uuid = self._uuids[index] = _uuid_text(
-                    torch.cuda.get_device_properties(index).uuid)
+                uuid = app_shared.uuid_text(torch.cuda.get_device_properties(index).uuid)
+                if uuid is None:
+                    continue  # not a UUID the agent accepts: nothing to name the figures by
+                self._uuids[index] = uuid
             out[index] = (uuid, figures)
         return out
 
     @staticmethod
     def snapshot(torch: Any) -> dict[int, dict[str, int]]:
-        try:
-            segments = torch.cuda.memory_snapshot(include_traces=False)
-        except TypeError:  # older torch: no include_traces argument
-            segments = torch.cuda.memory_snapshot()
-        return snapshot_figures(segments)
-
-
-class _Sender:
-    """A non-blocking datagram socket connected to the sidecar, re-connected when it comes back."""
-
-    RECONNECT_EVERY_S = 1.0
-
-    def __init__(self, path: str) -> None:
-        self.path = path
-        self.sent = 0
-        self.dropped = 0
-        self._sock: socket.socket | None = None
-        self._next_try = 0.0
-
-    def _connect(self) -> socket.socket | None:
-        now = time.monotonic()
-        if now < self._next_try:
-            return None
-        self._next_try = now + self.RECONNECT_EVERY_S
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
-        sock.setblocking(False)
-        try:
-            sock.connect(self.path)
-        except OSError:
-            sock.close()
-            return None
-        self._sock = sock
-        return sock
-
-    def send(self, data: bytes, patience: int = 0) -> bool:
-        """Send without ever blocking. ``patience`` > 0 (the publisher thread only, never the
-        app's threads) retries a full queue that many times, 2 ms apart: the kernel queues only
-        ``net.unix.max_dgram_qlen`` (10 by default) datagrams per receiver."""
-        sock = self._sock or self._connect()
-        if sock is None:
-            self.dropped += 1
-            return False
-        try:
-            sock.send(data)
-        except BlockingIOError:  # the sidecar is slow: its receive queue is full
-            if patience > 0:
-                time.sleep(0.002)
-                return self.send(data, patience - 1)
-            self.dropped += 1
-            return False
-        except OSError:  # the sidecar went away or restarted: reconnect later
-            self.close()
-            self.dropped += 1
-            return False
-        self.sent += 1
-        return True
-
-    def close(self) -> None:
-        if self._sock is not None:
-            with contextlib.suppress(OSError):
-                self._sock.close()
-            self._sock = None
+        return snapshot_figures(app_shared.memory_snapshot(torch.cuda))
 
 
 class Publisher:
@@ -264,7 +166,7 @@ class Publisher:
         self.use_torch = use_torch
         self.errors = 0
         self._torch = _TorchReader()
-        self._sender = _Sender(self.socket_path)
+        self._sender = app_shared.Sender(self.socket_path)
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -367,7 +269,7 @@ class Publisher:
         round_ = protocol.Round(self._pid, tuple(gpus[: protocol.MAX_GPUS]), tuple(allocators),
                                 latency)
         for data in protocol.split_round(round_):
-            self._sender.send(data, patience=3)
+            self._sender.send(data, patience=app_shared.SEND_PATIENCE)
 
     # -- life cycle ------------------------------------------------------------------------
 
@@ -379,7 +281,7 @@ class Publisher:
             if socket_path and socket_path != self.socket_path:
                 self.socket_path = socket_path
                 self._sender.close()
-                self._sender = _Sender(socket_path)
+                self._sender = app_shared.Sender(socket_path)
             if interval_s is not None:
                 self.interval_s = interval_s
             if snapshot_interval_s is not None:
@@ -396,7 +298,7 @@ class Publisher:
                 return self
             self._running = True
             self._stop.clear()
-            self._thread = threading.Thread(target=self._loop, name="gpu-sidecar-publisher",
+            self._thread = threading.Thread(target=self._loop, name=app_shared.PUBLISHER_THREAD,
                                             daemon=True)
             self._thread.start()
         return self
@@ -407,8 +309,7 @@ class Publisher:
             now = time.monotonic()
             if now >= next_publish:
                 self.publish()
-                # +-10 %: workers forked together must not all publish in the same instant
-                next_publish = now + self.interval_s * random.uniform(0.9, 1.1)
+                next_publish = now + app_shared.jittered(self.interval_s)
             else:
                 self.histogram.drain()
             self._stop.wait(min(DRAIN_EVERY_S, max(0.0, next_publish - time.monotonic())))
@@ -432,7 +333,7 @@ class Publisher:
         was_running = self._running
         self._lock = threading.Lock()
         self._pid = os.getpid()
-        self._sender = _Sender(self.socket_path)
+        self._sender = app_shared.Sender(self.socket_path)
         self.histogram._reset()
         self.observe = self.histogram.observe
         self._stop = threading.Event()

@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from sidecar import client, protocol
+from sidecar import app_shared, protocol
 from sidecar.client import Histogram, Publisher, allocator_figures, snapshot_figures
 from tests.conftest import ROOT
 from tests.waiting import until
@@ -94,6 +94,23 @@ def test_expandable_segments_are_read_like_any_other_segment():
                         expandable=True)]
     figs = snapshot_figures(segments)
     assert figs[0]["largest_free_block_bytes"] == 40 * MiB
+
+
+def test_uuids_from_device_properties_become_ones_the_agent_accepts(monkeypatch):
+    """torch prints the bare UUID; both publishers name the device as the agent does (a MIG
+    instance as the container's visible-devices variables name it)."""
+    for name in app_shared.VISIBLE_VARIABLES:
+        monkeypatch.delenv(name, raising=False)
+    bare = "0c4b24ac-fb68-413f-6f0c-54be2b5a94c7"
+    named = [app_shared.uuid_text(bare), app_shared.uuid_text(f" GPU-{bare} "),
+             app_shared.uuid_text(bare, f"GPU-1234abcd, MIG-{bare}")]
+    assert named == [f"GPU-{bare}", f"GPU-{bare}", f"MIG-{bare}"]
+    monkeypatch.setenv("NVIDIA_VISIBLE_DEVICES", f"MIG-{bare}")
+    assert app_shared.uuid_text(bare) == f"MIG-{bare}"  # read from the environment by default
+    assert all(protocol.UUID_RE.match(u) for u in named)
+    assert app_shared.uuid_text("not a uuid!") is None and app_shared.uuid_text("") is None
+    assert app_shared.uuid_text("x" * 200) is None  # longer than the agent takes
+    assert not protocol.UUID_RE.match("GPU-" + "x" * 200)
 
 
 def test_histogram_buckets_are_upper_inclusive_cumulative_and_ignore_nonsense():
@@ -218,7 +235,7 @@ def test_a_sidecar_that_stops_reading_makes_sends_drop_not_block(tmp_path):
 
 
 def test_the_publisher_reconnects_when_the_sidecar_comes_back(tmp_path, monkeypatch):
-    monkeypatch.setattr(client._Sender, "RECONNECT_EVERY_S", 0.05)
+    monkeypatch.setattr(app_shared.Sender, "RECONNECT_EVERY_S", 0.05)
     path = tmp_path / "s.sock"
     pub = Publisher(str(path), gpus=[GPU], use_torch=False)
     assert not pub.send_allocator(GPU, reserved_bytes=1, allocated_bytes=1)

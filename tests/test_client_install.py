@@ -1,6 +1,6 @@
 """The app side installs alone: ``client/`` builds the distribution gpu-sidecar-client, which
-holds sidecar/__init__.py, client.py and protocol.py (the agent's own files) and depends on
-nothing. Installed into a fresh venv, ``from sidecar import client`` works there without any of
+holds sidecar/__init__.py, client.py, protocol.py and app_shared.py (the agent's own files) and
+depends on nothing. Installed into a fresh venv, ``from sidecar import client`` works there without any of
 the agent's dependencies, and what it publishes reaches a real agent's output."""
 
 from __future__ import annotations
@@ -27,7 +27,8 @@ from tests.conftest import ROOT
 from tests.waiting import until
 
 CLIENT_DIR = ROOT / "client"
-CLIENT_FILES = ("sidecar/__init__.py", "sidecar/client.py", "sidecar/protocol.py")
+CLIENT_FILES = ("sidecar/__init__.py", "sidecar/client.py", "sidecar/protocol.py",
+                "sidecar/app_shared.py")
 # what ``python -m venv`` puts into a venv by itself (setuptools up to Python 3.11)
 VENV_OWN = {"pip", "setuptools", "wheel"}
 
@@ -69,11 +70,11 @@ def _normal(name: str) -> str:
 
 @pytest.mark.parametrize("path", CLIENT_FILES)
 def test_the_client_files_import_only_the_standard_library_and_each_other(path):
-    allowed = {"sidecar", "sidecar.client", "sidecar.protocol"}
+    allowed = {"sidecar", "sidecar.client", "sidecar.protocol", "sidecar.app_shared"}
     outside = {m for m in _imports(ROOT / path)
                if m not in allowed and m.partition(".")[0] not in sys.stdlib_module_names}
     assert outside == set(), f"{path} imports {sorted(outside)}: the client must install alone"
-    if path != "sidecar/client.py":  # __init__ and protocol: not even the client
+    if path != "sidecar/client.py":  # __init__, protocol, app_shared: not even each other
         assert not {m for m in _imports(ROOT / path) if m.startswith("sidecar")}
 
 
@@ -90,7 +91,7 @@ def test_protocol_is_importable_alone(tmp_path):
     assert proc.stdout.strip() == "['__main__', 'protocol']"
 
 
-def test_the_wheel_holds_the_three_files_as_they_are_and_no_dependency(tmp_path):
+def test_the_wheel_holds_the_four_files_as_they_are_and_no_dependency(tmp_path):
     backend = _backend()
     name = backend.build_wheel(str(tmp_path))
     with zipfile.ZipFile(tmp_path / name) as whl:

@@ -1,7 +1,8 @@
 """The injected publisher's parts one by one: where and how the agent places it (atomic,
 idempotent, read-only, never over files that are not its own), the options, the hello's
-``publisher`` in the protocol, the payload's Python 3.9 and standard-library bounds, its figures
-against sidecar.client's, and the stand-in torch against PyTorch's documented shapes."""
+``publisher`` in the protocol, the payload's Python 3.9 and standard-library bounds, the helpers
+it shares with sidecar.client (one file, placed as it is), and the stand-in torch against
+PyTorch's documented shapes."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import ast
 import importlib.util
 import json
 import os
+import socket
 import stat
 import subprocess
 import sys
@@ -20,10 +22,11 @@ import pytest
 import structlog
 
 from sidecar import __version__, client, config, protocol
-from sidecar.inject import FILES, placement
+from sidecar.inject import FILES, PUBLISHER, SHARED, placement
 from sidecar.inject.versions import PublisherAwareAppState
 from tests.conftest import ROOT
-from tests.test_client import block, memory_stats, segment
+from tests.test_inject import BASE_PYTHON, python
+from tests.waiting import until
 
 PAYLOAD = ROOT / "sidecar" / "inject" / "payload"
 STANDINS = ROOT / "tests" / "standins"
@@ -37,8 +40,17 @@ def cfg(tmp_path: Path, *argv: str, env: dict[str, str] | None = None) -> config
                                                   *argv]), env or {})
 
 
-def payload_module():
-    spec = importlib.util.spec_from_file_location("payload_under_test", PAYLOAD / FILES[1])
+def rendered(tmp_path: Path) -> Path:
+    """The payload's files as the agent renders them, in a plain directory (no links)."""
+    directory = tmp_path / "rendered"
+    directory.mkdir()
+    for name, data in placement.render(cfg(tmp_path)).items():
+        (directory / name).write_bytes(data)
+    return directory
+
+
+def payload_module(directory: Path):
+    spec = importlib.util.spec_from_file_location("payload_under_test", directory / PUBLISHER)
     module = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
     spec.loader.exec_module(module)  # type: ignore[union-attr]
     return module
@@ -73,6 +85,8 @@ def test_the_files_are_placed_read_only_with_the_agent_s_release_in_them(tmp_pat
     assert "INTERVAL_S = 2.0\n" in text  # each agent interval, at most the default 5 s
     assert f"SOCKET_PATH = {str(tmp_path / 'run' / 'app.sock')!r}\n" in text
     assert "SOCKET_NAME = 'app.sock'\n" in text
+    for key in ("SOCKET_ENV", "MAX_MESSAGE_BYTES", "MAX_GPUS", "MAX_BYTES"):  # the protocol's
+        assert f"{key} = {getattr(protocol, key)!r}\n" in text
     assert __version__ in placed.version_dir.name
 
 
@@ -336,7 +350,8 @@ def test_the_agent_says_once_per_release_and_protocol():
 
 # -- the payload: Python 3.9, standard library, never raising ----------------------------------
 
-PY39_FILES = [*sorted(PAYLOAD.glob("*.py")), *sorted(STANDINS.rglob("*.py"))]
+PY39_FILES = [*sorted(PAYLOAD.glob("*.py")), ROOT / "sidecar" / "app_shared.py",
+              *sorted(STANDINS.rglob("*.py"))]
 
 
 @pytest.mark.parametrize("path", PY39_FILES, ids=lambda p: str(p.relative_to(ROOT)))
@@ -346,7 +361,7 @@ def test_what_runs_in_the_app_is_python_3_9_syntax(path):
 
 @pytest.mark.parametrize("name", FILES)
 def test_the_payload_imports_only_the_standard_library_and_sitecustomize_only_os_and_sys(name):
-    tree = ast.parse((PAYLOAD / name).read_text())
+    tree = ast.parse(placement.SOURCES[name].read_text())
     imported = {a.name.partition(".")[0] for n in ast.walk(tree) if isinstance(n, ast.Import)
                 for a in n.names}
     imported |= {(n.module or "").partition(".")[0] for n in ast.walk(tree)
@@ -357,27 +372,110 @@ def test_the_payload_imports_only_the_standard_library_and_sitecustomize_only_os
         assert top == {"os", "sys"}
 
 
-def test_the_payload_s_figures_are_the_client_s():
-    m = payload_module()
-    for stats in (memory_stats(), memory_stats(num_ooms=4, num_alloc_retries=9), {}):
-        assert m.allocator_figures(stats) == client.allocator_figures(stats)
-    segments = [segment(0, [block(20 << 20, "active_allocated"), block(6 << 20, "inactive")]),
-                segment(1, [block(8 << 20, "inactive")], pool=(1, 0)),
-                segment(0, [block(3 << 20, "inactive")], expandable=True)]
-    assert m.snapshot_figures(segments) == client.snapshot_figures(segments)
+def _defined(path: Path) -> set[str]:
+    return {n.name for n in ast.parse(path.read_text()).body
+            if isinstance(n, (ast.FunctionDef, ast.ClassDef))}
 
 
-def test_uuids_from_device_properties_become_the_agent_s():
-    m = payload_module()
-    bare = "0c4b24ac-fb68-413f-6f0c-54be2b5a94c7"
-    assert m.uuid_text(bare) == "GPU-" + bare  # torch prints the UUID without its prefix
-    assert m.uuid_text("GPU-" + bare) == "GPU-" + bare
-    assert m.uuid_text(bare, f"MIG-{bare}") == "MIG-" + bare  # a MIG instance named so
-    assert m.uuid_text("not a uuid!") is None and m.uuid_text("") is None
+def test_the_placed_shared_helpers_are_the_client_s_own_module_byte_for_byte(tmp_path):
+    placed = placement.apply(cfg(tmp_path))
+    assert placed is not None
+    used_by_the_client = Path(client.app_shared.__file__)
+    assert (placed.directory / SHARED).read_bytes() == used_by_the_client.read_bytes()
+    assert (placed.version_dir / SHARED).read_bytes() == used_by_the_client.read_bytes()
+    assert os.readlink(placed.directory / SHARED) == f"..data/{SHARED}"
+    # and nowhere a second copy: neither publisher defines again what the shared module does
+    shared = _defined(used_by_the_client)
+    for path in (*PAYLOAD.glob("*.py"), ROOT / "sidecar" / "client.py"):
+        again = {name.lstrip("_") for name in _defined(path)} & {n.lstrip("_") for n in shared}
+        assert again == set(), f"{path.name} defines {sorted(again)} again"
+
+
+PLACED_APP = r"""
+import importlib.util, json, os, sys, time
+import sitecustomize  # what site does at start-up (the interpreter runs with -S: no site at all)
+import torch
+torch.cuda.set_device(0)
+held = [torch.empty(n << 20, dtype=torch.uint8, device="cuda:0") for n in (3, 9, 3, 5)]
+del held[1]
+stats = torch.cuda.memory_stats(0)
+publisher = sys.modules["_gpu_sidecar_inject"]
+print(json.dumps({
+    "version": list(sys.version_info[:2]),
+    "sidecar": importlib.util.find_spec("sidecar") is not None,
+    "ours": sorted(m for m in sys.modules if "sidecar" in m),
+    "shared": os.path.dirname(publisher.shared.__file__),
+    "reserved": stats["reserved_bytes.all.current"],
+    "allocated": stats["allocated_bytes.all.current"],
+    "inactive_split": stats["inactive_split_bytes.all.current"]}), flush=True)
+deadline = time.monotonic() + 60
+while not os.path.exists(sys.argv[1]) and time.monotonic() < deadline:
+    time.sleep(0.02)
+"""
+
+
+@pytest.mark.parametrize("minor", [None, 9], ids=["agent-python", "python3.9"])
+def test_the_injected_publisher_runs_from_the_placed_directory_alone(tmp_path, minor):
+    """An app interpreter with no site-packages (-S) and only the placed directory and the
+    stand-in torch on its path: no sidecar package to import anything from. The placed
+    publisher and its shared helpers load from the placed version, and what reaches the
+    socket is the allocator's figures in the agent's format."""
+    exe = BASE_PYTHON if minor is None else python(minor)
+    if exe is None:
+        pytest.skip(f"no CPython 3.{minor} on this machine (pyenv's versions are looked for)")
+    placed = placement.apply(cfg(tmp_path, "--interval", "0.5"))
+    assert placed is not None
+    sock_path = tmp_path / "run" / "app.sock"
+    agent = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    agent.bind(str(sock_path))
+    agent.setblocking(False)
+    app_dir = tmp_path / "app"
+    app_dir.mkdir()
+    (app_dir / "app.py").write_text(PLACED_APP)
+    release = app_dir / "release"
+    env = {"PATH": os.environ["PATH"], "PYTHONPATH": f"{placed.directory}{os.pathsep}{STANDINS}",
+           "GPU_SIDECAR_SOCKET": str(sock_path), "TORCH_STANDIN_GPUS": GPU}
+    app = subprocess.Popen([exe, "-S", str(app_dir / "app.py"), str(release)], cwd=app_dir,
+                           env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    received: list[protocol.Message] = []
+
+    def figures_arrived() -> protocol.Allocator | None:
+        while True:
+            try:
+                received.append(protocol.decode(agent.recv(protocol.MAX_MESSAGE_BYTES + 1)))
+            except BlockingIOError:
+                break
+        assert app.poll() is None, app.stderr.read() if app.stderr else ""
+        return next((a for m in received if isinstance(m, protocol.Round)
+                     for a in m.allocators if a.reserved_bytes > 0), None)
+
+    try:
+        allocator = until(figures_arrived, 60, interval=0.02,
+                          what=lambda: f"the placed publisher's figures (so far: {received})")
+        release.touch()
+        out, err = app.communicate(timeout=60)
+    finally:
+        if app.poll() is None:
+            app.kill()
+            app.communicate()
+        agent.close()
+    assert app.returncode == 0 and err == "", err
+    said = json.loads(out)
+    if minor is not None:
+        assert said["version"] == [3, minor]
+    assert not said["sidecar"]  # nothing of the agent's package to import in this app
+    assert said["ours"] == ["_gpu_sidecar_inject"]  # the shared helpers: loaded by path only
+    assert said["shared"] == str(placed.version_dir)  # from the same placement as the publisher
+    assert (allocator.pid, allocator.gpu) == (app.pid, GPU)
+    assert (allocator.reserved_bytes, allocator.allocated_bytes,
+            allocator.inactive_split_bytes) == (said["reserved"], said["allocated"],
+                                                said["inactive_split"])
+    hellos = [m for m in received if isinstance(m, protocol.Hello)]
+    assert hellos and hellos[0].publisher == f"gpu-sidecar-inject/{__version__}"
 
 
 def test_a_round_of_many_gpus_is_split_into_datagrams_the_agent_takes(tmp_path):
-    m = payload_module()
+    m = payload_module(rendered(tmp_path))
     gpus = [f"GPU-{i:08x}-fb68-413f-6f0c-54be2b5a94c7" for i in range(64)]
     allocators = [{"gpu": g, "reserved_bytes": 1 << 40, "allocated_bytes": 1 << 39,
                    "active_bytes": 1 << 39, "inactive_split_bytes": 1 << 30,
@@ -395,7 +493,7 @@ def test_a_broken_torch_never_reaches_the_app(tmp_path):
     """The queued call and the thread swallow anything torch raises; nothing is printed."""
     code = (
         "import sys, types, threading, time\n"
-        f"sys.path.insert(0, {str(PAYLOAD)!r})\n"
+        f"sys.path.insert(0, {str(rendered(tmp_path))!r})\n"
         "cuda = types.ModuleType('torch.cuda'); torch = types.ModuleType('torch')\n"
         "cuda._queued_calls = []\n"
         "state = {'up': False}\n"
@@ -409,7 +507,8 @@ def test_a_broken_torch_never_reaches_the_app(tmp_path):
         "m.watch(F())\n"
         "state['up'] = True\n"
         "for call, _ in cuda._queued_calls: call()\n"
-        "time.sleep(0.5)\n"
+        "deadline = time.monotonic() + 30\n"
+        "while m._INJECTED.errors == 0 and time.monotonic() < deadline: time.sleep(0.01)\n"
         "print(m._INJECTED.errors > 0, [t.name for t in threading.enumerate()])\n")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
                           env={"PATH": os.environ["PATH"]})

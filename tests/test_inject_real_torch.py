@@ -27,7 +27,7 @@ from pathlib import Path
 import pytest
 
 from sidecar import config
-from sidecar.inject import placement
+from sidecar.inject import PUBLISHER, SHARED, placement
 from tests.conftest import ROOT
 
 WANTED = "2.13.0"
@@ -35,7 +35,8 @@ torch = pytest.importorskip(
     "torch", reason=f"torch {WANTED} is not installed in this venv: scripts/test installs the CPU "
                     "build only where pip takes it from this machine's disk (no download)")
 STANDINS = ROOT / "tests" / "standins"
-PAYLOAD = ROOT / "sidecar" / "inject" / "payload" / "_gpu_sidecar_inject.py"
+# what runs in the app: the placed publisher and the helpers it shares with sidecar.client
+PAYLOAD = (placement.SOURCES[PUBLISHER], placement.SOURCES[SHARED])
 
 # What the app does: import torch, ask about CUDA as a server does at start, try to initialise it
 # (which fails on a CPU build, before torch runs its queued calls), then report on itself to a
@@ -124,7 +125,7 @@ def test_a_real_torch_app_without_cuda_gets_no_thread_socket_file_or_output_from
 # -- the names the payload relies on ------------------------------------------------------------
 
 def payload_source() -> str:
-    return PAYLOAD.read_text()
+    return "".join(path.read_text() for path in PAYLOAD)
 
 
 def shape(fn) -> list[tuple[str, str, object]]:

@@ -10,6 +10,7 @@ replaces every file at once and the directory itself may be a volume's mount poi
       ..gpu-sidecar           -> gpu-sidecar-inject:created (or :found): the agent's mark
       sitecustomize.py        -> ..data/sitecustomize.py
       _gpu_sidecar_inject.py  -> ..data/_gpu_sidecar_inject.py
+      _gpu_sidecar_shared.py  -> ..data/_gpu_sidecar_shared.py   (sidecar/app_shared.py)
       __pycache__             -> ..data/__pycache__
       ..data                  -> ..0.1.0-<digest of the contents>
       ..0.1.0-<digest>/                   (0555, its files 0444; __pycache__: the bytecode of
@@ -53,11 +54,18 @@ from types import TracebackType
 import structlog
 
 from sidecar import __version__, config, protocol
-from sidecar.inject import FILES, INJECT_NAME
+from sidecar.inject import FILES, INJECT_NAME, PUBLISHER, SHARED, SITECUSTOMIZE
 
 log = structlog.get_logger("sidecar.inject")
 
 PAYLOAD = Path(__file__).with_name("payload")
+# where each placed file comes from: the shared helpers are sidecar.client's own module, placed
+# as they are (never a copy kept in payload/)
+SOURCES: Mapping[str, Path] = {
+    SITECUSTOMIZE: PAYLOAD / SITECUSTOMIZE,
+    PUBLISHER: PAYLOAD / PUBLISHER,
+    SHARED: Path(__file__).parent.parent / "app_shared.py",
+}
 FILE_MODE = 0o444
 DIR_MODE = 0o555
 DATA = "..data"
@@ -74,7 +82,7 @@ _TMP_LINK = re.compile(r"\A\.\.data-tmp-[0-9a-f]{12}\Z")
 # agent's Python may change between releases), or py_compile's own temporary of one
 _STEMS = "|".join(re.escape(n[:-3]) for n in FILES if n.endswith(".py"))
 _PYC = re.compile(rf"\A({_STEMS})\.[0-9A-Za-z_-]+\.pyc(\.[0-9]+)?\Z")
-PUBLISHER_MODULE = FILES[1]
+PUBLISHER_MODULE = PUBLISHER
 
 
 class NotOurs(OSError):
@@ -105,9 +113,10 @@ def inject_dir(cfg: config.Config) -> Path:
 
 
 def render(cfg: config.Config) -> dict[str, bytes]:
-    """The payload's files with this agent's constants: its release, the protocol version, the
-    publish interval (each agent interval, at least as often as the default one) and where the
-    socket is (its name beside the directory too, when the directory is in the socket's)."""
+    """The payload's files, the publisher's with this agent's constants: its release, the
+    protocol's version and bounds, the publish interval (each agent interval, at least as often
+    as the default one) and where the socket is (its name beside the directory too, when the
+    directory is in the socket's). The shared helpers are ``sidecar/app_shared.py``'s bytes."""
     directory = inject_dir(cfg)
     beside = os.path.basename(cfg.socket) if directory.parent == Path(cfg.socket).parent else ""
     values: dict[str, object] = {
@@ -116,17 +125,23 @@ def render(cfg: config.Config) -> dict[str, bytes]:
         "INTERVAL_S": float(min(cfg.interval, config.Config.interval)),
         "SOCKET_PATH": cfg.socket,
         "SOCKET_NAME": beside,
+        "SOCKET_ENV": protocol.SOCKET_ENV,
+        "MAX_MESSAGE_BYTES": protocol.MAX_MESSAGE_BYTES,
+        "MAX_GPUS": protocol.MAX_GPUS,
+        "MAX_BYTES": protocol.MAX_BYTES,
     }
     out = {}
     for name in FILES:
-        text = (PAYLOAD / name).read_text(encoding="utf-8")
+        data = SOURCES[name].read_bytes()
         if name == PUBLISHER_MODULE:
+            text = data.decode("utf-8")
             for key, value in values.items():
                 text, n = re.subn(rf"^{key} = .*$", lambda _m, k=key, v=value: f"{k} = {v!r}",
                                   text, count=1, flags=re.M)
                 if n != 1:
                     raise RuntimeError(f"payload {name} has no line '{key} = ...' to set")
-        out[name] = text.encode()
+            data = text.encode()
+        out[name] = data
     return out
 
 

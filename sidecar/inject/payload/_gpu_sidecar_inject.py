@@ -13,7 +13,10 @@ An app that runs ``sidecar.client`` itself (``client.start()``) publishes its ow
 one then stands down, so nothing is sent twice. It never raises into the app and never prints.
 
 Placed by the agent, which sets the constants below to its own release; Python 3.9+, standard
-library only. Do not edit it here: the source is sidecar/inject/payload/ of gpu-sidecar.
+library only. The figures read from torch, the UUIDs and the socket are ``sidecar.client``'s own:
+the agent places ``sidecar/app_shared.py`` beside this file, byte for byte, as
+``_gpu_sidecar_shared.py``, and this loads it by its path from its own version directory. Do not
+edit it here: the source is sidecar/inject/payload/ of gpu-sidecar.
 """
 
 import os
@@ -27,75 +30,43 @@ PROTOCOL_VERSION = 1
 INTERVAL_S = 5.0
 SOCKET_PATH = "/run/gpu-sidecar/app.sock"
 SOCKET_NAME = "app.sock"
+SOCKET_ENV = "GPU_SIDECAR_SOCKET"
+MAX_MESSAGE_BYTES = 8192
+MAX_GPUS = 64
+MAX_BYTES = 1 << 50
 # ------------------------------------------------------------------------------------------
 
+SHARED = "_gpu_sidecar_shared"  # sidecar/app_shared.py, placed beside this file
 PUBLISHER = "gpu-sidecar-inject/" + AGENT_VERSION
 SWITCH = "GPU_SIDECAR_INJECT"  # =false: this process publishes nothing
-SOCKET_ENV = "GPU_SIDECAR_SOCKET"
 # memory_snapshot() walks every block of the cache: at most every 12 publish intervals (60 s
 # at the default 5 s), sooner when the cache's segments or its retries change
 SNAPSHOT_EVERY_S = min(60.0, 12 * INTERVAL_S)
 HELLO_EVERY_S = 60.0
-RECONNECT_EVERY_S = 1.0
 READY_POLL_S = 0.02  # after the queued call: until torch says CUDA is initialised
 POLL_S = 1.0  # only where torch has no queued calls: how often to look
 SOON_S = 0.25  # CUDA up, nothing allocated yet: how often to look again, for FIRST_FIGURES_S
 FIRST_FIGURES_S = 30.0
 MAX_ERRORS = 100  # consecutive failed rounds before the thread gives up
-MAX_MESSAGE_BYTES = 8192
-MAX_GPUS = 64
-MAX_BYTES = 1 << 50
 THREAD_NAME = "gpu-sidecar-inject"
-APP_THREAD_NAME = "gpu-sidecar-publisher"  # sidecar.client's thread: the app publishes itself
 _OFF = ("0", "false", "no", "off")
-_UUID_CHARS = frozenset("0123456789abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ/-")
 
 
-def allocator_figures(stats):
-    """The figures the agent wants, from ``torch.cuda.memory_stats(device)``."""
+def _load_shared():
+    """The helpers sidecar.client has too, from the file the agent placed beside this one: read
+    from this file's own version directory (the links resolved), so both come from the same
+    placement even while the agent switches ``..data`` to another; by its path, never through
+    sys.path or sys.modules, where a module of that name may be another's."""
+    import importlib.util
 
-    def get(key):
-        return int(stats.get(key, 0) or 0)
-
-    return {
-        "reserved_bytes": get("reserved_bytes.all.current"),
-        "allocated_bytes": get("allocated_bytes.all.current"),
-        "active_bytes": get("active_bytes.all.current"),
-        "inactive_split_bytes": get("inactive_split_bytes.all.current"),
-        "alloc_retries": get("num_alloc_retries"),
-        "ooms": get("num_ooms"),
-    }
+    here = os.path.dirname(os.path.realpath(__file__))
+    spec = importlib.util.spec_from_file_location(SHARED, os.path.join(here, SHARED + ".py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
-def snapshot_figures(segments):
-    """Per device index, from ``torch.cuda.memory_snapshot()``: the largest inactive block and
-    the bytes held by private pools (CUDA graphs: ``segment_pool_id`` other than (0, 0))."""
-    out = {}
-    for seg in segments:
-        fig = out.setdefault(int(seg.get("device", 0)),
-                             {"largest_free_block_bytes": 0, "private_pool_bytes": 0})
-        pool = tuple(seg.get("segment_pool_id") or (0, 0))
-        if pool != (0, 0):
-            fig["private_pool_bytes"] += int(seg.get("total_size", 0))
-        for block in seg.get("blocks", ()):
-            if block.get("state") == "inactive":
-                size = int(block.get("size", 0))
-                if size > fig["largest_free_block_bytes"]:
-                    fig["largest_free_block_bytes"] = size
-    return out
-
-
-def uuid_text(raw, visible=""):
-    """``GPU-...`` or ``MIG-...`` from ``get_device_properties(i).uuid`` (torch prints the bare
-    UUID); a MIG instance named so in CUDA_VISIBLE_DEVICES or NVIDIA_VISIBLE_DEVICES keeps its
-    prefix. None if it cannot be a UUID the agent accepts."""
-    text = str(raw).strip()
-    if not text.startswith(("GPU-", "MIG-")):
-        text = ("MIG-" if "MIG-" + text in visible.replace(" ", "").split(",") else "GPU-") + text
-    body = text[4:]
-    if not 4 <= len(body) <= 96 or not body[0].isalnum() or not set(body) <= _UUID_CHARS:
-        return None
-    return text
+shared = _load_shared()
 
 
 def _off():
@@ -113,7 +84,7 @@ def _app_publishes():
     default = getattr(client, "_default", None)
     if default is not None and getattr(default, "_running", True):
         return True
-    return any(t.name == APP_THREAD_NAME for t in threading.enumerate())
+    return any(t.name == shared.PUBLISHER_THREAD for t in threading.enumerate())
 
 
 def socket_path():
@@ -128,60 +99,6 @@ def socket_path():
         if os.path.exists(beside):
             return beside
     return SOCKET_PATH
-
-
-class _Sender:
-    """A non-blocking datagram socket connected to the agent, re-connected when it comes back."""
-
-    def __init__(self, path):
-        self.path = path
-        self.sock = None
-        self.next_try = 0.0
-        self.connected = 0  # connections made: a new one is a new agent, maybe
-        self.sent = 0
-        self.dropped = 0
-
-    def send(self, data):
-        import socket
-
-        sock = self.sock
-        if sock is None:
-            now = time.monotonic()
-            if now < self.next_try:
-                self.dropped += 1
-                return False
-            self.next_try = now + RECONNECT_EVERY_S
-            sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
-            sock.setblocking(False)
-            try:
-                sock.connect(self.path)
-            except OSError:
-                sock.close()
-                self.dropped += 1
-                return False
-            self.sock = sock
-            self.connected += 1
-        for attempt in range(4):
-            try:
-                sock.send(data)
-                self.sent += 1
-                return True
-            except BlockingIOError:  # the agent is slow: its queue is full
-                if attempt < 3:
-                    time.sleep(0.002)
-            except OSError:  # the agent went away or restarted
-                self.close()
-                break
-        self.dropped += 1
-        return False
-
-    def close(self):
-        if self.sock is not None:
-            try:
-                self.sock.close()
-            except OSError:
-                pass
-            self.sock = None
 
 
 class _Injected:
@@ -234,7 +151,7 @@ class _Injected:
 
     def _run(self):
         try:
-            self.sender = _Sender(socket_path())
+            self.sender = shared.Sender(socket_path())
             deadline = time.monotonic() + 10.0
             while not self.stop.is_set():
                 cuda = sys.modules.get("torch.cuda")
@@ -244,8 +161,6 @@ class _Injected:
                     self.stop.wait(READY_POLL_S)  # torch is finishing its initialisation
                 else:
                     self.stop.wait(POLL_S if self.mode == "poll" else INTERVAL_S)
-            import random
-
             soon_until = time.monotonic() + FIRST_FIGURES_S
             while not self.stop.is_set():
                 if _app_publishes() or _off():
@@ -262,8 +177,7 @@ class _Injected:
                     # CUDA is up but nothing allocated yet: look again soon, not an interval later
                     self.stop.wait(min(SOON_S, INTERVAL_S))
                     continue
-                # +-10 %: workers started together must not all publish in the same instant
-                self.stop.wait(INTERVAL_S * random.uniform(0.9, 1.1))
+                self.stop.wait(shared.jittered(INTERVAL_S))
         except Exception:
             pass
         finally:
@@ -277,7 +191,7 @@ class _Injected:
         now = time.monotonic()
         moved = {i: (fig["alloc_retries"], fig["reserved_bytes"]) for i, _, fig in devices}
         if moved != self.last_retries or now - self.last_snapshot >= SNAPSHOT_EVERY_S:
-            self.snap = snapshot_figures(_snapshot(cuda))
+            self.snap = shared.snapshot_figures(shared.memory_snapshot(cuda))
             self.last_snapshot = now
         self.last_retries = moved
         gpus = tuple(uuid for _, uuid, _ in devices)
@@ -305,18 +219,17 @@ class _Injected:
         self.rounds += 1
 
     def send(self, data):
-        return self.sender.send(data)
+        return self.sender.send(data, shared.SEND_PATIENCE)
 
     def devices(self, cuda):
         """(index, UUID, figures) of each device this process uses: the allocator holds memory
         there, or the process has a CUDA context on it (torch.cuda.set_device made it)."""
         torch = sys.modules.get("torch")
         has_context = getattr(getattr(torch, "_C", None), "_cuda_hasPrimaryContext", None)
-        visible = ",".join(os.environ.get(v, "") for v in ("CUDA_VISIBLE_DEVICES",
-                                                            "NVIDIA_VISIBLE_DEVICES"))
+        visible = ",".join(os.environ.get(v, "") for v in shared.VISIBLE_VARIABLES)
         out = []
         for index in range(min(int(cuda.device_count()), MAX_GPUS)):
-            fig = allocator_figures(cuda.memory_stats(index))
+            fig = shared.allocator_figures(cuda.memory_stats(index))
             if fig["reserved_bytes"] <= 0:
                 try:
                     if has_context is None or not has_context(index):
@@ -325,19 +238,12 @@ class _Injected:
                     continue
             uuid = self.uuids.get(index)
             if uuid is None:
-                uuid = uuid_text(cuda.get_device_properties(index).uuid, visible)
+                uuid = shared.uuid_text(cuda.get_device_properties(index).uuid, visible)
                 if uuid is None:
                     continue
                 self.uuids[index] = uuid
             out.append((index, uuid, fig))
         return out
-
-
-def _snapshot(cuda):
-    try:
-        return cuda.memory_snapshot(include_traces=False)
-    except TypeError:  # an older torch: no include_traces
-        return cuda.memory_snapshot()
 
 
 def _encode(body):
