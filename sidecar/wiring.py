@@ -23,7 +23,7 @@ from sidecar.agent import PRIME_WINDOW_S, Agent
 from sidecar.durability.spool import Spool, open_spools, private_root, spool_dir_name
 from sidecar.inject import placement as inject_placement
 from sidecar.inject.versions import PublisherAwareAppState
-from sidecar.metrics import RARE
+from sidecar.metrics import RARE, RARE_READ_S
 from sidecar.recent import Recent
 from sidecar.sinks import Sink
 from sidecar.sinks.cadence import Cadence
@@ -42,8 +42,10 @@ log = structlog.get_logger("sidecar.wiring")
 
 
 @contextlib.contextmanager
-def nvml(cfg: config.Config) -> Iterator[tuple[NvmlSource | None, Scenario | None]]:
-    """The NVML source (real or simulated) and the scenario, if any; closed on exit."""
+def nvml(cfg: config.Config, *, rare_read_s: float = RARE_READ_S
+         ) -> Iterator[tuple[NvmlSource | None, Scenario | None]]:
+    """The NVML source (real or simulated) and the scenario, if any; closed on exit.
+    ``rare_read_s``: how often the rare figures' counters are asked for (``reading.py``)."""
     scenario = None
     if cfg.simulate:
         from sidecar.simulate import fake_nvml, scenarios
@@ -56,7 +58,8 @@ def nvml(cfg: config.Config) -> Iterator[tuple[NvmlSource | None, Scenario | Non
         yield None, None
         return
     source = NvmlSource(pcie_peak_bytes_per_second=cfg.pcie_peak_bytes_per_second,
-                        lost_retry_s=cfg.gpu_retry_interval, interval_s=cfg.interval)
+                        lost_retry_s=cfg.gpu_retry_interval, interval_s=cfg.interval,
+                        rare_read_s=rare_read_s)
     source.open()
     try:
         _check_named_gpus(cfg, source)
@@ -232,14 +235,17 @@ def simulated_paths(cfg: config.Config) -> Iterator[config.Config]:
 
 @contextlib.contextmanager
 def sampling(cfg: config.Config, *, listen: bool = True,
-             before_listen: Callable[[], None] | None = None
+             before_listen: Callable[[], None] | None = None, rare_read_s: float = RARE_READ_S
              ) -> Iterator[tuple[NvmlSource | None, Scenario | None, AppState]]:
     """What ``run`` and ``diagnose`` sample: NVML (real or simulated) and the app's figures from
     the socket, where in simulated mode the simulated model server publishes. ``listen=False``
     leaves the socket to an agent that already holds it: the app's figures are then absent.
     ``before_listen`` runs once NVML is open and before the socket is bound (``run`` places the
-    injected publisher there: an agent that NVML refuses writes nothing)."""
-    with contextlib.ExitStack() as stack, nvml(cfg) as (source, scenario):
+    injected publisher there: an agent that NVML refuses writes nothing). ``diagnose``, which
+    samples for seconds, asks for the rare counters every cycle (``rare_read_s=0``): an increase
+    within its window is seen, whatever its length."""
+    with contextlib.ExitStack() as stack, nvml(cfg, rare_read_s=rare_read_s) as (source,
+                                                                                  scenario):
         known = None
         if source is not None:
             visible = {i.uuid for i in source.devices()}

@@ -7,10 +7,12 @@ scenario (a GPU whose uncorrected ECC count climbs) and restarted."""
 
 from __future__ import annotations
 
-from sidecar.metrics import BY_NAME, RARE
+from sidecar.metrics import BY_NAME, RARE, RARE_READ_S
 from sidecar.samples import Series
-from sidecar.simulate.scenarios import FAULT_ECC_INDEX
+from sidecar.simulate import fake_nvml
+from sidecar.simulate.scenarios import FAULT_ECC_INDEX, build
 from sidecar.sinks.cadence import RESEND_S, Cadence
+from sidecar.sources.nvml import NvmlSource
 from tests.receivers import Agent, VictoriaMetrics, running
 
 GPU = (("gpu_uuid", "GPU-1"),)
@@ -47,6 +49,46 @@ def test_a_changed_counter_is_sent_in_the_same_cycle_and_an_unchanged_one_within
     assert sent(Cadence(RARE), RESEND_S + 3, **{ECC: 3, MAX: 2e9}) == {ECC, MAX}
 
 
+def ecc_readings(rare_read_s: float, steps: list[float]) -> tuple[list[float], list[float]]:
+    """The fault GPU's uncorrected ECC count as the source read it, and as the stand-in held it,
+    at each step of a simulated clock (``hardware-fault``: it climbs 0.5 a second)."""
+    clock = fake_nvml.ManualClock()
+    loaded = clock()  # the stand-in's driver loads now: its volatile counts start at 0
+    fake_nvml.install(build("hardware-fault").nvml(clock=clock, throughput_blocking=False))
+    source = NvmlSource(clock=clock, sleep=clock.advance, rare_read_s=rare_read_s)
+    source.open()
+    try:
+        uuid = [d.uuid for d in source.devices()][FAULT_ECC_INDEX]
+        read, held = [], []
+        for dt in steps:
+            clock.advance(dt)
+            reading = source.read([uuid])[uuid]
+            read.append(reading.health.ecc_uncorrected_volatile)
+            held.append(float(int(0.5 * (clock() - loaded))))
+        return read, held
+    finally:
+        source.close()
+        fake_nvml.uninstall()
+
+
+def test_the_error_counters_are_asked_for_every_rare_read_period_and_carried_between():
+    steps = [0.0] + [1.0] * int(2 * RARE_READ_S + 1)
+    read, held = ecc_readings(RARE_READ_S, steps)
+    assert held[-1] > held[0] + 2, "the stand-in's ECC count did not climb"
+    asked = [i for i in range(1, len(read)) if read[i] != read[i - 1]]
+    # a climb reaches the reading at the next ask, RARE_READ_S after the last, not before
+    assert asked == [int(RARE_READ_S), int(2 * RARE_READ_S)]
+    assert all(read[i] == held[i] for i in (0, *asked))  # what NVML said when asked
+    # the moving figures are read every cycle meanwhile (tests/test_health_source.py), and the
+    # count is never absent between two asks: the last answer is carried
+    assert None not in read
+
+
+def test_diagnose_asks_for_the_error_counters_every_cycle():
+    read, held = ecc_readings(0.0, [0.0, 2.0, 2.0, 2.0])  # what diagnose's sampling passes
+    assert read == held and len(set(read)) == 4
+
+
 def test_a_receiver_gets_every_change_of_a_climbing_ecc_count_and_a_restart_resends_all(tmp_path):
     vm = VictoriaMetrics(tmp_path).start()
     args = ["--simulate", "hardware-fault", "--interval", "0.5", "--push-interval", "1",
@@ -55,7 +97,8 @@ def test_a_receiver_gets_every_change_of_a_climbing_ecc_count_and_a_restart_rese
     with running(vm):
         first = Agent(args).start()
         try:
-            first.more_cycles(8, "on the first run")
+            # past RARE_READ_S: the error counters are asked for again, and have climbed
+            first.more_cycles(int(RARE_READ_S / 0.5) + 4, "on the first run")
         finally:
             assert first.stop() == 0
         second = Agent(args).start()

@@ -9,6 +9,7 @@ import time
 
 import pytest
 
+from sidecar.metrics import RARE_READ_S
 from sidecar.samples import GpuSample, gpu_labels, sample_series
 from sidecar.simulate import fake_nvml
 from sidecar.simulate.fake_nvml import FakeMig, ManualClock
@@ -113,7 +114,7 @@ def test_ecc_and_row_remapping_are_read_and_xids_are_counted_by_code_then_the_gp
     assert series["gpu_last_xid"] == 79
     assert "gpu_xid_errors_total{xid=79}" not in series_of(source, uuids[0], readings[uuids[0]])
     assert "gpu_last_xid" not in series_of(source, uuids[0], readings[uuids[0]])  # absent, not 0
-    clock.advance(4.0)
+    clock.advance(RARE_READ_S)  # the error counters are asked for again after this long
     later = source.read(uuids)
     assert later[faulty] is None  # lost: its series stop, the others go on
     assert source.is_lost(faulty)

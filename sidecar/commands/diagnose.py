@@ -87,7 +87,7 @@ def diagnose(cfg: Config, *, t: Thresholds | None = None) -> int:
     with wiring.simulated_paths(cfg) as cfg, contextlib.ExitStack() as stack:
         held = ""
         try:
-            source, scenario, state = stack.enter_context(wiring.sampling(cfg))
+            source, scenario, state = stack.enter_context(wiring.sampling(cfg, rare_read_s=0))
         except SocketInUse as exc:
             # beside a running agent, which holds the socket: no app can announce its GPUs to
             # this process, so judge every visible GPU's NVML layers (as --gpus visible would)
@@ -97,7 +97,8 @@ def diagnose(cfg: Config, *, t: Thresholds | None = None) -> int:
                 held += "; judging every visible GPU (--gpus visible)"
             log.warning("app_socket_in_use", error=str(exc),
                         effect="app figures (fragmentation, retries, latency) are not judged")
-            source, scenario, state = stack.enter_context(wiring.sampling(cfg, listen=False))
+            source, scenario, state = stack.enter_context(wiring.sampling(cfg, listen=False,
+                                                                     rare_read_s=0))
         mode = "simulated" if scenario is not None else ("nvml" if source else "app-only")
         engine = stack.enter_context(wiring.engines(cfg, scenario))
         agent = Agent(cfg, source=source, app=state, sinks=[], mode=mode, engine=engine)

@@ -18,6 +18,7 @@ from typing import Any, Literal
 import pynvml
 import structlog
 
+from sidecar.metrics import TABLE
 from sidecar.samples import LAYER_METRICS
 from sidecar.sources.nvml.errors import error_name, is_unsupported
 from sidecar.sources.nvml.health import (
@@ -32,6 +33,9 @@ from sidecar.sources.pcie import link_max_bytes_per_second
 log = structlog.get_logger("sidecar.nvml")
 
 MIB = 1024 * 1024
+# the layer fields of the figures that change a few times a year (sent when they change, and
+# asked of NVML every RARE_READ_S: reading.py)
+RARE_FIELDS = frozenset(m.field for m in TABLE if m.cadence == "rare" and m.field)
 
 FI_TX = pynvml.NVML_FI_DEV_PCIE_COUNT_TX_BYTES
 FI_RX = pynvml.NVML_FI_DEV_PCIE_COUNT_RX_BYTES
@@ -152,16 +156,22 @@ class Capabilities:
 
     @property
     def field_ids(self) -> tuple[FieldId, ...]:
-        """The field values each cycle reads, by (field id, scope)."""
+        """The field values every cycle reads, by (field id, scope): those that move."""
         ids: list[FieldId] = []
         if self.pcie == "counters":
             ids += [(FI_TX, 0), (FI_RX, 0)]
-        if self.replay == "field":
-            ids.append((FI_REPLAY, 0))
         if self.nvlink == "counters":
             ids += [(FI_NVL_TX, link) for link in range(self.nvlink_links)]
             ids += [(FI_NVL_RX, link) for link in range(self.nvlink_links)]
-        ids += [(fid, 0) for fid in self.health.field_ids]
+        ids += [(fid, 0) for fid, attr in self.health.field_attrs if attr not in RARE_FIELDS]
+        return tuple(ids)
+
+    @property
+    def rare_field_ids(self) -> tuple[FieldId, ...]:
+        """The field values of the rare figures (error, ECC and remapping counters: metrics.TABLE's
+        ``cadence="rare"``), which the read asks for less often than every cycle."""
+        ids = [(FI_REPLAY, 0)] if self.replay == "field" else []
+        ids += [(fid, 0) for fid, attr in self.health.field_attrs if attr in RARE_FIELDS]
         return tuple(ids)
 
     def summary(self) -> dict[str, Any]:

@@ -101,9 +101,11 @@ class HealthCaps:
     c2c_link_max_bytes_per_second: float | None = None  # links x per-link maximum, when C2C
 
     @property
-    def field_ids(self) -> tuple[int, ...]:
-        return (*(fid for fid, _, _ in self.fields), *(fid for _, fid in self.counters),
-                *((FI_POWER,) if self.power_field else ()))
+    def field_attrs(self) -> tuple[tuple[int, str], ...]:
+        """(field id, HealthLayer field it gives) of every field value the health read uses."""
+        return (*((fid, attr) for fid, attr, _ in self.fields), *((fid, attr) for attr, fid in
+                                                                  self.counters),
+                *(((FI_POWER, "power_watts"),) if self.power_field else ()))
 
     def summary(self) -> dict[str, Any]:
         """What ``probe`` shows of it under "sources"."""

@@ -14,6 +14,7 @@ from typing import Any
 
 import pynvml
 
+from sidecar.metrics import RARE_READ_S
 from sidecar.samples import ComputeLayer, HealthLayer, IoLayer, MemoryLayer, layer_figures
 from sidecar.sources.nvml.capabilities import (
     FI_NVL_RX,
@@ -83,26 +84,30 @@ class ReadState:
     pcie: Totals | None = None  # bytes
     nvlink: Totals | None = None  # KiB, summed over links
     clock_events: ClockEventTotals | None = None  # ns in each clock-limiting reason
+    rare: dict[FieldId, CounterValue | None] = field(default_factory=dict)  # the last answer
+    rare_t: float | None = None  # when the rare field values were last asked for
 
     def forget(self) -> None:
         """The GPU was lost: counters and samples from before are no base for a rate."""
         self.pcie = self.nvlink = None
+        self.rare, self.rare_t = {}, None
         self.clock_events = None
         self.gpm_prev_t = None
         self.gpm_next = 1
 
 
 def read_gpu(handles: Handles, caps: Capabilities, state: ReadState, failures: Failures,
-             now: float, xids: tuple[int | None, tuple[tuple[int, int], ...]] = (None, ())
-             ) -> NvmlReading:
+             now: float, xids: tuple[int | None, tuple[tuple[int, int], ...]] = (None, ()),
+             *, rare_read_s: float = RARE_READ_S) -> NvmlReading:
     """One GPU's reading, less the PCIe throughput calls (``pcie == "throughput"``), which the
     source runs concurrently for every GPU and adds afterwards. ``xids``: the last Xid code and
-    the counts by code, as the Xid watcher has them."""
+    the counts by code, as the Xid watcher has them; ``rare_read_s``: how often the rare
+    figures' field values are asked for."""
     device = handles.device
     mem = failures.call("memory", _memory_info, device, caps.memory) if caps.memory else None
     util = (failures.call("utilization", pynvml.nvmlDeviceGetUtilizationRates, device)
             if caps.utilization else None)
-    values = _field_values(device, caps.field_ids, failures)
+    values = _field_values(device, caps, state, failures, now, rare_read_s)
     gpm = _gpm_figures(handles, caps, state, failures, now)
 
     pcie_tx = pcie_rx = None
@@ -182,16 +187,28 @@ def _memory_info(device: Any, version: str) -> Any:
     return pynvml.nvmlDeviceGetMemoryInfo(device)
 
 
-def _field_values(device: Any, ids: tuple[FieldId, ...],
-                  failures: Failures) -> dict[FieldId, CounterValue | None]:
-    """This cycle's field values by (field id, scope); empty when none were asked for or the
-    call failed."""
+def _field_values(device: Any, caps: Capabilities, state: ReadState, failures: Failures,
+                  now: float, rare_read_s: float) -> dict[FieldId, CounterValue | None]:
+    """This cycle's field values by (field id, scope), in one call: those that move, and the
+    rare ones when ``rare_read_s`` has passed since they were asked for (else their last
+    answer). Empty when none were asked for or the call failed (the rare ones are then asked
+    again next cycle)."""
+    rare_due = state.rare_t is None or not 0 <= now - state.rare_t < rare_read_s
+    ids = caps.field_ids + caps.rare_field_ids if rare_due else caps.field_ids
     if not ids:
-        return {}
+        return dict(state.rare)
     values = failures.call("field_values", pynvml.nvmlDeviceGetFieldValues, device, list(ids))
     if values is None:
+        if rare_due:
+            state.rare, state.rare_t = {}, None
         return {}
-    return {(fv.fieldId, fv.scopeId): field_value(fv) for fv in values}
+    got = {(fv.fieldId, fv.scopeId): field_value(fv) for fv in values}
+    if rare_due:
+        state.rare = {key: got[key] for key in caps.rare_field_ids}
+        state.rare_t = now
+    else:
+        got.update(state.rare)
+    return got
 
 
 def _value(counter: CounterValue | None) -> int | None:

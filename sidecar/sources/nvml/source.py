@@ -20,10 +20,16 @@ import pynvml
 import structlog
 
 from sidecar.config import Config
+from sidecar.metrics import RARE_READ_S
 from sidecar.samples import GpuIdentity
 from sidecar.sources.nvml.devices import Device, open_gpu, reopen
 from sidecar.sources.nvml.errors import GpuLost, NvmlUnavailable, error_name, init_advice, is_lost
-from sidecar.sources.nvml.reading import GPM_MIN_INTERVAL_S, KIB, NvmlReading, read_gpu
+from sidecar.sources.nvml.reading import (
+    GPM_MIN_INTERVAL_S,
+    KIB,
+    NvmlReading,
+    read_gpu,
+)
 from sidecar.sources.nvml.xid import XidWatcher
 
 log = structlog.get_logger("sidecar.nvml")
@@ -36,12 +42,14 @@ class NvmlSource:
         pcie_peak_bytes_per_second: float | None = None,
         lost_retry_s: float = Config.gpu_retry_interval,
         interval_s: float = Config.interval,
+        rare_read_s: float = RARE_READ_S,
         clock: Callable[[], float] = time.monotonic,
         sleep: Callable[[float], None] = time.sleep,
     ) -> None:
         self.pcie_peak = pcie_peak_bytes_per_second
         self.lost_retry_s = lost_retry_s
         self.interval_s = interval_s
+        self.rare_read_s = rare_read_s
         self.clock = clock
         self.sleep = sleep
         self.driver_version = ""
@@ -134,7 +142,8 @@ class NvmlSource:
             try:
                 result[dev.identity.uuid] = read_gpu(dev.handles, dev.caps, dev.state,
                                                      dev.failures, now,
-                                                     self._xids.counts(dev.identity.uuid))
+                                                     self._xids.counts(dev.identity.uuid),
+                                                     rare_read_s=self.rare_read_s)
             except GpuLost as exc:
                 self._mark_lost(dev, now, str(exc.__cause__ or exc))
         for dev in slow:
