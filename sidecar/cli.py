@@ -15,6 +15,7 @@ import structlog
 from sidecar import config, signals, wiring
 from sidecar.durability.spool import SpoolError
 from sidecar.log import configure
+from sidecar.simulate.scenarios import SCENARIOS
 from sidecar.sources.app_socket import SocketUnavailable
 from sidecar.sources.nvml import NvmlUnavailable
 
@@ -22,6 +23,10 @@ if TYPE_CHECKING:
     pass
 
 log = structlog.get_logger("sidecar.cli")
+
+# names whose list lives above the configuration (config.Choices): --simulate's scenarios are
+# the simulator's own, so a new scenario is named in sidecar/simulate/scenarios.py alone
+CHOICES: config.Choices = {"simulate": SCENARIOS}
 
 OPTIONS_NOTE = """\
 Every option can also be set by the environment variable shown in brackets; a flag wins over
@@ -104,12 +109,12 @@ def _parser() -> argparse.ArgumentParser:
     run = sub.add_parser("run", help="run the agent", epilog=EPILOG,
                          formatter_class=argparse.RawDescriptionHelpFormatter,
                          description="Sample every --interval seconds and write the series.")
-    config.add_arguments(run, "run")
+    config.add_arguments(run, "run", CHOICES)
     probe = sub.add_parser("probe", help="report the GPUs, what each supports, one reading",
                            epilog=OPTIONS_NOTE, formatter_class=argparse.RawDescriptionHelpFormatter,
                            description="One-shot report of the visible GPUs, the metrics each "
                            "supports (and why others are absent) and one reading of every layer.")
-    config.add_arguments(probe, "probe")
+    config.add_arguments(probe, "probe", CHOICES)
     diagnose = sub.add_parser(
         "diagnose", help="say which layer explains the latency over a window",
         epilog=DIAGNOSE_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -118,7 +123,7 @@ def _parser() -> argparse.ArgumentParser:
         "health, engine) that explains the latency, with the figures behind the verdict and "
         "what to do. Thresholds: those of the shipped alert rules "
         "(sidecar/thresholds.py).")
-    config.add_arguments(diagnose, "diagnose")
+    config.add_arguments(diagnose, "diagnose", CHOICES)
     fleet = sub.add_parser(
         "fleet", help="every GPU in long-term storage, grouped by verdict, worst first",
         epilog=FLEET_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -126,7 +131,7 @@ def _parser() -> argparse.ArgumentParser:
         "with data in the window (--at, --duration, --select): grouped by the agents' own "
         "verdicts, worst first, one line per GPU with namespace, pod, node and the figure that "
         "decided. A fixed number of aggregate queries, whatever the fleet's size.")
-    config.add_arguments(fleet, "fleet")
+    config.add_arguments(fleet, "fleet", CHOICES)
     resend = sub.add_parser(
         "resend-rejected", help="send again the batches a receiver refused for their data",
         epilog=RESEND_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -134,7 +139,7 @@ def _parser() -> argparse.ArgumentParser:
         "its data: 400, 413, 422) to its receiver once more, oldest first; each is deleted only "
         "once accepted. Give the configuration the agent runs with (in a pod: kubectl exec into "
         "the sidecar container, whose environment has it). Runs beside a running agent.")
-    config.add_arguments(resend, "resend-rejected")
+    config.add_arguments(resend, "resend-rejected", CHOICES)
     status = sub.add_parser(
         "status", help="what the running agent knows: sinks, app processes, GPUs, engines",
         epilog=STATUS_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -143,14 +148,14 @@ def _parser() -> argparse.ArgumentParser:
         "last message, and the app's rejected messages by reason; the GPUs exported and why; "
         "per engine endpoint whether it is read. Give the agent's --socket (in a pod: kubectl "
         "exec into the sidecar container, whose environment has it).")
-    config.add_arguments(status, "status")
+    config.add_arguments(status, "status", CHOICES)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
-        cfg = config.build(args.command, args)
+        cfg = config.build(args.command, args, choices=CHOICES)
     except config.ConfigError as exc:
         print(f"gpu-sidecar: configuration error: {exc}", file=sys.stderr)
         return 2

@@ -11,7 +11,7 @@ import argparse
 import math
 import os
 import re
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, fields
 from typing import Any
 from urllib.parse import SplitResult, urlsplit
@@ -24,10 +24,13 @@ RESERVED_LABELS = frozenset({"gpu_uuid", "gpu_name", "gpu_index", "namespace", "
                              "node", "pid", "le", "sink", "reason", "job", "instance", "version",
                              "mode", "job_name", "job_index", "figure", "condition", "engine",
                              "endpoint", "model"})
-SCENARIOS = ("healthy", "pcie-saturated", "fragmented", "low-occupancy", "gpu-lost", "old-driver",
-             "throttled", "pcie-degraded", "hardware-fault", "grace-hopper", "nvlink-saturated",
-             "kv-cache-full", "queueing")
 
+
+# The names an option takes where their list lives above this module: the scenarios of
+# --simulate are declared by sidecar.simulate.scenarios, which the configuration may not import
+# (tests/test_layout.py). The command line, which may, passes them (option name -> names) to
+# add_arguments (its help's "{choices}") and to build (the same check and error as _choice's).
+Choices = Mapping[str, Sequence[str]]
 
 RETRY_AFTER_CAP_S = 300.0  # Retry-After is honoured up to this (sidecar.sinks.answers.Policy)
 
@@ -600,9 +603,8 @@ OPTIONS: tuple[Option, ...] = (
            "running beside it for its window (a second NVML session; the app's figures are not "
            "judged while that agent holds the app socket).", _bool, flag_only=True,
            commands=("diagnose",)),
-    Option("simulate", "Use a built-in simulated GPU node instead of NVML: "
-           + ", ".join(SCENARIOS) + ". Every series says 'Simulated' in gpu_name.",
-           _choice(*SCENARIOS), commands=("run", "probe", "diagnose")),
+    Option("simulate", "Use a built-in simulated GPU node instead of NVML: {choices}. Every "
+           "series says 'Simulated' in gpu_name.", commands=("run", "probe", "diagnose")),
     Option("simulate_gpus", "Number of simulated GPUs (1..16; default per scenario).", _gpu_count,
            commands=("run", "probe", "diagnose")),
     Option("no_simulated_app", "With --simulate: do not start the simulated model server (nor "
@@ -750,20 +752,25 @@ def shown_default(value: Any) -> str:
     return str(value)
 
 
-def help_text(opt: Option) -> str:
-    """The --help text of ``opt``: its default is the one of ``Config``, written nowhere else."""
+def help_text(opt: Option, choices: Choices | None = None) -> str:
+    """The --help text of ``opt``: its default is the one of ``Config``, written nowhere else;
+    the names it takes, where they live above this module, from ``choices``."""
     default = DEFAULTS[opt.name]
     text = opt.help.replace("{default}", shown_default(default)).replace("{env}", opt.env)
+    if "{choices}" in text:
+        names = (choices or {}).get(opt.name)
+        text = text.replace("{choices}", ", ".join(names) if names else opt.name.upper())
     if "{default_mib}" in text:
         text = text.replace("{default_mib}", f"{shown_default(default / (1 << 20))} MiB")
     return f"{text} [env {opt.env}]"
 
 
-def add_arguments(parser: argparse.ArgumentParser, command: str) -> None:
+def add_arguments(parser: argparse.ArgumentParser, command: str,
+                  choices: Choices | None = None) -> None:
     for opt in OPTIONS:
         if command not in opt.commands:
             continue
-        text = help_text(opt)
+        text = help_text(opt, choices)
         if opt.repeatable:
             parser.add_argument(opt.flag, dest=opt.name, action="append", default=None,
                                 metavar=opt.name.upper(), help=text)
@@ -775,9 +782,12 @@ def add_arguments(parser: argparse.ArgumentParser, command: str) -> None:
                                 help=text)
 
 
-def build(command: str, args: argparse.Namespace, env: Mapping[str, str] = os.environ) -> Config:
-    """Flags over environment over defaults, every value validated."""
+def build(command: str, args: argparse.Namespace, env: Mapping[str, str] = os.environ,
+          choices: Choices | None = None) -> Config:
+    """Flags over environment over defaults, every value validated; an option named in
+    ``choices`` takes only the names given there (refused as ``_choice`` refuses)."""
     values: dict[str, Any] = {}
+    choices = choices or {}
     for opt in OPTIONS:
         if command not in opt.commands:
             continue
@@ -792,6 +802,8 @@ def build(command: str, args: argparse.Namespace, env: Mapping[str, str] = os.en
         try:
             _utf8(raw)
             values[opt.name] = opt.parse(raw)
+            if opt.name in choices:
+                _choice(*choices[opt.name])(raw)
         except ValueError as exc:
             raise ConfigError(_refused(opt, origin, raw, exc, command)) from None
     unknown = sorted(k for k in env if k.startswith(ENV_PREFIX) and

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import argparse
 import ctypes.util
+import dataclasses
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -17,7 +20,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from sidecar import protocol
 from sidecar.config import OPTIONS, Config
-from sidecar.simulate.scenarios import GPU_LOST_INDEX, OLD_DRIVER_VERSION, build
+from sidecar.simulate.scenarios import GH200_C2C, GPU_LOST_INDEX, OLD_DRIVER_VERSION, build
 from tests.conftest import ROOT, run_cli, send_datagram
 from tests.waiting import until
 
@@ -399,3 +402,89 @@ def test_gpus_help_says_what_each_command_does_with_them():
     assert "probe reports every visible GPU" in probe_help
     diagnose_help = " ".join(run_cli("diagnose", "--help").stdout.split())
     assert "diagnose judges them" in diagnose_help and "--no-nvml" in diagnose_help
+
+
+# -- the scenarios are the simulator's; probe's links are the metric table's ------------------------
+
+@pytest.mark.parametrize("command", ["run", "probe", "diagnose"])
+def test_the_scenario_names_come_from_the_simulator_for_help_and_for_refusal(command):
+    """sidecar/simulate/scenarios.py alone names the scenarios: --help lists them in its order,
+    and a name it lacks is refused at start, from a flag or its variable, with the list."""
+    from sidecar import config
+    from sidecar.simulate.scenarios import SCENARIOS
+
+    assert not hasattr(config, "SCENARIOS")
+    shown = " ".join(run_cli(command, "--help", env={"COLUMNS": "2000"}).stdout.split())
+    assert f"instead of NVML: {', '.join(SCENARIOS)}. Every series" in shown
+    refused = run_cli(command, *(["--once"] if command == "run" else []),
+                      env={"GPU_SIDECAR_SIMULATE": "meltdown"})
+    assert refused.returncode == 2 and refused.stdout == ""
+    assert refused.stderr.startswith("gpu-sidecar: configuration error: "
+                                     "GPU_SIDECAR_SIMULATE='meltdown': must be one of "
+                                     f"{', '.join(SCENARIOS)}. Fix the value of --simulate")
+
+
+def test_a_choice_the_command_line_passes_is_checked_like_a_configured_one():
+    from sidecar import config
+
+    choices = {"simulate": ("calm", "storm")}
+    args = argparse.Namespace(simulate="storm")
+    assert config.build("run", args, {}, choices).simulate == "storm"
+    with pytest.raises(config.ConfigError, match=r"^--simulate='drizzle': must be one of calm, "
+                                                 r"storm\. Fix the value of --simulate"):
+        config.build("run", argparse.Namespace(simulate="drizzle"), {}, choices)
+
+
+LINK_LINE = re.compile(r"^\s+(?:io:\s+)?(\S+) TX ([\d.]+) GB/s \(([\d.]+) %\), RX ([\d.]+) GB/s "
+                       r"\(([\d.]+) %\) of ([\d.]+) GB/s per direction$", re.M)
+
+
+def link_lines(block: str) -> dict[str, tuple[float, ...]]:
+    return {m[1]: tuple(float(x) for x in m.groups()[1:]) for m in LINK_LINE.finditer(block)}
+
+
+def first_gpu(stdout: str) -> str:
+    return stdout.split("\nGPU 0 ", 1)[1].split("\nGPU 1 ", 1)[0]
+
+
+def test_probe_prints_each_link_with_its_shares_of_its_maximum():
+    """NVLink as PCIe: each direction's rate and its share of the link's maximum; the share is
+    the simulated load over the 18 links' maximum, and agrees with the rate printed."""
+    gpu = build("nvlink-saturated").gpus[0]
+    proc = run_cli("probe", "--simulate", "nvlink-saturated")
+    assert proc.returncode == 0, proc.stderr
+    links = link_lines(first_gpu(proc.stdout))
+    assert set(links) == {"PCIe", "NVLink"}, proc.stdout  # no C2C on an H200
+    tx, tx_pct, rx, rx_pct, top = links["NVLink"]
+    assert top == pytest.approx(gpu.nvlink_links * gpu.nvlink_speed_mbps / 1e3, abs=0.01)
+    for load, rate, share in ((gpu.nvlink_tx, tx, tx_pct), (gpu.nvlink_rx, rx, rx_pct)):
+        assert share == pytest.approx(100 * rate / top, abs=0.1)
+        assert abs(share / (100 * load.base / (top * 1e9)) - 1) <= load.amplitude + 0.01
+    grace = link_lines(first_gpu(run_cli("probe", "--simulate", "grace-hopper").stdout))
+    assert list(grace) == ["PCIe", "NVLink", "C2C"]
+    gh200 = build("grace-hopper").gpus[0]
+    c2c_rx_pct, c2c_top = grace["C2C"][3:]
+    assert c2c_top == pytest.approx(GH200_C2C / 1e9, abs=0.01)
+    total = gh200.c2c_rx.base * (1 + gh200.c2c_protocol_overhead)  # GPM's C2C TOTAL: with overhead
+    assert abs(c2c_rx_pct / (100 * total / GH200_C2C) - 1) <= gh200.c2c_rx.amplitude + 0.01
+
+
+def test_probe_prints_a_link_the_metric_table_gains_without_a_change_of_its_own(monkeypatch,
+                                                                                capsys):
+    """A link is its table entries (rates, a maximum, the shares dividing them): a copy of
+    NVLink's under another name reaches probe's report as it stands."""
+    from sidecar import config, metrics
+    from sidecar.commands import probe
+
+    def renamed(spec: metrics.MetricSpec) -> metrics.MetricSpec:
+        return dataclasses.replace(spec, name=spec.name.replace("nvlink", "xlink"), ratio_of=(
+            None if spec.ratio_of is None else
+            tuple(n.replace("nvlink", "xlink") for n in spec.ratio_of)))
+
+    xlink = tuple(renamed(m) for m in metrics.TABLE if m.name.startswith("gpu_nvlink_"))
+    monkeypatch.setattr(metrics, "TABLE", metrics.TABLE + xlink)
+    monkeypatch.setattr(probe, "LINKS", probe.links())
+    assert probe.probe(config.Config(simulate="nvlink-saturated", simulate_gpus=1)) == 0
+    links = link_lines(first_gpu(capsys.readouterr().out))
+    assert list(links) == ["PCIe", "NVLink", "XLINK"]
+    assert links["XLINK"][4] == links["NVLink"][4]  # the same maximum, read from the same field

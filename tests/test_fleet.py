@@ -12,11 +12,11 @@ from collections.abc import Iterator
 
 import pytest
 
-from sidecar.commands.fleet import MAX_QUERIES, fleet_of
+from sidecar.commands.fleet import DECIDING, MAX_QUERIES, fleet_of
 from sidecar.commands.from_store import Window
 from sidecar.config import Config
 from sidecar.store import EXIT_DENIED, EXIT_REFUSED, EXIT_UNREACHABLE, Store
-from sidecar.views.verdict import PRECEDENCE
+from sidecar.views.verdict import PRECEDENCE, RULES
 from tests.conftest import run_cli
 from tests.receivers import (
     LOCAL,
@@ -110,6 +110,15 @@ def test_the_number_of_queries_does_not_grow_with_the_fleet(vm):
         counts.append(store.queries)
         assert len(gpus) == (10 if namespace == "small" else 200)
     assert counts[0] == counts[1] <= MAX_QUERIES
+
+
+def test_each_verdict_s_deciding_figure_is_declared_by_its_rule():
+    """What the fleet prints beside a GPU is its verdict's rule's ``deciding`` figure: every kind
+    has one, read from RULES (none kept apart in the command), and the bound on the number of
+    queries counts each."""
+    assert [r.kind for r in RULES if r.deciding is None] == []
+    assert {r.kind: r.deciding for r in RULES} == DECIDING
+    assert 3 + sum(len(r.deciding.queries) for r in RULES if r.deciding) == MAX_QUERIES
 
 
 def store_select(namespace: str) -> tuple[tuple[str, str, str], ...]:

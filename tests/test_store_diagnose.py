@@ -20,8 +20,10 @@ from pathlib import Path
 import pytest
 
 from sidecar.commands.from_store import Window, fetch, judge_stored
-from sidecar.config import SCENARIOS, Config
+from sidecar.config import Config
+from sidecar.metrics import RARE_READ_S
 from sidecar.samples import Series
+from sidecar.simulate.scenarios import SCENARIOS
 from sidecar.store import Store
 from sidecar.views.verdict import Summary, figures_of, judge
 from tests.conftest import ROOT, run_cli
@@ -114,7 +116,10 @@ def test_every_scenario_stored_by_a_real_agent_gets_the_live_verdict_and_figures
     try:
         with running(agent):
             agent.start()
-            agent.more_cycles(CYCLES, "pushing")
+            # the agent asks for the error counters every RARE_READ_S (the live diagnose every
+            # cycle): the hardware fault's climbing ECC count needs a window that long
+            agent.more_cycles(CYCLES + (int(RARE_READ_S / 0.5) if scenario == "hardware-fault"
+                                        else 0), "pushing")
         live_out, _ = live.communicate(timeout=60)
     finally:
         if live.poll() is None:

@@ -16,6 +16,7 @@ import pytest
 from sidecar import samples as sm
 from sidecar.metrics import BY_NAME
 from sidecar.samples import Series
+from sidecar.simulate.scenarios import build
 from sidecar.sinks.stdout import StdoutSink, json_lines, prometheus_text
 from sidecar.views.table import ALT_SCREEN, CLEAR_BELOW, HIDE_CURSOR, HOME, MAIN_SCREEN, SHOW_CURSOR, Table
 from tests.conftest import ROOT, run_cli
@@ -157,7 +158,7 @@ def test_on_a_terminal_the_table_refreshes_in_place_fits_120_columns_and_ctrl_c_
         lines = ESCAPE.sub("", frame).replace("\r", "").split("\n")
         assert sum(1 for line in lines if line.startswith("GPU | util")) == 1
         titles = next(line for line in lines if line.startswith("GPU | util"))
-        assert all(t in titles for t in ("tensor", "NVLink", "p50", "RX GB/s", "verdict"))
+        assert all(t in titles for t in ("tensor", "NVL%", "p50", "RX GB/s", "verdict"))
         assert [int(line.split("|")[0]) for line in lines if ROW.match(line)] == list(range(8))
         assert max(len(line) for line in lines) <= 120
     assert out.count(ALT_SCREEN) == 1  # one screen redrawn, not pages appended
@@ -184,6 +185,30 @@ def test_verdict_column_names_the_layer_and_says_when_compute_cannot_be_judged()
         assert rows and all(line.rstrip().endswith(verdict) for line in rows), proc.stdout
 
 
+def test_the_nvlink_share_is_shown_as_pcie_s_per_direction_of_its_maximum():
+    """On the node whose all-reduce fills NVLink, each row says how full NVLink is, RX/TX in
+    percent of the active links' maximum, beside PCIe's RX% and TX%, and the verdict names it."""
+    gpu = build("nvlink-saturated").gpus[0]
+    proc = run_cli("run", "--simulate", "nvlink-saturated", "--once", "--output", "table")
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.splitlines()
+    titles = next(line for line in lines if line.startswith("GPU |")).split("|")
+    io = titles.index(next(t for t in titles if "NVL%" in t))
+    assert titles[io].split() == ["RX%", "TX%", "RX", "GB/s", "TX", "GB/s", "NVL%", "NVL", "GB/s"]
+    assert "NVL%: NVLink RX/TX share of its maximum" in proc.stdout
+    rows = [line for line in lines if ROW.match(line)]
+    assert len(rows) == len(build("nvlink-saturated").gpus)
+    top = gpu.nvlink_links * gpu.nvlink_speed_mbps * 1e6
+    for line in rows:
+        cells = line.split("|")[io].split()
+        shares = [float(v) for v in cells[4].split("/")]
+        rates = [float(v) * 1e9 for v in cells[5].split("/")]
+        for load, share, rate in zip((gpu.nvlink_rx, gpu.nvlink_tx), shares, rates, strict=True):
+            assert abs(share / (100 * load.base / top) - 1) <= load.amplitude + 0.02, line
+            assert share == pytest.approx(100 * rate / top, abs=1.5), line  # whole GB/s and %
+        assert line.rsplit("|", 1)[1].strip() == "IO: NVLink"
+
+
 def test_a_plain_stream_gets_frames_one_after_the_other_without_escapes():
     stream = io.StringIO()
     table = Table(stream, live=False)
@@ -201,7 +226,7 @@ def test_a_narrow_terminal_drops_whole_columns_and_keeps_the_verdict_and_p99(col
         assert max(len(line) for line in lines) <= cols
         titles = next(line for line in lines if line.startswith("GPU |"))
         assert "p99" in titles and titles.rstrip().endswith("verdict")
-        assert "NVLink" not in titles  # the first to go
+        assert "NVL GB/s" not in titles  # the first to go
         bars = [i for i, c in enumerate(titles) if c == "|"]
         rows = [line for line in lines if ROW.match(line)]
         assert len(rows) == 2

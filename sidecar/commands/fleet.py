@@ -11,7 +11,7 @@ is asked for aggregates only, a fixed number of queries whatever the fleet's siz
 4. for each kind found, one or two aggregates of its deciding figure over the window, grouped
    by GPU (or by pod for the engine's), e.g. ``max by (gpu_uuid) (avg_over_time(PCIe RX|TX))``.
 
-So at most ``MAX_QUERIES`` (20) queries for 10 GPUs or 10,000; ``bench/bench_fleet.py``
+So at most ``MAX_QUERIES`` (21) queries for 10 GPUs or 10,000; ``bench/bench_fleet.py``
 measures it.
 """
 
@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import json
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING
 
@@ -27,7 +27,7 @@ from sidecar import thresholds
 from sidecar.commands.from_store import Refused, Window, explain_empty, window_of
 from sidecar.store import GPU_LABELS, Store, StoreError, duration, selector
 from sidecar.thresholds import Thresholds
-from sidecar.views.verdict import ALL_KINDS, PRECEDENCE, gib, ms, pct
+from sidecar.views.verdict import ALL_KINDS, PRECEDENCE, RULES, Deciding
 
 if TYPE_CHECKING:
     from sidecar.config import Config
@@ -36,111 +36,17 @@ IDENTITY = ("namespace", "pod", "node", "container", "gpu_index", "gpu_name")
 OLDER = "older-agent"  # a GPU with data and no verdict: its agent predates gpu_verdict
 
 
-@dataclass(frozen=True)
-class Figure:
-    """A kind's deciding figure: the PromQL aggregates (``{sel}`` and ``{rng}`` filled in), by
-    which labels they are keyed, and how the values read."""
-
-    queries: tuple[str, ...]
-    by: tuple[str, ...]
-    text: Callable[[Sequence[float | None], Thresholds], str]
-
-
-def _pair(a: str, b: str) -> str:
-    """The larger of two per-GPU window means (RX and TX), in one query: the two are told
-    apart by a label of their own so the ``or`` keeps both."""
-    return (f'max by (gpu_uuid) (label_replace(avg_over_time({_sel(a)}), "d", "1", "", "") or '
-            f'label_replace(avg_over_time({_sel(b)}), "d", "2", "", ""))')
-
-
-def _sel(name: str, *extra: str, pod: bool = False) -> str:
-    """A placeholder selector of one name with the --select matchers and the range."""
-    return f"@@SEL:{name}:{'|'.join(extra)}:{'pod' if pod else 'gpu'}@@"
-
-
-def _v(values: Sequence[float | None], i: int = 0) -> float | None:
-    return values[i] if len(values) > i else None
-
-
-DECIDING: dict[str, Figure] = {
-    "gpu-lost": Figure(("min by (gpu_uuid) (min_over_time(" + _sel("gpu_sidecar_gpu_available")
-                        + "))",), ("gpu_uuid",),
-                       lambda v, t: "unreadable in the window" if _v(v) == 0 else
-                       "readable again by the window's end"),
-    "hardware-fault": Figure(
-        ("sum by (gpu_uuid) (increase(" + _sel("gpu_xid_errors_total", "CRITICAL") + "))",
-         "sum by (gpu_uuid) (increase(" + _sel("gpu_ecc_uncorrected_volatile_total") + "))"),
-        ("gpu_uuid",),
-        lambda v, t: f"critical Xids {_count(_v(v))}, uncorrected ECC {_count(_v(v, 1))} in "
-                     "the window"),
-    "throttled": Figure(
-        ("avg by (gpu_uuid) (avg_over_time(" + _sel("gpu_sm_clock_hertz") + ")) / avg by "
-         "(gpu_uuid) (avg_over_time(" + _sel("gpu_sm_clock_max_hertz") + "))",),
-        ("gpu_uuid",),
-        lambda v, t: f"SM clock {pct(_v(v))} of its maximum (below "
-                     f"{t.throttle_clock_ratio:.0%})"),
-    "pcie-degraded": Figure(
-        ("min by (gpu_uuid) (min_over_time(" + _sel("gpu_pcie_link_current_generation") + "))",
-         "max by (gpu_uuid) (max_over_time(" + _sel("gpu_pcie_link_generation") + "))"),
-        ("gpu_uuid",),
-        lambda v, t: f"link trained at Gen{_int(_v(v))} of its Gen{_int(_v(v, 1))} maximum"),
-    "pcie": Figure((_pair("gpu_pcie_rx_bandwidth_util_ratio",
-                          "gpu_pcie_tx_bandwidth_util_ratio"),), ("gpu_uuid",),
-                   lambda v, t: f"PCIe {pct(_v(v))} of the link (above {t.pcie_util_ratio:.0%})"),
-    "c2c": Figure((_pair("gpu_c2c_rx_bandwidth_util_ratio",
-                         "gpu_c2c_tx_bandwidth_util_ratio"),), ("gpu_uuid",),
-                  lambda v, t: f"NVLink-C2C {pct(_v(v))} of its maximum (above "
-                               f"{t.pcie_util_ratio:.0%})"),
-    "nvlink": Figure((_pair("gpu_nvlink_rx_bandwidth_util_ratio",
-                            "gpu_nvlink_tx_bandwidth_util_ratio"),), ("gpu_uuid",),
-                     lambda v, t: f"NVLink {pct(_v(v))} of its maximum (above "
-                                  f"{t.nvlink_util_ratio:.0%})"),
-    "kv-cache": Figure(
-        ("max by (namespace, pod) (avg_over_time(" + _sel("engine_kv_cache_usage_ratio", pod=True)
-         + "))",), ("namespace", "pod"),
-        lambda v, t: f"KV cache {pct(_v(v))} in use (at least {t.kv_cache_full_ratio:.0%})"),
-    "fragmentation": Figure(
-        ("avg by (gpu_uuid) (avg_over_time(" + _sel("gpu_memory_fragmentation_ratio") + "))",
-         "avg by (gpu_uuid) (avg_over_time(" + _sel("gpu_allocator_reserved_bytes") + "))"),
-        ("gpu_uuid",),
-        lambda v, t: f"fragmentation {pct(_v(v))} of a {gib(_v(v, 1))} cache (above "
-                     f"{t.fragmentation_ratio:.0%})"),
-    "allocator-retries": Figure(
-        ("sum by (gpu_uuid) (increase(" + _sel("gpu_allocator_alloc_retries_total") + "))",
-         "sum by (gpu_uuid) (increase(" + _sel("gpu_allocator_ooms_total") + "))"),
-        ("gpu_uuid",),
-        lambda v, t: f"{_count(_v(v))} allocator retries, {_count(_v(v, 1))} OOMs in the window"),
-    "low-occupancy": Figure(
-        ("avg by (gpu_uuid) (avg_over_time(" + _sel("gpu_sm_occupancy_ratio") + "))",
-         "histogram_quantile(0.99, sum by (gpu_uuid, le) (increase("
-         + _sel("inference_request_duration_seconds_bucket") + ")))"),
-        ("gpu_uuid",),
-        lambda v, t: f"SM occupancy {pct(_v(v))} (below {t.occupancy_ratio:.0%}), p99 "
-                     f"{ms(_v(v, 1))} (above {ms(t.p99_latency_s)})"),
-    "queueing": Figure(
-        ("histogram_quantile(0.99, sum by (namespace, pod, le) (increase("
-         + _sel("engine_request_queue_duration_seconds_bucket", pod=True) + ")))",
-         "histogram_quantile(0.99, sum by (namespace, pod, le) (increase("
-         + _sel("engine_request_duration_seconds_bucket", pod=True) + ")))"),
-        ("namespace", "pod"),
-        lambda v, t: f"queue p99 {ms(_v(v))} of request p99 {ms(_v(v, 1))}"),
-}
+# kind -> its deciding figure, each read from its rule (sidecar.views.verdict.RULES): a kind
+# without one is listed with no figure
+DECIDING: dict[str, Deciding] = {r.kind: r.deciding for r in RULES if r.deciding is not None}
 # the bound a fleet of any size stays under: three, and each kind's figures
 MAX_QUERIES = 3 + sum(len(f.queries) for f in DECIDING.values())
 
 
-def _count(v: float | None) -> str:
-    return "absent" if v is None else f"{v:.0f}"
-
-
-def _int(v: float | None) -> str:
-    return "?" if v is None else f"{v:.0f}"
-
-
-
 def _expand(expr: str, select: Sequence[tuple[str, str, str]], rng: str,
             t: Thresholds) -> str:
-    """Fill in each placeholder selector: its name, the --select matchers, the range."""
+    """Fill in each placeholder selector (``verdict.stored``): its name, the --select
+    matchers, the range."""
     out = expr
     while "@@SEL:" in out:
         head, _, rest = out.partition("@@SEL:")

@@ -4,11 +4,60 @@ rest is absent) and one reading of every layer."""
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
+from typing import Any
 
-from sidecar import __version__, config, protocol, wiring
+from sidecar import __version__, config, metrics, protocol, wiring
 from sidecar.agent import PRIME_WINDOW_S
 from sidecar.samples import GpuIdentity, ratio
 from sidecar.sources.nvml import NvmlReading, NvmlSource
+
+# how a link's name is written, where not in capitals (a link the table adds reads as its
+# series name in capitals until it is named here)
+_WRITTEN = {"pcie": "PCIe", "nvlink": "NVLink", "c2c": "C2C"}
+
+
+@dataclass(frozen=True)
+class Link:
+    """A link as the metric table declares it: rates (``gpu_LINK_tx|rx_bytes_per_second``) that
+    a share divides by the link's maximum (``ratio_of=``), each a field of the sample's layers.
+
+    Read from ``metrics.TABLE``, so a link the table gains (its rates, its maximum and their
+    shares) is printed by probe as it stands."""
+
+    key: str  # the series' link: pcie, nvlink, c2c
+    rates: tuple[tuple[str, str, str], ...]  # (direction, layer, field) of each rate
+    maximum: tuple[str, str]  # (layer, field) of the maximum the shares divide by
+
+    @property
+    def name(self) -> str:
+        return _WRITTEN.get(self.key, self.key.upper())
+
+
+def links() -> tuple[Link, ...]:
+    """The links of the metric table, in its order. A rate's link maximum is the first share
+    that divides it; a later one (PCIe's link as trained now) is another view of the same
+    rate: probe prints that link's maximum on the replays line."""
+    spec = {m.name: m for m in metrics.TABLE}
+    found: dict[str, Link] = {}
+    placed: set[str] = set()
+    for share in metrics.TABLE:
+        if share.ratio_of is None:
+            continue
+        rate, maximum = (spec[name] for name in share.ratio_of)
+        if not (rate.field and maximum.field) or rate.name in placed:
+            continue
+        placed.add(rate.name)
+        key, _, direction = rate.name.removeprefix("gpu_").removesuffix(
+            "_bytes_per_second").rpartition("_")
+        known = found.get(maximum.name)
+        rates = (*(known.rates if known else ()),
+                 (direction.upper(), rate.layer, rate.field))
+        found[maximum.name] = Link(key, rates, (maximum.layer, maximum.field))
+    return tuple(found.values())
+
+
+LINKS = links()
 
 
 def probe(cfg: config.Config) -> int:
@@ -81,11 +130,9 @@ def _probe_block(source: NvmlSource, ident: GpuIdentity, reading: NvmlReading | 
     link = (f"PCIe gen {caps['link_generation']} x{caps['link_width']}, "
             f"{_gb(caps['link_max_bytes_per_second'])} per direction"
             if caps["link_max_bytes_per_second"] else "PCIe link unknown")
-    nvlink_max = (f", {_gb(caps['nvlink_max_bytes_per_second'])} per direction over the active ones"
-                  if caps["nvlink_max_bytes_per_second"] else "")
     lines.append(f"  sources: memory {caps['memory'] or 'none'}, GPM {'yes' if caps['gpm'] else 'no'}"
-                 f", PCIe rate from {caps['pcie'] or 'none'}, NVLink from {caps['nvlink'] or 'none'}"
-                 f" ({caps['nvlink_links']} links{nvlink_max}), replays from {caps['replay'] or 'none'}")
+                 + "".join(_link_source(lk, caps) for lk in LINKS)
+                 + f", replays from {caps['replay'] or 'none'}")
     lines.append(f"  link: {link}")
     if caps.get("host_link") == "c2c":
         lines.append(f"  host traffic: over NVLink-C2C ({_gb(caps['c2c_link_max_bytes_per_second'])}"
@@ -112,28 +159,39 @@ def _probe_block(source: NvmlSource, ident: GpuIdentity, reading: NvmlReading | 
     total = "absent" if m.total_bytes is None else f"{m.total_bytes / 2**30:.1f} GiB"
     lines.append(f"  memory:  DRAM bandwidth {_pct(m.bandwidth_util_ratio)}, controller busy "
                  f"{_pct(m.controller_busy_ratio)}, used {used} of {total}")
-    lines.append(
-        f"  io:      PCIe TX {_gb(io.pcie_tx_bytes_per_second)} "
-        f"({_pct(ratio(io.pcie_tx_bytes_per_second, io.pcie_link_max_bytes_per_second))}), RX "
-        f"{_gb(io.pcie_rx_bytes_per_second)} "
-        f"({_pct(ratio(io.pcie_rx_bytes_per_second, io.pcie_link_max_bytes_per_second))}), NVLink "
-        f"TX {_gb(io.nvlink_tx_bytes_per_second)} "
-        f"({_pct(ratio(io.nvlink_tx_bytes_per_second, io.nvlink_link_max_bytes_per_second))}) RX "
-        f"{_gb(io.nvlink_rx_bytes_per_second)} "
-        f"({_pct(ratio(io.nvlink_rx_bytes_per_second, io.nvlink_link_max_bytes_per_second))}), "
-        f"replays {io.pcie_replay_errors if io.pcie_replay_errors is not None else 'absent'}")
+    rates = [text for lk in LINKS if (text := _link_rates(lk, reading))]
+    lines.append("  io:      " + ("\n           ".join(rates) or "no link rate read (see the absent "
+                                                        "metrics)"))
+    replays = io.pcie_replay_errors if io.pcie_replay_errors is not None else "absent"
+    now = ""
     if io.pcie_link_current_generation is not None:
-        lines.append(f"           link now gen {io.pcie_link_current_generation} "
-                     f"x{io.pcie_link_current_width} ({_gb(io.pcie_link_current_bytes_per_second)}"
-                     " per direction; idle links train down)")
-    if io.c2c_link_max_bytes_per_second is not None:
-        lines.append(
-            f"           C2C TX {_gb(io.c2c_tx_bytes_per_second)} "
-            f"({_pct(ratio(io.c2c_tx_bytes_per_second, io.c2c_link_max_bytes_per_second))}), RX "
-            f"{_gb(io.c2c_rx_bytes_per_second)} "
-            f"({_pct(ratio(io.c2c_rx_bytes_per_second, io.c2c_link_max_bytes_per_second))})")
+        now = (f"; link now gen {io.pcie_link_current_generation} x{io.pcie_link_current_width} "
+               f"({_gb(io.pcie_link_current_bytes_per_second)} per direction; idle links train "
+               "down)")
+    lines.append(f"           PCIe replays {replays}{now}")
     lines.append(_health_line(reading))
     return "\n".join(lines)
+
+
+def _link_source(lk: Link, caps: dict[str, Any]) -> str:
+    """Where a link's rate comes from, as the capabilities say (and its links, where counted);
+    nothing for a link the capabilities do not name."""
+    if lk.key not in caps:
+        return ""
+    count = caps.get(f"{lk.key}_links")
+    return (f", {lk.name} rate from {caps[lk.key] or 'none'}"
+            + ("" if count is None else f" ({count} links)"))
+
+
+def _link_rates(lk: Link, reading: NvmlReading) -> str:
+    """A link's rates, each with its share of the link's maximum, and the maximum; empty for a
+    link of which nothing was read (the absent metrics say why)."""
+    maximum = getattr(getattr(reading, lk.maximum[0]), lk.maximum[1])
+    rates = [(d, getattr(getattr(reading, layer), name)) for d, layer, name in lk.rates]
+    if maximum is None and all(v is None for _, v in rates):
+        return ""
+    return (f"{lk.name} " + ", ".join(f"{d} {_gb(v)} ({_pct(ratio(v, maximum))})" for d, v in rates)
+            + (f" of {_gb(maximum)} per direction" if maximum else ", maximum absent"))
 
 
 def _health_line(reading: NvmlReading) -> str:

@@ -67,12 +67,7 @@ def _block(uuid: str, v: Verdict) -> list[str]:
             f"{pct(m.dram_bw)}, fragmentation {pct(m.fragmentation)}"
             + ("" if m.alloc_reserved is None else f" of {gib(m.alloc_reserved)}")
             + f", retries {_count(w.retries)}, OOMs {_count(w.ooms)}",
-            f"  IO:      PCIe RX {pct(m.pcie_rx_ratio)} ({gbps(m.pcie_rx)}), TX "
-            f"{pct(m.pcie_tx_ratio)} ({gbps(m.pcie_tx)}) of {gbps(m.link_max)}"
-            + _link(v) + f"; NVLink TX {gbps(m.nvlink_tx)}, RX {gbps(m.nvlink_rx)}"
-            + ("" if m.c2c_max is None and m.c2c_rx is None and m.c2c_tx is None else
-               f"; C2C RX {pct(m.c2c_rx_ratio)} ({gbps(m.c2c_rx)}), TX {pct(m.c2c_tx_ratio)} "
-               f"({gbps(m.c2c_tx)}) of {gbps(m.c2c_max)}"),
+            *_io(v),
             *_health(v),
             (f"  app:     p50 {ms(w.p50)}, p99 {ms(w.p99)} over {w.requests:.0f} requests{since}"
              + (" (the engine's latency: the app publishes none)"
@@ -98,6 +93,27 @@ def _engine(v: Verdict) -> list[str]:
         f"{_num(m.waiting)}, preemptions {_count(w.increases.get('preemptions'))}; p99 request "
         f"{ms(w.engine_p99)}, queue {ms(w.queue_p99)}, time to first token {ms(w.ttft_p99)}, "
         f"inter-token {ms(w.itl_p99)}"))
+
+
+def _io(v: Verdict) -> list[str]:
+    """A line per link: its RX and TX with their shares of its maximum; PCIe (and its link as
+    trained) always, NVLink and NVLink-C2C where the GPU has them."""
+    m = v.window.mean
+    lines = ["  IO:      " + _directions("PCIe", m.pcie_rx, m.pcie_rx_ratio, m.pcie_tx,
+                                         m.pcie_tx_ratio, m.link_max) + _link(v)]
+    for name, rx, rx_ratio, tx, tx_ratio, top in (
+            ("NVLink", m.nvlink_rx, m.nvlink_rx_ratio, m.nvlink_tx, m.nvlink_tx_ratio,
+             m.nvlink_max),
+            ("C2C", m.c2c_rx, m.c2c_rx_ratio, m.c2c_tx, m.c2c_tx_ratio, m.c2c_max)):
+        if not (rx is None and tx is None and top is None):
+            lines.append(" " * 11 + _directions(name, rx, rx_ratio, tx, tx_ratio, top))
+    return lines
+
+
+def _directions(name: str, rx: float | None, rx_ratio: float | None, tx: float | None,
+                tx_ratio: float | None, top: float | None) -> str:
+    return (f"{name} RX {pct(rx_ratio)} ({gbps(rx)}), TX {pct(tx_ratio)} ({gbps(tx)}) of "
+            f"{gbps(top)}")
 
 
 def _num(value: float | None) -> str:

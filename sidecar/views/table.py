@@ -10,7 +10,8 @@ printed on it, so it stays in the scrollback.
 The verdict column is ``sidecar.views.verdict.judge`` on the last few cycles: the thresholds of the
 shipped alert rules, without their ``for:`` durations; it shows the first finding in the order of
 ``verdict.PRECEDENCE`` (a lost GPU, a hardware fault, throttled clocks (by reason), a PCIe link
-trained down, PCIe, NVLink-C2C, then memory and compute) and how many more;
+trained down, PCIe, NVLink-C2C, NVLink, then the engine's KV cache, memory, compute and the
+engine's queue) and how many more;
 ``gpu-sidecar diagnose`` explains a verdict with its figures and remedies.
 """
 
@@ -71,14 +72,16 @@ COLUMNS = (
     Column("tx", "TX%", 4, "IO"),
     Column("rx_rate", "RX GB/s", 7, "IO"),
     Column("tx_rate", "TX GB/s", 7, "IO"),
-    Column("nvlink", "NVLink", 9, "IO", legend="NVLink: TX/RX GB/s"),
+    Column("nvlink_share", "NVL%", 7, "IO", legend="NVL%: NVLink RX/TX share of its maximum"),
+    Column("nvlink", "NVL GB/s", 8, "IO", legend="NVL GB/s: NVLink RX/TX"),
     Column("p50", "p50", 5, "app"),
     Column("p99", "p99", 5, "app"),
     Column("verdict", "verdict", 16, "", left=True, legend="why: gpu-sidecar diagnose"),
 )
 # dropped in this order until the table fits the terminal; GPU, p99 and verdict always stay
-DROP_ORDER = ("nvlink", "tensor", "p50", "rx_rate", "tx_rate", "dram", "used", "util", "retry",
-              "frag", "tx", "rx", "occ")
+# (a link's rates before its share: the share is what the verdict judges)
+DROP_ORDER = ("nvlink", "tensor", "p50", "rx_rate", "tx_rate", "nvlink_share", "dram", "used",
+              "util", "retry", "frag", "tx", "rx", "occ")
 _GROUP_SEP = " | "
 _SHORT_GROUP = {"compute": "comp", "memory": "mem"}
 
@@ -161,10 +164,20 @@ def _memory(used: float | None, total: float | None) -> str:
     return f"{used / GiB:.0f}/{total / GiB:.0f}" if total else f"{used / GiB:.0f}"
 
 
-def _nvlink(tx: float | None, rx: float | None) -> str:
-    if tx is None and rx is None:
+def _pair(rx: float | None, tx: float | None, show: Callable[[float], str]) -> str:
+    """RX/TX in one cell, in the order of PCIe's columns (``-`` for a direction not read)."""
+    if rx is None and tx is None:
         return "-"
-    return "/".join("-" if v is None else f"{v / 1e9:.0f}" for v in (tx, rx))
+    return "/".join("-" if v is None else show(v) for v in (rx, tx))
+
+
+def _rates(rx: float | None, tx: float | None) -> str:
+    return _pair(rx, tx, lambda v: f"{v / 1e9:.0f}")
+
+
+def _shares(rx: float | None, tx: float | None) -> str:
+    """Both directions' shares in percent, as PCIe's RX%/TX% columns round them."""
+    return _pair(rx, tx, lambda v: f"{v * 100:.0f}")
 
 
 def _verdict_cell(v: Verdict, exported: str | None) -> str:
@@ -189,7 +202,8 @@ def cells(v: Verdict, exported: str | None = None) -> dict[str, str]:
         "retry": "-" if w.retries is None else f"{w.retries:.0f}",
         "rx": _pct(m.pcie_rx_ratio), "tx": _pct(m.pcie_tx_ratio),
         "rx_rate": _rate(m.pcie_rx), "tx_rate": _rate(m.pcie_tx),
-        "nvlink": _nvlink(m.nvlink_tx, m.nvlink_rx), "p50": _seconds(w.p50),
+        "nvlink_share": _shares(m.nvlink_rx_ratio, m.nvlink_tx_ratio),
+        "nvlink": _rates(m.nvlink_rx, m.nvlink_tx), "p50": _seconds(w.p50),
         "p99": _seconds(w.p99), "verdict": _verdict_cell(v, exported),
     }
 

@@ -160,22 +160,20 @@ def figures_of(series: Iterable[Series]) -> dict[str, Figures]:
     buckets: dict[str, list[tuple[float, float]]] = {}
     xids: dict[str, list[tuple[int, float]]] = {}
     engine = _EngineFigures()
-    seen: dict[tuple[tuple[str, str], ...], dict[str, str]] = {}  # labels read once per set
+    # each label set read once: its labels, and the GPU's row its series fill (None: no GPU's)
+    seen: dict[tuple[tuple[str, str], ...], tuple[dict[str, str], dict[str, object] | None]] = {}
     for s in series:
         if s.name not in _READ and not s.name.startswith("engine_"):
             continue  # what no verdict reads (the agent's own counters, most health counters)
-        labels = seen.get(s.labels)
-        if labels is None:
-            labels = seen[s.labels] = dict(s.labels)
-        uuid = labels.get("gpu_uuid")
-        if uuid is None:
-            if s.name.startswith("engine_"):
+        known = seen.get(s.labels)
+        if known is None:
+            known = seen[s.labels] = _row_of(dict(s.labels), rows)
+        labels, row = known
+        if row is None:
+            if s.name.startswith("engine_") and "gpu_uuid" not in labels:
                 engine.add(s.name, labels, s.value)
             continue
-        if "pid" in labels:
-            continue
-        row = rows.setdefault(uuid, {"uuid": uuid, "name": labels.get("gpu_name", ""),
-                                     "index": labels.get("gpu_index", "")})
+        uuid = row["uuid"]
         if s.name == "gpu_sidecar_gpu_available":
             row["available"] = s.value == 1
         elif s.name == _BUCKET:
@@ -197,6 +195,20 @@ def figures_of(series: Iterable[Series]) -> dict[str, Figures]:
         elif pod.get("engine_latency") is not None:  # the app publishes none: the engine's
             row["latency"], row["latency_source"] = pod["engine_latency"], "engine"
     return {uuid: Figures(**row) for uuid, row in rows.items()}  # type: ignore[arg-type]
+
+
+def _row_of(labels: dict[str, str], rows: dict[str, dict[str, object]]
+            ) -> tuple[dict[str, str], dict[str, object] | None]:
+    """A label set, and the row of the GPU it belongs to (made at its first series); no row for
+    the pod's series (no GPU) and a process's own (``pid``)."""
+    uuid = labels.get("gpu_uuid")
+    if uuid is None or "pid" in labels:
+        return labels, None
+    row = rows.get(uuid)
+    if row is None:
+        row = rows[uuid] = {"uuid": uuid, "name": labels.get("gpu_name", ""),
+                            "index": labels.get("gpu_index", "")}
+    return labels, row
 
 
 # the series figures_of reads: the judged figures, the latency buckets, Xids, availability
@@ -682,14 +694,54 @@ def _degraded(w: Window, t: Thresholds) -> bool:
             and t.pcie_degraded(True, b.pcie_tx_now_ratio, b.pcie_rx_now_ratio))
 
 
+def stored(name: str, *extra: str, pod: bool = False) -> str:
+    """A series in a ``Deciding`` query, as a placeholder the fleet fills in with the --select
+    matchers and the window's range (``sidecar.commands.fleet``); ``extra`` ``CRITICAL``
+    narrows it to the critical Xids of the thresholds, ``pod`` keeps only the pod's labels (the
+    engine's series have no GPU)."""
+    return f"@@SEL:{name}:{'|'.join(extra)}:{'pod' if pod else 'gpu'}@@"
+
+
+def _either(a: str, b: str) -> str:
+    """The larger of two per-GPU window means (RX and TX), in one query: the two are told
+    apart by a label of their own so the ``or`` keeps both."""
+    return (f'max by (gpu_uuid) (label_replace(avg_over_time({stored(a)}), "d", "1", "", "") or '
+            f'label_replace(avg_over_time({stored(b)}), "d", "2", "", ""))')
+
+
+def _at(values: Sequence[float | None], i: int = 0) -> float | None:
+    return values[i] if len(values) > i else None
+
+
+def _count(v: float | None) -> str:
+    return "absent" if v is None else f"{v:.0f}"
+
+
+def _whole(v: float | None) -> str:
+    return "?" if v is None else f"{v:.0f}"
+
+
+@dataclass(frozen=True)
+class Deciding:
+    """A kind's deciding figure in long-term storage: what ``gpu-sidecar fleet`` prints beside a
+    GPU with that verdict. PromQL aggregates over the window (their series written with
+    ``stored``), the labels their answers are keyed by, and how the values read."""
+
+    queries: tuple[str, ...]
+    by: tuple[str, ...]  # ("gpu_uuid",), or ("namespace", "pod") for the engine's
+    text: Callable[[Sequence[float | None], Thresholds], str]
+
+
 @dataclass(frozen=True)
 class Rule:
     """One verdict kind, whole: where it stands (``RULES`` is in precedence order), its layer,
     table cell and title, when it holds on a window (``found``, against a threshold of
     ``sidecar.thresholds``), the figures behind it (``evidence``), what to do (``remedy``), its
     threshold in words (the head of diagnose's report) and its alert rules (PromQL with the
-    thresholds as ``%(name)s``, rendered by ``sidecar.alert_rules``). ``alone``: judged only where
-    no rule before it found anything (queueing: any other finding explains why requests wait).
+    thresholds as ``%(name)s``, rendered by ``sidecar.alert_rules``), and its deciding figure in
+    long-term storage (``deciding``: what ``gpu-sidecar fleet`` prints beside the GPU).
+    ``alone``: judged only where no rule before it found anything (queueing: any other finding
+    explains why requests wait).
 
     ``evidence`` returns the text, or (cell, text, remedy) where the finding's cell and remedy
     follow the figures (throttled: by the reasons that held the clocks)."""
@@ -703,6 +755,7 @@ class Rule:
     evidence: Callable[[Window, Thresholds], str | tuple[str, str, str]]
     threshold: Callable[[Thresholds], str] | None = None  # None: no threshold (a lost GPU)
     alerts: str = ""  # alert rules in the group of its layer ("" : none of its own)
+    deciding: Deciding | None = None  # fleet's figure (None: the GPU is listed without one)
     alone: bool = False
 
 
@@ -714,7 +767,12 @@ RULES: tuple[Rule, ...] = (
          "and move the pod's work to its other GPUs",
          found=lambda w, t: w.lost,
          evidence=lambda w, t: f"unreadable in {w.unreadable} of {w.samples + w.unreadable} "
-                               "samples, including the last (alert GPUSidecarGPUUnavailable)"),
+                               "samples, including the last (alert GPUSidecarGPUUnavailable)",
+         deciding=Deciding(
+             (f"min by (gpu_uuid) (min_over_time({stored('gpu_sidecar_gpu_available')}))",),
+             ("gpu_uuid",),
+             lambda v, t: "unreadable in the window" if _at(v) == 0 else
+                          "readable again by the window's end")),
     Rule("hardware-fault", "health", "HW FAULT", "the GPU reported a hardware fault",
          "drain the node (`kubectl cordon NODE`, then `kubectl drain NODE --ignore-daemonsets`) "
          "so no new work lands on this GPU, and treat what ran on it since the fault as suspect "
@@ -728,6 +786,12 @@ RULES: tuple[Rule, ...] = (
          evidence=lambda w, t: _hardware_evidence(w, t),
          threshold=lambda t: f"a critical Xid ({', '.join(map(str, t.critical_xids))}), an "
                              "uncorrected ECC error or a failed row remap",
+         deciding=Deciding(
+             (f"sum by (gpu_uuid) (increase({stored('gpu_xid_errors_total', 'CRITICAL')}))",
+              f"sum by (gpu_uuid) (increase({stored('gpu_ecc_uncorrected_volatile_total')}))"),
+             ("gpu_uuid",),
+             lambda v, t: f"critical Xids {_count(_at(v))}, uncorrected ECC "
+                          f"{_count(_at(v, 1))} in the window"),
          alerts="""\
       - alert: GPUHardwareFault
         # the GPU itself failed: a critical Xid (%(critical_xids_list)s; the first
@@ -765,6 +829,12 @@ RULES: tuple[Rule, ...] = (
          threshold=lambda t: f"a clock limit for over {t.throttle_ratio:.0%} of the window with "
                              f"the SM clock below {t.throttle_clock_ratio:.0%} of its maximum "
                              f"and utilization above {t.busy_utilization_ratio:.0%}",
+         deciding=Deciding(
+             (f"avg by (gpu_uuid) (avg_over_time({stored('gpu_sm_clock_hertz')})) / avg by "
+              f"(gpu_uuid) (avg_over_time({stored('gpu_sm_clock_max_hertz')}))",),
+             ("gpu_uuid",),
+             lambda v, t: f"SM clock {pct(_at(v))} of its maximum (below "
+                          f"{t.throttle_clock_ratio:.0%})"),
          alerts="""\
       - alert: GPUClocksThrottled
         # a limiting reason for more than %(throttle_percent)s %% of 5 minutes on a busy GPU (utilization
@@ -806,6 +876,12 @@ RULES: tuple[Rule, ...] = (
          evidence=lambda w, t: _degraded_evidence(w, t),
          threshold=lambda t: f"a PCIe link below its maximum carrying over "
                              f"{t.pcie_degraded_traffic_ratio:.0%} of the link as trained",
+         deciding=Deciding(
+             (f"min by (gpu_uuid) (min_over_time({stored('gpu_pcie_link_current_generation')}))",
+              f"max by (gpu_uuid) (max_over_time({stored('gpu_pcie_link_generation')}))"),
+             ("gpu_uuid",),
+             lambda v, t: f"link trained at Gen{_whole(_at(v))} of its Gen{_whole(_at(v, 1))} "
+                          "maximum"),
          alerts="""\
       - alert: GPUPcieLinkDegraded
         # the link trained below its maximum generation or width while either direction carries
@@ -847,6 +923,10 @@ RULES: tuple[Rule, ...] = (
              f"{pct(w.mean.pcie_tx_ratio)} ({gbps(w.mean.pcie_tx)}) of the link's "
              f"{gbps(w.mean.link_max)}, above {t.pcie_util_ratio:.0%} (alert GPUPCIeSaturated)"),
          threshold=lambda t: f"PCIe above {t.pcie_util_ratio:.0%} of the link",
+         deciding=Deciding(
+             (_either("gpu_pcie_rx_bandwidth_util_ratio", "gpu_pcie_tx_bandwidth_util_ratio"),),
+             ("gpu_uuid",),
+             lambda v, t: f"PCIe {pct(_at(v))} of the link (above {t.pcie_util_ratio:.0%})"),
          alerts="""\
       - alert: GPUPCIeSaturated
         # either direction above %(pcie_percent)s %% of the link maximum (the device's max generation x width,
@@ -877,6 +957,11 @@ RULES: tuple[Rule, ...] = (
              f"{pct(w.mean.c2c_tx_ratio)} ({gbps(w.mean.c2c_tx)}) of the links' "
              f"{gbps(w.mean.c2c_max)}, above {t.pcie_util_ratio:.0%} (alert GPUC2CSaturated)"),
          threshold=lambda t: f"NVLink-C2C above {t.pcie_util_ratio:.0%} of its maximum",
+         deciding=Deciding(
+             (_either("gpu_c2c_rx_bandwidth_util_ratio", "gpu_c2c_tx_bandwidth_util_ratio"),),
+             ("gpu_uuid",),
+             lambda v, t: f"NVLink-C2C {pct(_at(v))} of its maximum (above "
+                          f"{t.pcie_util_ratio:.0%})"),
          alerts="""\
       - alert: GPUC2CSaturated
         # Grace Hopper / Grace Blackwell: either direction of NVLink-C2C, the host link there,
@@ -914,6 +999,12 @@ RULES: tuple[Rule, ...] = (
              f"{pct(w.mean.occupancy)} (alert GPUNVLinkSaturated)"),
          threshold=lambda t: f"NVLink above {t.nvlink_util_ratio:.0%} of its maximum on a busy "
                              "GPU or with p99 above the objective",
+         deciding=Deciding(
+             (_either("gpu_nvlink_rx_bandwidth_util_ratio",
+                      "gpu_nvlink_tx_bandwidth_util_ratio"),),
+             ("gpu_uuid",),
+             lambda v, t: f"NVLink {pct(_at(v))} of its maximum (above "
+                          f"{t.nvlink_util_ratio:.0%})"),
          alerts="""\
       - alert: GPUNVLinkSaturated
         # either direction of NVLink between the GPUs above %(nvlink_util_ratio)s of the active
@@ -964,6 +1055,12 @@ RULES: tuple[Rule, ...] = (
              f"{ms(w.queue_p99)} (engine {w.mean.engine}; alert GPUEngineKVCacheFull)"),
          threshold=lambda t: f"an engine's KV cache at {t.kv_cache_full_ratio:.0%} with "
                              "preemptions or waiting requests",
+         deciding=Deciding(
+             ("max by (namespace, pod) (avg_over_time("
+              f"{stored('engine_kv_cache_usage_ratio', pod=True)}))",),
+             ("namespace", "pod"),
+             lambda v, t: f"KV cache {pct(_at(v))} in use (at least "
+                          f"{t.kv_cache_full_ratio:.0%})"),
          alerts="""\
       - alert: GPUEngineKVCacheFull
         # the serving engine's KV cache (--engine-metrics-url) at %(kv_cache_percent)s %% or more
@@ -1005,6 +1102,12 @@ RULES: tuple[Rule, ...] = (
              "GPUMemoryFragmentationHigh)"),
          threshold=lambda t: f"fragmentation above {t.fragmentation_ratio:.0%} of a cache over "
                              f"{gib(t.fragmentation_min_reserved_bytes)}",
+         deciding=Deciding(
+             (f"avg by (gpu_uuid) (avg_over_time({stored('gpu_memory_fragmentation_ratio')}))",
+              f"avg by (gpu_uuid) (avg_over_time({stored('gpu_allocator_reserved_bytes')}))"),
+             ("gpu_uuid",),
+             lambda v, t: f"fragmentation {pct(_at(v))} of a {gib(_at(v, 1))} cache (above "
+                          f"{t.fragmentation_ratio:.0%})"),
          alerts="""\
       - alert: GPUMemoryFragmentationHigh
         # more than %(fragmentation_percent)s %% of the allocator's cache holds no tensor, on a
@@ -1035,6 +1138,12 @@ RULES: tuple[Rule, ...] = (
                                "OOMs during the window (alerts GPUAllocatorRetrying, "
                                "GPUOutOfMemory)",
          threshold=lambda t: "any allocator retry or OOM",
+         deciding=Deciding(
+             (f"sum by (gpu_uuid) (increase({stored('gpu_allocator_alloc_retries_total')}))",
+              f"sum by (gpu_uuid) (increase({stored('gpu_allocator_ooms_total')}))"),
+             ("gpu_uuid",),
+             lambda v, t: f"{_count(_at(v))} allocator retries, {_count(_at(v, 1))} OOMs in the "
+                          "window"),
          alerts="""\
       - alert: GPUAllocatorRetrying
         # the direct symptom: cudaMalloc failed, the cache was flushed and the call retried
@@ -1070,6 +1179,13 @@ RULES: tuple[Rule, ...] = (
              "GPULowOccupancyAndSlowRequests)"),
          threshold=lambda t: f"SM occupancy below {t.occupancy_ratio:.0%} with p99 above "
                              f"{ms(t.p99_latency_s)}",
+         deciding=Deciding(
+             (f"avg by (gpu_uuid) (avg_over_time({stored('gpu_sm_occupancy_ratio')}))",
+              "histogram_quantile(0.99, sum by (gpu_uuid, le) (increase("
+              f"{stored('inference_request_duration_seconds_bucket')})))"),
+             ("gpu_uuid",),
+             lambda v, t: f"SM occupancy {pct(_at(v))} (below {t.occupancy_ratio:.0%}), p99 "
+                          f"{ms(_at(v, 1))} (above {ms(t.p99_latency_s)})"),
          alerts="""\
       - alert: GPULowOccupancyAndSlowRequests
         # low occupancy alone is normal for small models; it matters when latency suffers too.
@@ -1114,6 +1230,13 @@ RULES: tuple[Rule, ...] = (
          evidence=lambda w, t: _queueing(w, t),
          threshold=lambda t: f"an engine's queue time at {t.queue_share_ratio:.0%} of p99 above "
                              f"{ms(t.p99_latency_s)}",
+         deciding=Deciding(
+             ("histogram_quantile(0.99, sum by (namespace, pod, le) (increase("
+              f"{stored('engine_request_queue_duration_seconds_bucket', pod=True)})))",
+              "histogram_quantile(0.99, sum by (namespace, pod, le) (increase("
+              f"{stored('engine_request_duration_seconds_bucket', pod=True)})))"),
+             ("namespace", "pod"),
+             lambda v, t: f"queue p99 {ms(_at(v))} of request p99 {ms(_at(v, 1))}"),
          alerts="""\
       - alert: GPUEngineQueueing
         # requests spend at least %(queue_share_percent)s %% of the p99 latency waiting in the
