@@ -43,6 +43,9 @@ class MetricSpec:
     field: str = ""  # the sample layer's field NVML's reading fills (compute, memory, io, health)
     figure: str = ""  # the verdict's ``Figures`` field it is read back into, where judged
     ratio_of: tuple[str, str] | None = None  # a share: numerator and denominator series
+    # on a link's maximum (the series its shares divide by): the link's name as probe and the
+    # report write it and the live table's short name for its columns, ("NVLink", "NVL")
+    link: tuple[str, str] | None = None
     # how often a pushing sink sends it: every cycle, or ("rare") when it changes and again every
     # minute (sidecar/sinks/cadence.py): maxima, the link's trained maximum, error counters
     cadence: Literal["cycle", "rare"] = "cycle"
@@ -174,7 +177,7 @@ TABLE: tuple[MetricSpec, ...] = (
        "max link generation x max width (per direction), or --pcie-peak-bytes-per-second",
        "Per-direction link maximum the ratios divide by.",
        otel="gpu.pcie.link.max_throughput", field="pcie_link_max_bytes_per_second", figure="link_max",
-       cadence="rare"),
+       link=("PCIe", "PCIe"), cadence="rare"),
     _m("gpu_pcie_link_generation", "gauge", "generation", "io", "nvmlDeviceGetMaxPcieLinkGeneration",
        "Maximum PCIe generation of device and system.",
        otel="gpu.pcie.link.generation", dcgm="DCGM_FI_DEV_PCIE_MAX_LINK_GEN", field="pcie_link_generation",
@@ -215,7 +218,7 @@ TABLE: tuple[MetricSpec, ...] = (
        "Per-direction maximum of the GPU's active NVLink links together; absent where NVML cannot "
        "say (no NVLink, speed unsupported).",
        otel="gpu.nvlink.link.max", field="nvlink_link_max_bytes_per_second", figure="nvlink_max",
-       cadence="rare"),
+       link=("NVLink", "NVL"), cadence="rare"),
     _m("gpu_nvlink_tx_bandwidth_util_ratio", "gauge", "ratio", "io",
        "gpu_nvlink_tx_bytes_per_second / gpu_nvlink_link_max_bytes_per_second",
        "NVLink send rate over the active links' maximum.",
@@ -249,7 +252,8 @@ TABLE: tuple[MetricSpec, ...] = (
        "NVML fields 170 (links) x 172 (per-link maximum)",
        "Per-direction maximum of the GPU's C2C links together.",
        otel="gpu.c2c.link.max", dcgm="DCGM_FI_DEV_C2C_LINK_COUNT x DCGM_FI_DEV_C2C_MAX_BANDWIDTH (MB/s)",
-       field="c2c_link_max_bytes_per_second", figure="c2c_max", cadence="rare"),
+       field="c2c_link_max_bytes_per_second", figure="c2c_max", link=("C2C", "C2C"),
+       cadence="rare"),
     _m("gpu_c2c_tx_bandwidth_util_ratio", "gauge", "ratio", "io",
        "gpu_c2c_tx_bytes_per_second / gpu_c2c_link_max_bytes_per_second",
        "GPU-to-CPU C2C rate over the links' maximum.",

@@ -469,22 +469,78 @@ def test_probe_prints_each_link_with_its_shares_of_its_maximum():
     assert abs(c2c_rx_pct / (100 * total / GH200_C2C) - 1) <= gh200.c2c_rx.amplitude + 0.01
 
 
-def test_probe_prints_a_link_the_metric_table_gains_without_a_change_of_its_own(monkeypatch,
-                                                                                capsys):
-    """A link is its table entries (rates, a maximum, the shares dividing them): a copy of
-    NVLink's under another name reaches probe's report as it stands."""
-    from sidecar import config, metrics
-    from sidecar.commands import probe
+def xlink_table():
+    """The metric table with a copy of NVLink's entries under another link's name: its rates, its
+    maximum (named XLink, XL in the live table) and the shares dividing them; each copy fills
+    and reads NVLink's own fields, so XLink's figures are NVLink's."""
+    from sidecar import metrics
 
     def renamed(spec: metrics.MetricSpec) -> metrics.MetricSpec:
-        return dataclasses.replace(spec, name=spec.name.replace("nvlink", "xlink"), ratio_of=(
-            None if spec.ratio_of is None else
-            tuple(n.replace("nvlink", "xlink") for n in spec.ratio_of)))
+        return dataclasses.replace(
+            spec, name=spec.name.replace("nvlink", "xlink"),
+            link=None if spec.link is None else ("XLink", "XL"),
+            ratio_of=(None if spec.ratio_of is None else
+                      tuple(n.replace("nvlink", "xlink") for n in spec.ratio_of)))
 
-    xlink = tuple(renamed(m) for m in metrics.TABLE if m.name.startswith("gpu_nvlink_"))
-    monkeypatch.setattr(metrics, "TABLE", metrics.TABLE + xlink)
-    monkeypatch.setattr(probe, "LINKS", probe.links())
+    return metrics.TABLE + tuple(renamed(m) for m in metrics.TABLE
+                                 if m.name.startswith("gpu_nvlink_"))
+
+
+def sampled_cycles(scenario: str, cycles: int = 3) -> list[dict]:
+    """A few cycles of the simulated node, sampled in-process by the agent's own parts, each read
+    back as the table and diagnose read it (``figures_of``)."""
+    from sidecar import config, wiring
+    from sidecar.agent import PRIME_WINDOW_S, Agent
+    from sidecar.views.verdict import figures_of
+
+    cfg = config.Config(simulate=scenario, simulate_gpus=1, interval=0.5)
+    paced = threading.Event()  # never set: waits out the sampling interval, as the agent does
+    with wiring.simulated_paths(cfg) as cfg, wiring.sampling(cfg) as (source, _, state):
+        agent = Agent(cfg, source=source, app=state, sinks=[])
+        agent.prime()
+        paced.wait(PRIME_WINDOW_S)
+        out = []
+        for _ in range(cycles):
+            out.append(figures_of(agent.cycle()))
+            paced.wait(cfg.interval)
+    return out
+
+
+REPORT_LINK = re.compile(r"^(?:  IO:)?\s+(\S+) RX ([\d.]+) % \(([\d.]+) GB/s\), TX "
+                         r"([\d.]+) % \(([\d.]+) GB/s\) of ([\d.]+) GB/s", re.M)
+
+
+def test_a_link_the_metric_table_gains_reaches_probe_the_table_and_the_report_as_it_stands(
+        monkeypatch, capsys):
+    """A link is its table entries (rates, a maximum naming it, the shares dividing them): a copy
+    of NVLink's under another name reaches probe's link lines, the live table's columns and the
+    report's IO lines with no change to probe, the table or the report."""
+    from sidecar import config
+    from sidecar.commands import probe
+    from sidecar.views import links, report, table
+    from sidecar.views.verdict import judge, summarize
+
+    monkeypatch.setattr(links, "LINKS", links.links_of(xlink_table()))
     assert probe.probe(config.Config(simulate="nvlink-saturated", simulate_gpus=1)) == 0
-    links = link_lines(first_gpu(capsys.readouterr().out))
-    assert list(links) == ["PCIe", "NVLink", "XLINK"]
-    assert links["XLINK"][4] == links["NVLink"][4]  # the same maximum, read from the same field
+    found = link_lines(first_gpu(capsys.readouterr().out))
+    assert list(found) == ["PCIe", "NVLink", "XLink"]
+    assert found["XLink"] == found["NVLink"]  # the same fields, read once
+
+    cycles = sampled_cycles("nvlink-saturated")
+    frame = table.render(cycles, "title").splitlines()
+    titles = next(line for line in frame if line.startswith("GPU |")).split("|")
+    io = titles.index(next(t for t in titles if "NVL%" in t))
+    assert titles[io].split() == ["RX%", "TX%", "RX", "GB/s", "TX", "GB/s", "NVL%", "NVL", "GB/s",
+                                  "XL%", "XL", "GB/s"]
+    assert "XL%: XLink RX/TX share of its maximum; XL GB/s: XLink RX/TX" in " ".join(frame)
+    row = next(line for line in frame if line.startswith("  0 |")).split("|")[io].split()
+    assert row[6:8] == row[4:6] and row[4] != "-"  # XL's cells are NVL's, read
+    narrow = table.render(cycles, "title", width=60).splitlines()
+    assert not {"NVL", "XL"} & set(next(line for line in narrow if line.startswith("GPU |"))
+                                   .replace("%", " ").split())  # dropped whole, as NVLink's
+
+    verdicts = {u: judge(w) for u, w in summarize(cycles).items()}
+    text = report.report(verdicts, seconds=1.0, samples=len(cycles), label="")
+    lines = {m[1]: m.groups()[1:] for m in REPORT_LINK.finditer(text)}
+    assert list(lines) == ["PCIe", "NVLink", "XLink"], text
+    assert lines["XLink"] == lines["NVLink"]

@@ -97,6 +97,18 @@ def test_the_report_s_io_lines_give_nvlink_s_share_of_its_maximum_as_pcie_s():
             assert abs(share / (100 * load.base / top) - 1) <= load.amplitude + 0.01, io
 
 
+@pytest.mark.parametrize(("scenario", "shown"), [("grace-hopper", ["PCIe", "NVLink", "C2C"]),
+                                                ("old-driver", ["PCIe"])])
+def test_the_report_has_an_io_line_for_each_link_the_gpu_has(scenario, shown):
+    """PCIe always; NVLink and NVLink-C2C (the host link of a GH200) where the GPU has them: an
+    A100 PCIe card gets no line for links it lacks."""
+    proc = run_cli("diagnose", "--simulate", scenario, *WINDOW)
+    assert proc.returncode in (0, 1), proc.stdout + proc.stderr
+    for block in proc.stdout.split("\nGPU ")[1:]:
+        io = "  IO:" + block.split("  IO:", 1)[1].split("  health:", 1)[0]
+        assert [m[1] for m in IO_LINK.finditer(io)] == shown, io
+
+
 def test_remedies_are_the_seeds():
     out = {s: run_cli("diagnose", "--simulate", s, *WINDOW).stdout
            for s in ("pcie-saturated", "fragmented", "low-occupancy")}

@@ -209,6 +209,39 @@ def test_the_nvlink_share_is_shown_as_pcie_s_per_direction_of_its_maximum():
         assert line.rsplit("|", 1)[1].strip() == "IO: NVLink"
 
 
+def io_titles(stdout: str) -> list[str]:
+    """The IO group's column titles of a frame's header."""
+    titles = next(line for line in stdout.splitlines() if line.startswith("GPU |")).split("|")
+    return titles[next(i for i, t in enumerate(titles) if "RX%" in t)].split()
+
+
+def test_a_grace_hopper_node_shows_its_c2c_link_beside_pcie_and_nvlink():
+    """NVLink-C2C is the host link of a GH200: the table gives its RX/TX share of the links'
+    maximum and its rates, as NVLink's, and the verdict names it."""
+    gpu = build("grace-hopper").gpus[0]
+    proc = run_cli("run", "--simulate", "grace-hopper", "--once", "--output", "table")
+    assert proc.returncode == 0, proc.stderr
+    assert io_titles(proc.stdout) == ["RX%", "TX%", "RX", "GB/s", "TX", "GB/s", "NVL%", "NVL",
+                                      "GB/s", "C2C%", "C2C", "GB/s"]
+    assert "C2C%: C2C RX/TX share of its maximum; C2C GB/s: C2C RX/TX" in proc.stdout
+    (line,) = [line for line in proc.stdout.splitlines() if ROW.match(line)]
+    cells = line.split("|")[3].split()
+    rx_share = float(cells[6].split("/")[0])
+    total = gpu.c2c_rx.base * (1 + gpu.c2c_protocol_overhead)  # GPM's C2C TOTAL: with overhead
+    top = gpu.c2c_links * gpu.c2c_link_max_mb_per_second * 1e6
+    assert abs(rx_share / (100 * total / top) - 1) <= gpu.c2c_rx.amplitude + 0.02, line
+    assert line.rsplit("|", 1)[1].strip() == "IO: C2C"
+
+
+def test_a_node_without_nvlink_or_c2c_shows_pcie_alone():
+    """An A100 PCIe card has neither NVLink nor C2C: no empty columns for them."""
+    assert all(gpu.nvlink_links == 0 and not gpu.has_c2c for gpu in build("old-driver").gpus)
+    proc = run_cli("run", "--simulate", "old-driver", "--once", "--output", "table")
+    assert proc.returncode == 0, proc.stderr
+    assert io_titles(proc.stdout) == ["RX%", "TX%", "RX", "GB/s", "TX", "GB/s"]
+    assert "NVL" not in proc.stdout and "C2C" not in proc.stdout
+
+
 def test_a_plain_stream_gets_frames_one_after_the_other_without_escapes():
     stream = io.StringIO()
     table = Table(stream, live=False)

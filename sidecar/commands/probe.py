@@ -4,60 +4,14 @@ rest is absent) and one reading of every layer."""
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
 from typing import Any
 
-from sidecar import __version__, config, metrics, protocol, wiring
+from sidecar import __version__, config, protocol, wiring
 from sidecar.agent import PRIME_WINDOW_S
 from sidecar.samples import GpuIdentity, ratio
 from sidecar.sources.nvml import NvmlReading, NvmlSource
-
-# how a link's name is written, where not in capitals (a link the table adds reads as its
-# series name in capitals until it is named here)
-_WRITTEN = {"pcie": "PCIe", "nvlink": "NVLink", "c2c": "C2C"}
-
-
-@dataclass(frozen=True)
-class Link:
-    """A link as the metric table declares it: rates (``gpu_LINK_tx|rx_bytes_per_second``) that
-    a share divides by the link's maximum (``ratio_of=``), each a field of the sample's layers.
-
-    Read from ``metrics.TABLE``, so a link the table gains (its rates, its maximum and their
-    shares) is printed by probe as it stands."""
-
-    key: str  # the series' link: pcie, nvlink, c2c
-    rates: tuple[tuple[str, str, str], ...]  # (direction, layer, field) of each rate
-    maximum: tuple[str, str]  # (layer, field) of the maximum the shares divide by
-
-    @property
-    def name(self) -> str:
-        return _WRITTEN.get(self.key, self.key.upper())
-
-
-def links() -> tuple[Link, ...]:
-    """The links of the metric table, in its order. A rate's link maximum is the first share
-    that divides it; a later one (PCIe's link as trained now) is another view of the same
-    rate: probe prints that link's maximum on the replays line."""
-    spec = {m.name: m for m in metrics.TABLE}
-    found: dict[str, Link] = {}
-    placed: set[str] = set()
-    for share in metrics.TABLE:
-        if share.ratio_of is None:
-            continue
-        rate, maximum = (spec[name] for name in share.ratio_of)
-        if not (rate.field and maximum.field) or rate.name in placed:
-            continue
-        placed.add(rate.name)
-        key, _, direction = rate.name.removeprefix("gpu_").removesuffix(
-            "_bytes_per_second").rpartition("_")
-        known = found.get(maximum.name)
-        rates = (*(known.rates if known else ()),
-                 (direction.upper(), rate.layer, rate.field))
-        found[maximum.name] = Link(key, rates, (maximum.layer, maximum.field))
-    return tuple(found.values())
-
-
-LINKS = links()
+from sidecar.views import links
+from sidecar.views.links import Link
 
 
 def probe(cfg: config.Config) -> int:
@@ -131,7 +85,7 @@ def _probe_block(source: NvmlSource, ident: GpuIdentity, reading: NvmlReading | 
             f"{_gb(caps['link_max_bytes_per_second'])} per direction"
             if caps["link_max_bytes_per_second"] else "PCIe link unknown")
     lines.append(f"  sources: memory {caps['memory'] or 'none'}, GPM {'yes' if caps['gpm'] else 'no'}"
-                 + "".join(_link_source(lk, caps) for lk in LINKS)
+                 + "".join(_link_source(lk, caps) for lk in links.LINKS)
                  + f", replays from {caps['replay'] or 'none'}")
     lines.append(f"  link: {link}")
     if caps.get("host_link") == "c2c":
@@ -159,7 +113,7 @@ def _probe_block(source: NvmlSource, ident: GpuIdentity, reading: NvmlReading | 
     total = "absent" if m.total_bytes is None else f"{m.total_bytes / 2**30:.1f} GiB"
     lines.append(f"  memory:  DRAM bandwidth {_pct(m.bandwidth_util_ratio)}, controller busy "
                  f"{_pct(m.controller_busy_ratio)}, used {used} of {total}")
-    rates = [text for lk in LINKS if (text := _link_rates(lk, reading))]
+    rates = [text for lk in links.LINKS if (text := _link_rates(lk, reading))]
     lines.append("  io:      " + ("\n           ".join(rates) or "no link rate read (see the absent "
                                                         "metrics)"))
     replays = io.pcie_replay_errors if io.pcie_replay_errors is not None else "absent"
@@ -187,7 +141,7 @@ def _link_rates(lk: Link, reading: NvmlReading) -> str:
     """A link's rates, each with its share of the link's maximum, and the maximum; empty for a
     link of which nothing was read (the absent metrics say why)."""
     maximum = getattr(getattr(reading, lk.maximum[0]), lk.maximum[1])
-    rates = [(d, getattr(getattr(reading, layer), name)) for d, layer, name in lk.rates]
+    rates = [(r.direction, getattr(getattr(reading, r.layer), r.field)) for r in lk.rates]
     if maximum is None and all(v is None for _, v in rates):
         return ""
     return (f"{lk.name} " + ", ".join(f"{d} {_gb(v)} ({_pct(ratio(v, maximum))})" for d, v in rates)

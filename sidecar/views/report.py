@@ -6,10 +6,11 @@ the window came from (sampled afresh, or the running agent's window).
 from __future__ import annotations
 
 import textwrap
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 
 from sidecar import thresholds
 from sidecar.thresholds import Thresholds
+from sidecar.views import links
 from sidecar.views.verdict import (
     Verdict,
     celsius,
@@ -97,23 +98,25 @@ def _engine(v: Verdict) -> list[str]:
 
 def _io(v: Verdict) -> list[str]:
     """A line per link: its RX and TX with their shares of its maximum; PCIe (and its link as
-    trained) always, NVLink and NVLink-C2C where the GPU has them."""
+    trained) always, every other link of the metric table (``links``: NVLink, NVLink-C2C) where
+    the GPU has it."""
     m = v.window.mean
-    lines = ["  IO:      " + _directions("PCIe", m.pcie_rx, m.pcie_rx_ratio, m.pcie_tx,
-                                         m.pcie_tx_ratio, m.link_max) + _link(v)]
-    for name, rx, rx_ratio, tx, tx_ratio, top in (
-            ("NVLink", m.nvlink_rx, m.nvlink_rx_ratio, m.nvlink_tx, m.nvlink_tx_ratio,
-             m.nvlink_max),
-            ("C2C", m.c2c_rx, m.c2c_rx_ratio, m.c2c_tx, m.c2c_tx_ratio, m.c2c_max)):
-        if not (rx is None and tx is None and top is None):
-            lines.append(" " * 11 + _directions(name, rx, rx_ratio, tx, tx_ratio, top))
+    lines = ["  IO:      " + _directions("PCIe", (("RX", m.pcie_rx_ratio, m.pcie_rx),
+                                                  ("TX", m.pcie_tx_ratio, m.pcie_tx)), m.link_max)
+             + _link(v)]
+    for lk in links.beside_pcie():
+        if lk.present(m):
+            lines.append(" " * 11 + _directions(lk.name, (
+                (r.direction, getattr(m, r.share), getattr(m, r.figure))
+                for r in lk.received_first), getattr(m, lk.maximum_figure)))
     return lines
 
 
-def _directions(name: str, rx: float | None, rx_ratio: float | None, tx: float | None,
-                tx_ratio: float | None, top: float | None) -> str:
-    return (f"{name} RX {pct(rx_ratio)} ({gbps(rx)}), TX {pct(tx_ratio)} ({gbps(tx)}) of "
-            f"{gbps(top)}")
+def _directions(name: str, rates: Iterable[tuple[str, float | None, float | None]],
+                top: float | None) -> str:
+    """``name RX share (rate), TX share (rate) of maximum``."""
+    return (f"{name} " + ", ".join(f"{d} {pct(share)} ({gbps(rate)})" for d, share, rate in rates)
+            + f" of {gbps(top)}")
 
 
 def _num(value: float | None) -> str:

@@ -7,6 +7,10 @@ drawn on the terminal's alternate screen from the top-left corner each cycle (no
 appended), and on exit the main screen comes back with the cursor shown and the last frame
 printed on it, so it stays in the scrollback.
 
+Besides PCIe's columns, each link of the metric table (``sidecar.views.links``: NVLink, and
+NVLink-C2C on Grace nodes) has a share and a rate column, named by the short name its maximum
+declares, where some GPU of the table has the link.
+
 The verdict column is ``sidecar.views.verdict.judge`` on the last few cycles: the thresholds of the
 shipped alert rules, without their ``for:`` durations; it shows the first finding in the order of
 ``verdict.PRECEDENCE`` (a lost GPU, a hardware fault, throttled clocks (by reason), a PCIe link
@@ -22,16 +26,19 @@ import os
 import textwrap
 import time
 from collections import deque
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TextIO
 
 from sidecar.samples import Series
 from sidecar.thresholds import Thresholds
+from sidecar.views import links
+from sidecar.views.links import Link
 from sidecar.views.terminal import capable_terminal, isatty
 from sidecar.views.verdict import (
     Figures,
     Verdict,
+    Window,
     cell_of,
     exported_verdicts,
     figures_of,
@@ -58,7 +65,8 @@ class Column:
     legend: str = ""  # what the legend says about it, when it is shown
 
 
-COLUMNS = (
+# the columns before the links besides PCIe, and after them
+_LEADING = (
     Column("gpu", "GPU", 3, ""),
     Column("util", "util", 4, "compute"),
     Column("occ", "occ", 4, "compute"),
@@ -72,16 +80,46 @@ COLUMNS = (
     Column("tx", "TX%", 4, "IO"),
     Column("rx_rate", "RX GB/s", 7, "IO"),
     Column("tx_rate", "TX GB/s", 7, "IO"),
-    Column("nvlink_share", "NVL%", 7, "IO", legend="NVL%: NVLink RX/TX share of its maximum"),
-    Column("nvlink", "NVL GB/s", 8, "IO", legend="NVL GB/s: NVLink RX/TX"),
+)
+_TRAILING = (
     Column("p50", "p50", 5, "app"),
     Column("p99", "p99", 5, "app"),
     Column("verdict", "verdict", 16, "", left=True, legend="why: gpu-sidecar diagnose"),
 )
-# dropped in this order until the table fits the terminal; GPU, p99 and verdict always stay
-# (a link's rates before its share: the share is what the verdict judges)
-DROP_ORDER = ("nvlink", "tensor", "p50", "rx_rate", "tx_rate", "nvlink_share", "dram", "used",
-              "util", "retry", "frag", "tx", "rx", "occ")
+# dropped in this order until the table fits the terminal; GPU, p99 and verdict always stay. The
+# other links' rates go first, their shares after PCIe's rates (the share is what the verdict
+# judges): drop_order() puts them around these
+_DROP_FIRST = ("tensor", "p50", "rx_rate", "tx_rate")
+_DROP_THEN = ("dram", "used", "util", "retry", "frag", "tx", "rx", "occ")
+
+
+def _share_key(lk: Link) -> str:
+    return f"{lk.key}_share"
+
+
+def _rate_key(lk: Link) -> str:
+    return f"{lk.key}_rate"
+
+
+def link_columns(lk: Link) -> tuple[Column, Column]:
+    """A link's two columns, named by its short name (``link=`` on its maximum in the metric
+    table): its RX/TX shares of its maximum (``NVL%``), then its RX/TX rates (``NVL GB/s``)."""
+    share, rate = f"{lk.short}%", f"{lk.short} GB/s"
+    return (Column(_share_key(lk), share, max(7, len(share)), "IO",
+                   legend=f"{share}: {lk.name} RX/TX share of its maximum"),
+            Column(_rate_key(lk), rate, max(8, len(rate)), "IO", legend=f"{rate}: {lk.name} RX/TX"))
+
+
+def columns(shown: Sequence[Link] = ()) -> tuple[Column, ...]:
+    """Every column of a table whose GPUs have the links ``shown`` besides PCIe."""
+    return (*_LEADING, *(c for lk in shown for c in link_columns(lk)), *_TRAILING)
+
+
+def drop_order(shown: Sequence[Link] = ()) -> tuple[str, ...]:
+    """The columns' keys in the order they go when the terminal is narrow."""
+    return (*map(_rate_key, shown), *_DROP_FIRST, *map(_share_key, shown), *_DROP_THEN)
+
+
 _GROUP_SEP = " | "
 _SHORT_GROUP = {"compute": "comp", "memory": "mem"}
 
@@ -103,15 +141,22 @@ def width_of(cols: Sequence[Column]) -> int:
             + len(_GROUP_SEP) * (len(groups) - 1))
 
 
-def layout(width: int | None) -> tuple[Column, ...]:
-    """The columns that fit ``width`` characters (all of them for None): the less important
-    ones are dropped whole, never cut."""
-    cols = COLUMNS
-    for key in DROP_ORDER:
+def layout(width: int | None, shown: Sequence[Link] = ()) -> tuple[Column, ...]:
+    """The columns that fit ``width`` characters (all of them for None) of a table whose GPUs
+    have the links ``shown``: the less important ones are dropped whole, never cut."""
+    cols = columns(shown)
+    for key in drop_order(shown):
         if width is None or width_of(cols) <= width:
             break
         cols = tuple(c for c in cols if c.key != key)
     return cols
+
+
+def shown_links(windows: Iterable[Window]) -> tuple[Link, ...]:
+    """The links besides PCIe that some GPU of the table has (its maximum or a rate read): a
+    node without NVLink shows no NVLink columns, a Grace Hopper node its C2C columns."""
+    windows = tuple(windows)
+    return tuple(lk for lk in links.beside_pcie() if any(lk.present(w.mean) for w in windows))
 
 
 def _line(cells: Mapping[str, str], cols: Sequence[Column]) -> str:
@@ -123,7 +168,7 @@ def _line(cells: Mapping[str, str], cols: Sequence[Column]) -> str:
     return _GROUP_SEP.join(parts).rstrip()
 
 
-def header(cols: Sequence[Column] = COLUMNS) -> list[str]:
+def header(cols: Sequence[Column]) -> list[str]:
     """Two lines: the layers over their columns, then the columns; and a rule."""
     layer = []
     for group in _groups(cols):
@@ -136,7 +181,7 @@ def header(cols: Sequence[Column] = COLUMNS) -> list[str]:
     return [_GROUP_SEP.join(layer).rstrip(), titles, "-" * len(titles)]
 
 
-def legend(cols: Sequence[Column] = COLUMNS) -> str:
+def legend(cols: Sequence[Column]) -> str:
     return LEGEND_START + "; ".join(c.legend for c in cols if c.legend)
 
 
@@ -164,20 +209,20 @@ def _memory(used: float | None, total: float | None) -> str:
     return f"{used / GiB:.0f}/{total / GiB:.0f}" if total else f"{used / GiB:.0f}"
 
 
-def _pair(rx: float | None, tx: float | None, show: Callable[[float], str]) -> str:
+def _pair(values: Sequence[float | None], show: Callable[[float], str]) -> str:
     """RX/TX in one cell, in the order of PCIe's columns (``-`` for a direction not read)."""
-    if rx is None and tx is None:
+    if all(v is None for v in values):
         return "-"
-    return "/".join("-" if v is None else show(v) for v in (rx, tx))
+    return "/".join("-" if v is None else show(v) for v in values)
 
 
-def _rates(rx: float | None, tx: float | None) -> str:
-    return _pair(rx, tx, lambda v: f"{v / 1e9:.0f}")
+def _rates(values: Sequence[float | None]) -> str:
+    return _pair(values, lambda v: f"{v / 1e9:.0f}")
 
 
-def _shares(rx: float | None, tx: float | None) -> str:
+def _shares(values: Sequence[float | None]) -> str:
     """Both directions' shares in percent, as PCIe's RX%/TX% columns round them."""
-    return _pair(rx, tx, lambda v: f"{v * 100:.0f}")
+    return _pair(values, lambda v: f"{v * 100:.0f}")
 
 
 def _verdict_cell(v: Verdict, exported: str | None) -> str:
@@ -190,25 +235,29 @@ def _verdict_cell(v: Verdict, exported: str | None) -> str:
 
 
 def cells(v: Verdict, exported: str | None = None) -> dict[str, str]:
+    """Every column's cell for one GPU, the columns of every link besides PCIe included."""
     w, m = v.window, v.window.mean
+    others = links.beside_pcie()
     if w.lost:
-        out = {c.key: "-" for c in COLUMNS}
+        out = {c.key: "-" for c in columns(others)}
         out.update(gpu=m.index, verdict=_verdict_cell(v, exported))
         return out
-    return {
+    out = {
         "gpu": m.index, "util": _pct(m.utilization), "occ": _pct(m.occupancy),
         "tensor": _pct(m.tensor), "used": _memory(m.mem_used, m.mem_total),
         "dram": _pct(m.dram_bw), "frag": _pct(m.fragmentation),
         "retry": "-" if w.retries is None else f"{w.retries:.0f}",
         "rx": _pct(m.pcie_rx_ratio), "tx": _pct(m.pcie_tx_ratio),
-        "rx_rate": _rate(m.pcie_rx), "tx_rate": _rate(m.pcie_tx),
-        "nvlink_share": _shares(m.nvlink_rx_ratio, m.nvlink_tx_ratio),
-        "nvlink": _rates(m.nvlink_rx, m.nvlink_tx), "p50": _seconds(w.p50),
+        "rx_rate": _rate(m.pcie_rx), "tx_rate": _rate(m.pcie_tx), "p50": _seconds(w.p50),
         "p99": _seconds(w.p99), "verdict": _verdict_cell(v, exported),
     }
+    for lk in others:
+        out[_share_key(lk)] = _shares([getattr(m, r.share) for r in lk.received_first])
+        out[_rate_key(lk)] = _rates([getattr(m, r.figure) for r in lk.received_first])
+    return out
 
 
-def row(v: Verdict, cols: Sequence[Column] = COLUMNS, exported: str | None = None) -> str:
+def row(v: Verdict, cols: Sequence[Column], exported: str | None = None) -> str:
     return _line(cells(v, exported), cols)
 
 
@@ -219,8 +268,8 @@ def render(cycles: Sequence[Mapping[str, Figures]], title: str, t: Thresholds | 
 
     With ``width``, only the columns that fit it (``layout``) and prose wrapped to it; with
     ``height``, at most that many lines: when not every GPU fits, the legend goes, the GPUs that
-    are lost or have a bottleneck come first and a last line says how many are not shown."""
-    cols = layout(width)
+    are lost or have a bottleneck come first and a last line says how many are not shown. The
+    links besides PCIe have columns where some GPU of the table has them (``shown_links``)."""
 
     def wrap(text: str) -> list[str]:
         if width is None:
@@ -229,6 +278,7 @@ def render(cycles: Sequence[Mapping[str, Figures]], title: str, t: Thresholds | 
                              break_on_hyphens=False) or [""]
 
     windows = summarize(cycles)
+    cols = layout(width, shown_links(windows.values()))
     verdicts = {u: judge(w, t) for u, w in windows.items()}
     order = sorted(windows, key=lambda u: (len(windows[u].mean.index), windows[u].mean.index))
     head = [*wrap(title), *header(cols)]
