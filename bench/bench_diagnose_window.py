@@ -37,8 +37,8 @@ def one_scenario(scenario: str, runs: int, tmp: Path) -> tuple[list[float], list
     agent = subprocess.Popen(
         [sys.executable, "-m", "sidecar", "run", "--simulate", scenario, "--interval", "1",
          "--spool-dir", str(tmp / scenario / "spool"), "--output", "json", "--log-format",
-         "json"], cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
-        text=True)
+         "json"], cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    # (its stdout unread would fill the pipe and stop its cycles: the window is what counts)
     status = tmp / scenario / "status.json"
     try:
         def cycles() -> int:

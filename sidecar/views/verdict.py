@@ -184,7 +184,8 @@ def figures_of(series: Iterable[Series]) -> dict[str, Figures]:
             row[_FIELD_OF[s.name]] = s.value
     for uuid, pairs in buckets.items():
         pairs.sort()
-        rows[uuid]["latency"] = (tuple(b for b, _ in pairs), tuple(c for _, c in pairs))
+        rows[uuid]["latency"] = (_shared_bounds(tuple(b for b, _ in pairs)),
+                                 tuple(c for _, c in pairs))
     for uuid, codes in xids.items():
         rows[uuid]["xids"] = tuple(sorted(codes))
     pod = engine.figures()
@@ -195,6 +196,18 @@ def figures_of(series: Iterable[Series]) -> dict[str, Figures]:
         elif pod.get("engine_latency") is not None:  # the app publishes none: the engine's
             row["latency"], row["latency_source"] = pod["engine_latency"], "engine"
     return {uuid: Figures(**row) for uuid, row in rows.items()}  # type: ignore[arg-type]
+
+
+_BOUNDS: dict[tuple[float, ...], tuple[float, ...]] = {}
+_MAX_BOUNDS = 64  # distinct bucket layouts kept; an app that keeps changing its own costs a clear
+
+
+def _shared_bounds(bounds: tuple[float, ...]) -> tuple[float, ...]:
+    """One tuple per bucket layout: the running agent's window keeps two histograms per GPU per
+    15-s bucket, whose bounds are the same from cycle to cycle."""
+    if len(_BOUNDS) >= _MAX_BOUNDS and bounds not in _BOUNDS:
+        _BOUNDS.clear()
+    return _BOUNDS.setdefault(bounds, bounds)
 
 
 def _row_of(labels: dict[str, str], rows: dict[str, dict[str, object]]
@@ -263,7 +276,7 @@ class _EngineFigures:
                 if bounds == layout:
                     for b, c in per.items():
                         total[b] = total.get(b, 0.0) + c
-            bounds = tuple(sorted(total))
+            bounds = _shared_bounds(tuple(sorted(total)))
             out[_ENGINE_HISTS[stem]] = (bounds, tuple(total[b] for b in bounds))
         return out
 
@@ -321,7 +334,7 @@ class _Running:
         # by position in _NUMBERS: arrays, not dicts, since the running agent keeps one
         # _Running per GPU per bucket of its window (sidecar/recent.py)
         self.sums = array("d", _ZEROS)
-        self.counts = array("l", _ZEROS_I)
+        self.counts = array("I", _ZEROS_I)  # cycles: 4 bytes hold any window's
         self.last: Figures | None = None
         self.first_counters: tuple[float | None, float | None] | None = None
         self.first_hist: dict[str, _Running.Hist] = {}  # histogram field -> first, last
