@@ -1,5 +1,5 @@
-"""The links of the metric table (PCIe, NVLink, NVLink-C2C, and any the table gains), as probe,
-the report's IO lines and the live table's link columns show them.
+"""The links of the metric table (PCIe, and every link whose maximum and shares it declares),
+as probe, the report's IO lines and the live table's link columns show them.
 
 A link is what ``sidecar.metrics.TABLE`` declares for it: its rates
 (``gpu_LINK_tx|rx_bytes_per_second``), its maximum, whose ``link=`` names it, and the shares
@@ -41,9 +41,9 @@ class Link:
     """A link as the metric table declares it; its names from its maximum's ``link=`` (its key
     in capitals where the table names none)."""
 
-    key: str  # the series' link: pcie, nvlink, c2c
-    name: str  # as probe and the report write it: NVLink
-    short: str  # the live table's columns: NVL%, NVL GB/s
+    key: str  # the series' link: gpu_KEY_tx_bytes_per_second (pcie, c2c)
+    name: str  # as probe and the report write it (``link=``'s first name)
+    short: str  # the live table's columns: SHORT%, SHORT GB/s
     rates: tuple[Rate, ...]  # in the table's order
     maximum: tuple[str, str]  # (layer, field) of the maximum the shares divide by
     maximum_figure: str  # its Figures field

@@ -98,8 +98,8 @@ def _engine(v: Verdict) -> list[str]:
 
 def _io(v: Verdict) -> list[str]:
     """A line per link: its RX and TX with their shares of its maximum; PCIe (and its link as
-    trained) always, every other link of the metric table (``links``: NVLink, NVLink-C2C) where
-    the GPU has it."""
+    trained) always, every other link of the metric table (``links``) where the GPU has
+    it."""
     m = v.window.mean
     lines = ["  IO:      " + _directions("PCIe", (("RX", m.pcie_rx_ratio, m.pcie_rx),
                                                   ("TX", m.pcie_tx_ratio, m.pcie_tx)), m.link_max)

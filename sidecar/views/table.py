@@ -7,15 +7,14 @@ drawn on the terminal's alternate screen from the top-left corner each cycle (no
 appended), and on exit the main screen comes back with the cursor shown and the last frame
 printed on it, so it stays in the scrollback.
 
-Besides PCIe's columns, each link of the metric table (``sidecar.views.links``: NVLink, and
-NVLink-C2C on Grace nodes) has a share and a rate column, named by the short name its maximum
-declares, where some GPU of the table has the link.
+Besides PCIe's columns, each link of the metric table (``sidecar.views.links``) has a share and a
+rate column, named by the short name its maximum declares, where some GPU of the table has the
+link.
 
 The verdict column is ``sidecar.views.verdict.judge`` on the last few cycles: the thresholds of the
 shipped alert rules, without their ``for:`` durations; it shows the first finding in the order of
-``verdict.PRECEDENCE`` (a lost GPU, a hardware fault, throttled clocks (by reason), a PCIe link
-trained down, PCIe, NVLink-C2C, NVLink, then the engine's KV cache, memory, compute and the
-engine's queue) and how many more;
+``verdict.PRECEDENCE`` (the order of ``verdict.RULES``, which its module docstring explains) and
+how many more;
 ``gpu-sidecar diagnose`` explains a verdict with its figures and remedies.
 """
 
@@ -103,7 +102,7 @@ def _rate_key(lk: Link) -> str:
 
 def link_columns(lk: Link) -> tuple[Column, Column]:
     """A link's two columns, named by its short name (``link=`` on its maximum in the metric
-    table): its RX/TX shares of its maximum (``NVL%``), then its RX/TX rates (``NVL GB/s``)."""
+    table): its RX/TX shares of its maximum (``SHORT%``), then its RX/TX rates (``SHORT GB/s``)."""
     share, rate = f"{lk.short}%", f"{lk.short} GB/s"
     return (Column(_share_key(lk), share, max(7, len(share)), "IO",
                    legend=f"{share}: {lk.name} RX/TX share of its maximum"),
@@ -154,7 +153,7 @@ def layout(width: int | None, shown: Sequence[Link] = ()) -> tuple[Column, ...]:
 
 def shown_links(windows: Iterable[Window]) -> tuple[Link, ...]:
     """The links besides PCIe that some GPU of the table has (its maximum or a rate read): a
-    node without NVLink shows no NVLink columns, a Grace Hopper node its C2C columns."""
+    node without a link shows no columns for it, a Grace Hopper node its C2C columns."""
     windows = tuple(windows)
     return tuple(lk for lk in links.beside_pcie() if any(lk.present(w.mean) for w in windows))
 
