@@ -42,6 +42,9 @@ class Thresholds:
     pcie_degraded_traffic_ratio: float = 0.25
     # NVLink-C2C (Grace Hopper, Grace Blackwell) is saturated above ``pcie_util_ratio`` of its
     # maximum: the host link's line, whichever the link
+    # -- NVLink between the GPUs (the ``nvlink`` verdict): either direction above this share of
+    # the active links' maximum, while the GPU is busy or p99 is above its objective
+    nvlink_util_ratio: float = 0.8
     # Xids that are the hardware's (or its firmware's) fault, each one a reason to drain the node
     # (NVIDIA's Xid catalogue): 48 double-bit ECC error, 64 row remap (or page retirement)
     # failure, 74 NVLink error, 79 fallen off the bus, 94 contained and 95 uncontained ECC
@@ -120,6 +123,17 @@ class Thresholds:
         """NVLink-C2C, the host link of Grace Hopper and Grace Blackwell (GPUC2CSaturated), by the
         PCIe line: above it, host-device traffic waits for the link whichever the link is."""
         return max(tx_ratio or 0.0, rx_ratio or 0.0) > self.pcie_util_ratio
+
+    def nvlink_saturated(self, tx_ratio: float | None, rx_ratio: float | None,
+                         utilization: float | None, p99_s: float | None) -> bool:
+        """NVLink between the GPUs is the limit (GPUNVLinkSaturated): either direction above
+        ``nvlink_util_ratio`` of the active links' maximum while the GPU is busy or p99 is above
+        the objective. A full link on an idle GPU with fast requests (a checkpoint copied
+        between GPUs, a weight reshard) costs the requests nothing yet; with tensor
+        parallelism every layer waits for its all-reduce, so a full link under load is the
+        latency."""
+        return (max(tx_ratio or 0.0, rx_ratio or 0.0) > self.nvlink_util_ratio
+                and (self.busy(utilization) or self.slow(p99_s)))
 
     def critical_xid(self, code: int) -> bool:
         return code in self.critical_xids

@@ -41,6 +41,7 @@ EXPECTED = {
     "pcie-degraded": ({"pcie-degraded"}, 1),
     "hardware-fault": ({"hardware-fault", "gpu-lost", "none"}, 1),
     "grace-hopper": ({"c2c"}, 1),
+    "nvlink-saturated": ({"nvlink"}, 1),
     "kv-cache-full": ({"kv-cache"}, 1),
     "queueing": ({"queueing"}, 1),
 }

@@ -448,33 +448,42 @@ def first_gpu(stdout: str) -> str:
 
 
 def test_probe_prints_each_link_with_its_shares_of_its_maximum():
-    """C2C as PCIe: each direction's rate and its share of the link's maximum; the share is the
-    simulated load over the links' maximum, and agrees with the rate printed."""
+    """NVLink as PCIe: each direction's rate and its share of the link's maximum; the share is
+    the simulated load over the 18 links' maximum, and agrees with the rate printed."""
+    gpu = build("nvlink-saturated").gpus[0]
+    proc = run_cli("probe", "--simulate", "nvlink-saturated")
+    assert proc.returncode == 0, proc.stderr
+    links = link_lines(first_gpu(proc.stdout))
+    assert set(links) == {"PCIe", "NVLink"}, proc.stdout  # no C2C on an H200
+    tx, tx_pct, rx, rx_pct, top = links["NVLink"]
+    assert top == pytest.approx(gpu.nvlink_links * gpu.nvlink_speed_mbps / 1e3, abs=0.01)
+    for load, rate, share in ((gpu.nvlink_tx, tx, tx_pct), (gpu.nvlink_rx, rx, rx_pct)):
+        assert share == pytest.approx(100 * rate / top, abs=0.1)
+        assert abs(share / (100 * load.base / (top * 1e9)) - 1) <= load.amplitude + 0.01
     grace = link_lines(first_gpu(run_cli("probe", "--simulate", "grace-hopper").stdout))
-    assert list(grace) == ["PCIe", "C2C"]
+    assert list(grace) == ["PCIe", "NVLink", "C2C"]
     gh200 = build("grace-hopper").gpus[0]
-    c2c_rx, c2c_rx_pct, c2c_top = grace["C2C"][2:]
+    c2c_rx_pct, c2c_top = grace["C2C"][3:]
     assert c2c_top == pytest.approx(GH200_C2C / 1e9, abs=0.01)
-    assert c2c_rx_pct == pytest.approx(100 * c2c_rx / c2c_top, abs=0.1)
     total = gh200.c2c_rx.base * (1 + gh200.c2c_protocol_overhead)  # GPM's C2C TOTAL: with overhead
     assert abs(c2c_rx_pct / (100 * total / GH200_C2C) - 1) <= gh200.c2c_rx.amplitude + 0.01
 
 
 def xlink_table():
-    """The metric table with a copy of C2C's entries under another link's name: its rates, its
+    """The metric table with a copy of NVLink's entries under another link's name: its rates, its
     maximum (named XLink, XL in the live table) and the shares dividing them; each copy fills
-    and reads C2C's own fields, so XLink's figures are C2C's."""
+    and reads NVLink's own fields, so XLink's figures are NVLink's."""
     from sidecar import metrics
 
     def renamed(spec: metrics.MetricSpec) -> metrics.MetricSpec:
         return dataclasses.replace(
-            spec, name=spec.name.replace("c2c", "xlink"),
+            spec, name=spec.name.replace("nvlink", "xlink"),
             link=None if spec.link is None else ("XLink", "XL"),
             ratio_of=(None if spec.ratio_of is None else
-                      tuple(n.replace("c2c", "xlink") for n in spec.ratio_of)))
+                      tuple(n.replace("nvlink", "xlink") for n in spec.ratio_of)))
 
     return metrics.TABLE + tuple(renamed(m) for m in metrics.TABLE
-                                 if m.name.startswith("gpu_c2c_"))
+                                 if m.name.startswith("gpu_nvlink_"))
 
 
 def sampled_cycles(scenario: str, cycles: int = 3) -> list[dict]:
@@ -504,7 +513,7 @@ REPORT_LINK = re.compile(r"^(?:  IO:)?\s+(\S+) RX ([\d.]+) % \(([\d.]+) GB/s\), 
 def test_a_link_the_metric_table_gains_reaches_probe_the_table_and_the_report_as_it_stands(
         monkeypatch, capsys):
     """A link is its table entries (rates, a maximum naming it, the shares dividing them): a copy
-    of C2C's under another name reaches probe's link lines, the live table's columns and the
+    of NVLink's under another name reaches probe's link lines, the live table's columns and the
     report's IO lines with no change to probe, the table or the report."""
     from sidecar import config
     from sidecar.commands import probe
@@ -512,26 +521,26 @@ def test_a_link_the_metric_table_gains_reaches_probe_the_table_and_the_report_as
     from sidecar.views.verdict import judge, summarize
 
     monkeypatch.setattr(links, "LINKS", links.links_of(xlink_table()))
-    assert probe.probe(config.Config(simulate="grace-hopper", simulate_gpus=1)) == 0
+    assert probe.probe(config.Config(simulate="nvlink-saturated", simulate_gpus=1)) == 0
     found = link_lines(first_gpu(capsys.readouterr().out))
-    assert list(found) == ["PCIe", "C2C", "XLink"]
-    assert found["XLink"] == found["C2C"]  # the same fields, read once
+    assert list(found) == ["PCIe", "NVLink", "XLink"]
+    assert found["XLink"] == found["NVLink"]  # the same fields, read once
 
-    cycles = sampled_cycles("grace-hopper")
+    cycles = sampled_cycles("nvlink-saturated")
     frame = table.render(cycles, "title").splitlines()
     titles = next(line for line in frame if line.startswith("GPU |")).split("|")
-    io = titles.index(next(t for t in titles if "C2C%" in t))
-    assert titles[io].split() == ["RX%", "TX%", "RX", "GB/s", "TX", "GB/s", "C2C%", "C2C", "GB/s",
+    io = titles.index(next(t for t in titles if "NVL%" in t))
+    assert titles[io].split() == ["RX%", "TX%", "RX", "GB/s", "TX", "GB/s", "NVL%", "NVL", "GB/s",
                                   "XL%", "XL", "GB/s"]
     assert "XL%: XLink RX/TX share of its maximum; XL GB/s: XLink RX/TX" in " ".join(frame)
     row = next(line for line in frame if line.startswith("  0 |")).split("|")[io].split()
-    assert row[6:8] == row[4:6] and row[4] != "-"  # XL's cells are C2C's, read
+    assert row[6:8] == row[4:6] and row[4] != "-"  # XL's cells are NVL's, read
     narrow = table.render(cycles, "title", width=60).splitlines()
-    assert not {"C2C", "XL"} & set(next(line for line in narrow if line.startswith("GPU |"))
-                                   .replace("%", " ").split())  # dropped whole, as C2C's
+    assert not {"NVL", "XL"} & set(next(line for line in narrow if line.startswith("GPU |"))
+                                   .replace("%", " ").split())  # dropped whole, as NVLink's
 
     verdicts = {u: judge(w) for u, w in summarize(cycles).items()}
     text = report.report(verdicts, seconds=1.0, samples=len(cycles), label="")
     lines = {m[1]: m.groups()[1:] for m in REPORT_LINK.finditer(text)}
-    assert list(lines) == ["PCIe", "C2C", "XLink"], text
-    assert lines["XLink"] == lines["C2C"]
+    assert list(lines) == ["PCIe", "NVLink", "XLink"], text
+    assert lines["XLink"] == lines["NVLink"]

@@ -21,7 +21,7 @@ import pytest
 
 from sidecar import alert_rules, config, protocol, thresholds
 from sidecar.commands.diagnose import diagnose
-from sidecar.simulate.scenarios import GPU_LOST_INDEX
+from sidecar.simulate.scenarios import GPU_LOST_INDEX, build
 from sidecar.thresholds import THRESHOLDS
 from sidecar.views.verdict import Figures, Summary, judge, quantile, summarize
 from tests.conftest import ROOT, run_cli, send_datagram
@@ -63,15 +63,45 @@ def test_each_scenario_gets_its_verdict_and_exit_code(scenario, expected, code):
     assert proc.stdout.rstrip().splitlines()[-1].startswith("result: ")
 
 
+def test_a_tensor_parallel_server_whose_all_reduce_fills_nvlink_is_named_on_all_eight_gpus():
+    proc = run_cli("diagnose", "--simulate", "nvlink-saturated", "--duration", "5", timeout=60)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert verdicts(proc.stdout) == dict.fromkeys(range(8), "nvlink"), proc.stdout
+    flat = " ".join(proc.stdout.split())
+    assert "of the active links' 478.1 GB/s, above 80%" in flat  # 18 links x 26,562 MBps
+    assert "tensor-parallel degree" in flat and "nvidia-smi topo -m" in flat
+    assert "NVLink above 80% of its maximum on a busy GPU or with p99 above the objective" in flat
+
+
 IO_LINK = re.compile(r"^(?:  IO:)?\s+(PCIe|NVLink|C2C) RX ([\d.]+) % \(([\d.]+) GB/s\), TX "
                      r"([\d.]+) % \(([\d.]+) GB/s\) of ([\d.]+) GB/s", re.M)
 
 
-@pytest.mark.parametrize(("scenario", "shown"), [("grace-hopper", ["PCIe", "C2C"]),
+def test_the_report_s_io_lines_give_nvlink_s_share_of_its_maximum_as_pcie_s():
+    """Each GPU's IO figures, whatever its verdict: NVLink's RX and TX with their shares of the
+    active links' maximum, on a line of its own below PCIe's, as the saturated node loads it."""
+    gpu = build("nvlink-saturated").gpus[0]
+    proc = run_cli("diagnose", "--simulate", "nvlink-saturated", *WINDOW)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    blocks = proc.stdout.split("\nGPU ")[1:]
+    assert len(blocks) == len(build("nvlink-saturated").gpus)
+    top = gpu.nvlink_links * gpu.nvlink_speed_mbps * 1e6
+    for block in blocks:
+        io = block.split("  IO:", 1)[1].split("  health:", 1)[0]
+        links = {m[1]: [float(x) for x in m.groups()[1:]] for m in IO_LINK.finditer("  IO:" + io)}
+        assert list(links) == ["PCIe", "NVLink"], io
+        rx_pct, rx, tx_pct, tx, maximum = links["NVLink"]
+        assert maximum == pytest.approx(top / 1e9, abs=0.05)
+        for load, share, rate in ((gpu.nvlink_rx, rx_pct, rx), (gpu.nvlink_tx, tx_pct, tx)):
+            assert share == pytest.approx(100 * rate / maximum, abs=0.1)
+            assert abs(share / (100 * load.base / top) - 1) <= load.amplitude + 0.01, io
+
+
+@pytest.mark.parametrize(("scenario", "shown"), [("grace-hopper", ["PCIe", "NVLink", "C2C"]),
                                                 ("old-driver", ["PCIe"])])
 def test_the_report_has_an_io_line_for_each_link_the_gpu_has(scenario, shown):
-    """PCIe always; NVLink-C2C (the host link of a GH200) where the GPU has it: an A100 PCIe
-    card gets no line for a link it lacks."""
+    """PCIe always; NVLink and NVLink-C2C (the host link of a GH200) where the GPU has them: an
+    A100 PCIe card gets no line for links it lacks."""
     proc = run_cli("diagnose", "--simulate", scenario, *WINDOW)
     assert proc.returncode in (0, 1), proc.stdout + proc.stderr
     for block in proc.stdout.split("\nGPU ")[1:]:

@@ -50,6 +50,7 @@ GEN3_X8 = link_max_bytes_per_second(3, 8) or 0.0
 GEN1_X16 = link_max_bytes_per_second(1, 16) or 0.0
 SM_MAX = 1.98e9
 C2C_MAX = 447.12e9
+NVLINK4 = 18 * 26562e6  # 18 active links at the speed NVML reports for NVLink 4
 
 
 def healthy(**figures: object) -> Figures:
@@ -310,6 +311,53 @@ def test_c2c_below_the_line_is_nothing_and_io_counts_as_judged_without_pcie():
     assert not any("IO not judged" in n for n in verdict_of(only_c2c).notes)
 
 
+# -- nvlink -------------------------------------------------------------------------------------
+
+def tensor_parallel(share: float, **figures: object) -> Figures:
+    """One GPU of a tensor-parallel group: the all-reduce sends and receives ``share`` of the
+    active links' maximum."""
+    return healthy(nvlink_max=NVLINK4, nvlink_rx=share * NVLINK4, nvlink_tx=share * NVLINK4,
+                   nvlink_rx_ratio=share, nvlink_tx_ratio=share, **figures)
+
+
+def test_a_full_nvlink_on_a_busy_gpu_is_the_io_verdict_with_its_figures_and_remedies():
+    v = verdict_of(tensor_parallel(0.9), tensor_parallel(0.9))
+    assert keys(v) == ["nvlink"]
+    f = v.findings[0]
+    assert (f.layer, f.short) == ("IO", "IO: NVLink")
+    assert "NVLink RX 90.0 % (430.3 GB/s), TX 90.0 % (430.3 GB/s) of the active links' 478.1 " \
+        "GB/s, above 80%, while utilization is 90.0 % (busy above 50%)" in f.evidence
+    assert "GPUNVLinkSaturated" in f.evidence
+    assert "tensor-parallel degree" in f.remedy and "pipeline parallelism" in f.remedy
+    assert "overlap communication with compute" in f.remedy
+    assert "NVSwitch domain" in f.remedy and "nvidia-smi topo -m" in f.remedy
+
+
+def test_a_full_nvlink_with_slow_requests_is_a_finding_even_on_a_gpu_that_reads_idle():
+    idle = dict(utilization=0.3)
+    assert keys(verdict_of(tensor_parallel(0.9, **idle), tensor_parallel(0.9, **idle,
+                                                                         latency=SLOW))) \
+        == ["nvlink"]
+
+
+def test_a_full_nvlink_on_a_quiet_gpu_with_fast_requests_is_nothing():
+    """A weight reshard or a checkpoint copied between GPUs fills the links and costs the
+    requests nothing."""
+    assert keys(verdict_of(*[tensor_parallel(0.95, utilization=0.2)] * 2)) == []
+
+
+def test_a_busy_nvlink_below_the_line_and_an_idle_one_are_nothing():
+    assert keys(verdict_of(*[tensor_parallel(0.79)] * 2)) == []
+    assert keys(verdict_of(*[tensor_parallel(0.0)] * 2)) == []
+
+
+def test_nvlink_comes_after_the_host_links_and_before_the_engine():
+    order = list(PRECEDENCE)
+    assert order.index("pcie") < order.index("c2c") < order.index("nvlink") \
+        < order.index("kv-cache")
+    assert "nvlink" in kinds_of("IO")
+
+
 # -- precedence ---------------------------------------------------------------------------------
 
 def test_the_precedence_is_documented_and_keeps_the_seeds_order():
@@ -336,6 +384,8 @@ def cycles_with(kinds: set[str]) -> list[Figures]:
         bad["pcie_rx_ratio"] = 0.95
     if "c2c" in kinds:
         bad.update(c2c_rx_ratio=0.9, c2c_max=C2C_MAX)
+    if "nvlink" in kinds:
+        bad.update(nvlink_rx_ratio=0.9, nvlink_max=NVLINK4)
     if "fragmentation" in kinds:
         bad.update(fragmentation=0.7, alloc_reserved=16 * GiB)
     if "low-occupancy" in kinds:
@@ -491,6 +541,17 @@ def cases() -> list[Case]:
     for label, share in (("at", t.pcie_util_ratio), ("above", t.pcie_util_ratio + 0.01)):
         out.append(Case(f"C2C {label} the line", "GPUC2CSaturated", "c2c",
                         {"c2c_tx_ratio": share}, {"gpu_c2c_tx_bandwidth_util_ratio": share}))
+    for label, share in (("at", t.nvlink_util_ratio), ("above", t.nvlink_util_ratio + 0.01)):
+        out.append(Case(f"NVLink {label} the line on a busy GPU", "GPUNVLinkSaturated", "nvlink",
+                        {"utilization": 0.95, "nvlink_rx_ratio": share},
+                        {"gpu_utilization_ratio": 0.95,
+                         "gpu_nvlink_rx_bandwidth_util_ratio": share}))
+    for label, util in (("at", t.busy_utilization_ratio),
+                        ("above", t.busy_utilization_ratio + 0.01)):
+        out.append(Case(f"utilization {label} busy with a full NVLink", "GPUNVLinkSaturated",
+                        "nvlink", {"utilization": util, "nvlink_tx_ratio": 0.95},
+                        {"gpu_utilization_ratio": util,
+                         "gpu_nvlink_tx_bandwidth_util_ratio": 0.95}))
     return out
 
 
@@ -543,6 +604,8 @@ def expr_of(rules: str, alert: str) -> str:
      "avg_over_time(gpu_utilization_ratio[5m]) > 0.98", THROTTLED, "throttled"),
     ({"pcie_degraded_traffic_ratio": 0.97}, "GPUPcieLinkDegraded", ") > 0.97",
      {"link_gen_now": 3.0, "pcie_rx_now_ratio": 0.95}, "pcie-degraded"),
+    ({"nvlink_util_ratio": 0.97}, "GPUNVLinkSaturated", ") > 0.97",
+     {"nvlink_rx_ratio": 0.95}, "nvlink"),
     ({"critical_xids": (48,)}, "GPUHardwareFault", 'xid=~"48"}', {"xids": ((79, 1.0),)},
      "hardware-fault"),
 ])
@@ -584,6 +647,7 @@ def verdicts(stdout: str) -> dict[int, str]:
     ("throttled", {"throttled"}, ("power cap", "power limit")),
     ("pcie-degraded", {"pcie-degraded"}, ("Gen3 x8", "reseat")),
     ("grace-hopper", {"c2c"}, ("NVLink-C2C", "HBM")),
+    ("nvlink-saturated", {"nvlink"}, ("active links", "tensor-parallel degree")),
 ])
 def test_each_health_scenario_names_its_verdict_and_exits_1(scenario, expected, words):
     proc = run_cli("diagnose", "--simulate", scenario, *WINDOW)
@@ -620,7 +684,8 @@ def test_the_default_interval_over_ten_seconds_names_it_too(scenario):
 @needs_source
 @pytest.mark.parametrize(("scenario", "cell"), [("throttled", "clk: power"),
                                                 ("pcie-degraded", "IO: PCIe link"),
-                                                ("grace-hopper", "IO: C2C")])
+                                                ("grace-hopper", "IO: C2C"),
+                                                ("nvlink-saturated", "IO: NVLink")])
 def test_the_table_names_the_new_causes(scenario, cell):
     proc = run_cli("run", "--simulate", scenario, "--once", "--output", "table")
     assert proc.returncode == 0, proc.stderr

@@ -158,7 +158,7 @@ def test_on_a_terminal_the_table_refreshes_in_place_fits_120_columns_and_ctrl_c_
         lines = ESCAPE.sub("", frame).replace("\r", "").split("\n")
         assert sum(1 for line in lines if line.startswith("GPU | util")) == 1
         titles = next(line for line in lines if line.startswith("GPU | util"))
-        assert all(t in titles for t in ("tensor", "TX%", "p50", "RX GB/s", "verdict"))
+        assert all(t in titles for t in ("tensor", "NVL%", "p50", "RX GB/s", "verdict"))
         assert [int(line.split("|")[0]) for line in lines if ROW.match(line)] == list(range(8))
         assert max(len(line) for line in lines) <= 120
     assert out.count(ALT_SCREEN) == 1  # one screen redrawn, not pages appended
@@ -185,24 +185,48 @@ def test_verdict_column_names_the_layer_and_says_when_compute_cannot_be_judged()
         assert rows and all(line.rstrip().endswith(verdict) for line in rows), proc.stdout
 
 
+def test_the_nvlink_share_is_shown_as_pcie_s_per_direction_of_its_maximum():
+    """On the node whose all-reduce fills NVLink, each row says how full NVLink is, RX/TX in
+    percent of the active links' maximum, beside PCIe's RX% and TX%, and the verdict names it."""
+    gpu = build("nvlink-saturated").gpus[0]
+    proc = run_cli("run", "--simulate", "nvlink-saturated", "--once", "--output", "table")
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.splitlines()
+    titles = next(line for line in lines if line.startswith("GPU |")).split("|")
+    io = titles.index(next(t for t in titles if "NVL%" in t))
+    assert titles[io].split() == ["RX%", "TX%", "RX", "GB/s", "TX", "GB/s", "NVL%", "NVL", "GB/s"]
+    assert "NVL%: NVLink RX/TX share of its maximum" in proc.stdout
+    rows = [line for line in lines if ROW.match(line)]
+    assert len(rows) == len(build("nvlink-saturated").gpus)
+    top = gpu.nvlink_links * gpu.nvlink_speed_mbps * 1e6
+    for line in rows:
+        cells = line.split("|")[io].split()
+        shares = [float(v) for v in cells[4].split("/")]
+        rates = [float(v) * 1e9 for v in cells[5].split("/")]
+        for load, share, rate in zip((gpu.nvlink_rx, gpu.nvlink_tx), shares, rates, strict=True):
+            assert abs(share / (100 * load.base / top) - 1) <= load.amplitude + 0.02, line
+            assert share == pytest.approx(100 * rate / top, abs=1.5), line  # whole GB/s and %
+        assert line.rsplit("|", 1)[1].strip() == "IO: NVLink"
+
+
 def io_titles(stdout: str) -> list[str]:
     """The IO group's column titles of a frame's header."""
     titles = next(line for line in stdout.splitlines() if line.startswith("GPU |")).split("|")
     return titles[next(i for i, t in enumerate(titles) if "RX%" in t)].split()
 
 
-def test_a_grace_hopper_node_shows_its_c2c_link_beside_pcie():
+def test_a_grace_hopper_node_shows_its_c2c_link_beside_pcie_and_nvlink():
     """NVLink-C2C is the host link of a GH200: the table gives its RX/TX share of the links'
-    maximum and its rates, as PCIe's, and the verdict names it."""
+    maximum and its rates, as NVLink's, and the verdict names it."""
     gpu = build("grace-hopper").gpus[0]
     proc = run_cli("run", "--simulate", "grace-hopper", "--once", "--output", "table")
     assert proc.returncode == 0, proc.stderr
-    assert io_titles(proc.stdout) == ["RX%", "TX%", "RX", "GB/s", "TX", "GB/s", "C2C%", "C2C",
-                                      "GB/s"]
+    assert io_titles(proc.stdout) == ["RX%", "TX%", "RX", "GB/s", "TX", "GB/s", "NVL%", "NVL",
+                                      "GB/s", "C2C%", "C2C", "GB/s"]
     assert "C2C%: C2C RX/TX share of its maximum; C2C GB/s: C2C RX/TX" in proc.stdout
     (line,) = [line for line in proc.stdout.splitlines() if ROW.match(line)]
     cells = line.split("|")[3].split()
-    rx_share = float(cells[4].split("/")[0])
+    rx_share = float(cells[6].split("/")[0])
     total = gpu.c2c_rx.base * (1 + gpu.c2c_protocol_overhead)  # GPM's C2C TOTAL: with overhead
     top = gpu.c2c_links * gpu.c2c_link_max_mb_per_second * 1e6
     assert abs(rx_share / (100 * total / top) - 1) <= gpu.c2c_rx.amplitude + 0.02, line
@@ -235,6 +259,7 @@ def test_a_narrow_terminal_drops_whole_columns_and_keeps_the_verdict_and_p99(col
         assert max(len(line) for line in lines) <= cols
         titles = next(line for line in lines if line.startswith("GPU |"))
         assert "p99" in titles and titles.rstrip().endswith("verdict")
+        assert "NVL GB/s" not in titles  # the first to go
         bars = [i for i, c in enumerate(titles) if c == "|"]
         rows = [line for line in lines if ROW.match(line)]
         assert len(rows) == 2

@@ -210,6 +210,12 @@ class FakeGpu:
     pcie_tx: Signal = ZERO
     pcie_rx: Signal = ZERO
     nvlink_links: int = 18
+    # NVML field 90 (NVML_FI_DEV_NVLINK_SPEED_MBPS_COMMON), MBps per active link and direction:
+    # NVLink 4 (H100, H200 SXM) links run at 26.562 GB/s each as `nvidia-smi nvlink -s` prints
+    # them (NVIDIA's spec says 25 GB/s of data per link and direction, 900 GB/s over 18 links
+    # both ways: the 26.562 is the line rate NVML reports, before protocol overhead)
+    nvlink_speed_mbps: int = 26562
+    nvlink_down: tuple[int, ...] = ()  # links nvmlDeviceGetNvLinkState answers inactive
     nvlink_tx: Signal = ZERO
     nvlink_rx: Signal = ZERO
     link_generation: int = 5
@@ -714,6 +720,10 @@ class FakeNvml:
             elif fid == pynvml.NVML_FI_DEV_NVLINK_LINK_COUNT and gpu.nvlink_links:
                 fv.valueType = pynvml.NVML_VALUE_TYPE_UNSIGNED_INT
                 fv.value.uiVal = gpu.nvlink_links
+            elif (fid == pynvml.NVML_FI_DEV_NVLINK_SPEED_MBPS_COMMON and gpu.nvlink_links
+                  and gpu.nvlink_speed_mbps):
+                fv.valueType = pynvml.NVML_VALUE_TYPE_UNSIGNED_INT
+                fv.value.uiVal = gpu.nvlink_speed_mbps
             elif (fid in (pynvml.NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_TX,
                           pynvml.NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_RX)
                   and scope < gpu.nvlink_links):
@@ -940,6 +950,23 @@ class FakeNvml:
             return NOT_SUPPORTED
         for ref, value in zip((corr, unc, pending, failure), rows, strict=True):
             _out(ref).value = value
+        return SUCCESS
+
+    # -- NVLink ----------------------------------------------------------------------------------
+
+    def nvmlDeviceGetNvLinkState(self, handle: object, link: object, ref: object) -> int:
+        """NVML_FEATURE_ENABLED for an active link, DISABLED for one down; NOT_SUPPORTED on a
+        GPU without NVLink (or a link it does not have), INVALID_ARGUMENT past NVML's maximum."""
+        dev = self._physical(handle)
+        if isinstance(dev, int):
+            return dev
+        gpu, index = dev[1], int(link)  # type: ignore[call-overload]
+        if not 0 <= index < pynvml.NVML_NVLINK_MAX_LINKS:
+            return INVALID_ARGUMENT
+        if index >= gpu.nvlink_links:
+            return NOT_SUPPORTED
+        _out(ref).value = (pynvml.NVML_FEATURE_DISABLED if index in gpu.nvlink_down
+                           else pynvml.NVML_FEATURE_ENABLED)
         return SUCCESS
 
     # -- NVLink-C2C ------------------------------------------------------------------------------

@@ -30,6 +30,10 @@ OLD_DRIVER_VERSION = "515.105.01"  # R515: before GPM, the clock-event names and
 GH200_C2C_LINKS = 10  # nvidia-smi c2c -s on a GH200 480GB: links 0-9 at 44.712 GB/s each
 GH200_C2C_LINK_MB_PER_SECOND = 44712  # NVML_FI_DEV_C2C_LINK_GET_MAX_BW, MB/s per link
 GH200_C2C = GH200_C2C_LINKS * GH200_C2C_LINK_MB_PER_SECOND * 1e6  # 447 GB/s per direction
+# NVLink 4 (H100, H200 SXM): 18 links at the 26,562 MBps NVML reports per link and direction
+# (the stand-in's default, fake_nvml.FakeGpu.nvlink_speed_mbps): 478 GB/s per direction
+NVLINK4 = 18 * 26562 * 1e6
+TP_DEGREE = 8  # nvlink-saturated: one tensor-parallel group over the node's 8 GPUs
 DEGRADED_APP = {"latency_median_s": 0.14, "latency_p99_s": 0.26}
 
 
@@ -231,7 +235,8 @@ def _gh200(scenario: str, index: int, **load: object) -> FakeGpu:
 
 DEFAULT_GPUS = {"healthy": 2, "pcie-saturated": 2, "fragmented": 2, "low-occupancy": 2,
                 "gpu-lost": 4, "old-driver": 2, "throttled": 2, "pcie-degraded": 2,
-                "hardware-fault": 4, "grace-hopper": 1, "kv-cache-full": 1, "queueing": 1}
+                "hardware-fault": 4, "grace-hopper": 1, "nvlink-saturated": TP_DEGREE,
+               "kv-cache-full": 1, "queueing": 1}
 SCENARIOS = tuple(DEFAULT_GPUS)  # the names --simulate takes
 GPU_LOST_AT_S = 1.0
 GPU_LOST_INDEX = 2
@@ -327,6 +332,17 @@ def build(name: str, gpus: int | None = None) -> Scenario:
             "of it, PCIe idle; p99 latency degraded.",
             tuple(_gh200(name, i, utilization=Signal(94, 0.02, 29),
                          c2c_rx=Signal(0.90 * GH200_C2C, 0.02, 19)) for i in range(n)),
+            AppProfile(**DEGRADED_APP),
+        )
+    if name == "nvlink-saturated":
+        # the all-reduce of each layer sends and receives as much on every GPU of the group (a
+        # ring or NVSwitch's in-network reduction): both directions near the links' maximum
+        return Scenario(
+            name, f"Tensor parallel over {n} GPUs: the all-reduce fills about 90 % of NVLink (18 "
+            "links, 478 GB/s each way) while the GPUs are busy; p99 latency degraded.",
+            tuple(_h200(name, i, utilization=Signal(95, 0.02, 29), sm_occupancy=Signal(48, 0.05, 37),
+                        nvlink_tx=Signal(0.90 * NVLINK4, 0.02, 53),
+                        nvlink_rx=Signal(0.88 * NVLINK4, 0.02, 59)) for i in range(n)),
             AppProfile(**DEGRADED_APP),
         )
     if name == "kv-cache-full":

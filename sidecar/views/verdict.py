@@ -26,6 +26,11 @@ findings are listed, and the table shows the first, in this order):
 - ``pcie`` (IO): either direction above ``pcie_util_ratio`` of the link, averaged over the window;
 - ``c2c`` (IO): on Grace Hopper and Grace Blackwell, NVLink-C2C (the host link there) above
   ``pcie_util_ratio`` of its maximum in either direction;
+- ``nvlink`` (IO): NVLink between the GPUs above ``nvlink_util_ratio`` of the active links'
+  maximum in either direction while the GPU is busy (utilization above
+  ``busy_utilization_ratio``) or p99 is above ``p99_latency_s``: with tensor parallelism every
+  layer waits for its all-reduce. After the host links (a copy from the host feeds what the
+  GPUs then exchange), before the engine's and the allocator's figures;
 - ``kv-cache`` (engine): the serving engine's KV cache at ``kv_cache_full_ratio`` or more
   (the window's mean) while requests were preempted during the window or waited (on average at
   least ``kv_cache_waiting_requests``). After the GPU's own faults and links (a throttled GPU or
@@ -988,6 +993,64 @@ RULES: tuple[Rule, ...] = (
             the Grace CPU: keep reused data in HBM, prefetch managed memory to the GPU, avoid
             oversubscribing HBM.
 """),
+    Rule("nvlink", "IO", "IO: NVLink", "NVLink between the GPUs is saturated",
+         "the tensor-parallel all-reduce fills the links: check the tensor-parallel degree against "
+         "the model's size (a model that fits on fewer GPUs runs faster with a smaller TP degree "
+         "and more replicas, or with pipeline parallelism across nodes instead of a wider TP "
+         "group); overlap communication with compute (the engine's async or fused all-reduce, "
+         "NCCL on a side stream); keep each TP group within one NVSwitch domain, on GPUs "
+         "connected by NVLink (`nvidia-smi topo -m`: NV# between each pair, not PIX/PHB/SYS), "
+         "and check `nvidia-smi nvlink -s` for a link down or running slow",
+         found=lambda w, t: t.nvlink_saturated(w.mean.nvlink_tx_ratio, w.mean.nvlink_rx_ratio,
+                                               w.mean.utilization, w.p99),
+         evidence=lambda w, t: (
+             f"NVLink RX {pct(w.mean.nvlink_rx_ratio)} ({gbps(w.mean.nvlink_rx)}), TX "
+             f"{pct(w.mean.nvlink_tx_ratio)} ({gbps(w.mean.nvlink_tx)}) of the active links' "
+             f"{gbps(w.mean.nvlink_max)}, above {t.nvlink_util_ratio:.0%}, while utilization is "
+             f"{pct(w.mean.utilization)} (busy above {t.busy_utilization_ratio:.0%}) and p99 "
+             f"{ms(w.p99)} (objective {ms(t.p99_latency_s)}); SM occupancy "
+             f"{pct(w.mean.occupancy)} (alert GPUNVLinkSaturated)"),
+         threshold=lambda t: f"NVLink above {t.nvlink_util_ratio:.0%} of its maximum on a busy "
+                             "GPU or with p99 above the objective",
+         deciding=Deciding(
+             (_either("gpu_nvlink_rx_bandwidth_util_ratio",
+                      "gpu_nvlink_tx_bandwidth_util_ratio"),),
+             ("gpu_uuid",),
+             lambda v, t: f"NVLink {pct(_at(v))} of its maximum (above "
+                          f"{t.nvlink_util_ratio:.0%})"),
+         alerts="""\
+      - alert: GPUNVLinkSaturated
+        # either direction of NVLink between the GPUs above %(nvlink_util_ratio)s of the active
+        # links' maximum while the GPU is busy (utilization above %(busy_utilization_ratio)s) or the
+        # app's p99 is above the %(p99_latency_s)s s objective: a full link on an idle GPU with
+        # fast requests costs nothing yet
+        expr: |
+          max by (namespace, pod, gpu_uuid, gpu_name) (
+            {__name__=~"gpu_nvlink_(tx|rx)_bandwidth_util_ratio"}
+          ) > %(nvlink_util_ratio)s
+          and on (namespace, pod, gpu_uuid)
+          (
+            max by (namespace, pod, gpu_uuid) (
+              avg_over_time(gpu_utilization_ratio[5m])
+            ) > %(busy_utilization_ratio)s
+            or
+            histogram_quantile(0.99,
+              sum by (namespace, pod, gpu_uuid, le) (
+                rate(inference_request_duration_seconds_bucket[5m]))
+            ) > %(p99_latency_s)s
+          )
+        for: 3m
+        labels:
+          severity: warning
+        annotations:
+          summary: "NVLink of GPU {{ $labels.gpu_uuid }} at {{ $value | humanizePercentage }}"
+          description: >-
+            The GPUs of {{ $labels.pod }} exchange more over NVLink than its links carry: with
+            tensor parallelism every layer waits for its all-reduce. Check the tensor-parallel
+            degree against the model size, overlap communication with compute, and keep the
+            group on NVLink-connected GPUs (nvidia-smi topo -m). gpu_nvlink_link_max_bytes_per_second
+            shows the maximum used.
+"""),
     Rule("kv-cache", "engine", "engine: KV", "the engine's KV cache is full",
          "give the KV cache more room or ask less of it: raise vLLM's --gpu-memory-utilization "
          "(SGLang: --mem-fraction-static; trtllm-serve: --kv_cache_free_gpu_memory_fraction; "
@@ -1278,7 +1341,7 @@ def _unjudged(w: Window, t: Thresholds, found: list[Finding]) -> Iterable[str]:
                f"Hopper or newer and a recent driver); utilization {pct(m.utilization)} only "
                "says that some kernel ran")
     if m.pcie_tx_ratio is None and m.pcie_rx_ratio is None and m.c2c_tx_ratio is None \
-            and m.c2c_rx_ratio is None:
+            and m.c2c_rx_ratio is None and m.nvlink_tx_ratio is None and m.nvlink_rx_ratio is None:
         yield "IO not judged: no PCIe rate or link maximum on this GPU"
     if m.utilization is not None and m.sm_clock is None and reason_share(m) is None:
         yield "clocks not judged: no SM clock or clock-event reasons on this GPU"

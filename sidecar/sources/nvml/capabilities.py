@@ -43,6 +43,8 @@ FI_REPLAY = pynvml.NVML_FI_DEV_PCIE_REPLAY_COUNTER
 FI_LINKS = pynvml.NVML_FI_DEV_NVLINK_LINK_COUNT
 FI_NVL_TX = pynvml.NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_TX
 FI_NVL_RX = pynvml.NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_RX
+FI_NVL_SPEED = pynvml.NVML_FI_DEV_NVLINK_SPEED_MBPS_COMMON  # MBps (1e6 B/s) per active link
+MBPS = 1e6
 
 FieldId = tuple[int, int]  # (field id, scope id): the scope is the NVLink link, else 0
 
@@ -87,7 +89,10 @@ GPM_ONLY_SERIES = tuple(_SERIES_OF_FIELD[f.field] for f in GPM_CORE)
 _MIG_PARENT_ONLY = ("gpu_utilization_ratio", "gpu_memory_controller_busy_ratio",
                     "gpu_pcie_tx_bytes_per_second", "gpu_pcie_rx_bytes_per_second",
                     "gpu_nvlink_tx_bytes_per_second", "gpu_nvlink_rx_bytes_per_second",
-                    "gpu_pcie_replay_errors_total")
+                    "gpu_nvlink_link_max_bytes_per_second", "gpu_nvlink_tx_bandwidth_util_ratio",
+                    "gpu_nvlink_rx_bandwidth_util_ratio", "gpu_pcie_replay_errors_total")
+_NVLINK_MAX = ("gpu_nvlink_link_max_bytes_per_second", "gpu_nvlink_tx_bandwidth_util_ratio",
+               "gpu_nvlink_rx_bandwidth_util_ratio")
 _PCIE_RATIOS = ("gpu_pcie_link_max_bytes_per_second", "gpu_pcie_tx_bandwidth_util_ratio",
                 "gpu_pcie_rx_bandwidth_util_ratio")
 
@@ -144,6 +149,7 @@ class Capabilities:
     replay: Literal["field", "call"] | None = None
     nvlink: Literal["counters", "gpm"] | None = None
     nvlink_links: int = 0
+    nvlink_max_bytes_per_second: float | None = None  # per direction: active links x speed
     link: Link = Link()
     health: HealthCaps = field(default_factory=HealthCaps)
     absent: dict[str, str] = field(default_factory=dict)  # series name -> why
@@ -174,6 +180,7 @@ class Capabilities:
             "memory": self.memory, "utilization": self.utilization, "gpm": self.gpm,
             "pcie": self.pcie, "replay": self.replay, "nvlink": self.nvlink,
             "nvlink_links": self.nvlink_links,
+            "nvlink_max_bytes_per_second": self.nvlink_max_bytes_per_second,
             "link_generation": self.link.generation,
             "link_width": self.link.width,
             "link_max_bytes_per_second": self.link.max_bytes_per_second,
@@ -191,13 +198,14 @@ def detect(handle: Any, *, uuid: str, pcie_peak: float | None, interval_s: float
     utilization = _detect_utilization(handle, absent)
     gpm, gpm_why = _detect_gpm(handle)
     link = _detect_link(handle, pcie_peak, absent)
-    probe = _probe_fields(handle, (FI_TX, FI_RX, FI_REPLAY, FI_LINKS))
+    probe = _probe_fields(handle, (FI_TX, FI_RX, FI_REPLAY, FI_LINKS, FI_NVL_SPEED))
     pcie, pcie_note, pcie_max_dt = _choose_pcie(probe, gpm=gpm, link=link, interval_s=interval_s,
                                                 uuid=uuid)
     replay = _choose_replay(handle, probe, absent)
     links = probe.get(FI_LINKS)
     nvlink_links = links.value if links is not None else 0
     nvlink = _choose_nvlink(handle, nvlink_links, gpm=gpm, absent=absent)
+    nvlink_max = _nvlink_max(handle, nvlink_links, probe.get(FI_NVL_SPEED), absent)
     health = detect_health(handle, absent, lambda ids: _probe_fields(handle, ids))
     c2c = health.c2c_link_max_bytes_per_second is not None
     figures: tuple[GpmFigure, ...] = ()
@@ -210,7 +218,8 @@ def detect(handle: Any, *, uuid: str, pcie_peak: float | None, interval_s: float
             absent.update(dict.fromkeys(C2C_SERIES[:2] + C2C_SERIES[3:], gpm_why))
     return Capabilities(memory=memory, utilization=utilization, gpm=gpm, gpm_figures=figures,
                         pcie=pcie, pcie_note=pcie_note, pcie_max_dt=pcie_max_dt, replay=replay,
-                        nvlink=nvlink, nvlink_links=nvlink_links, link=link, health=health,
+                        nvlink=nvlink, nvlink_links=nvlink_links,
+                        nvlink_max_bytes_per_second=nvlink_max, link=link, health=health,
                         absent=absent)
 
 
@@ -357,6 +366,30 @@ def _choose_nvlink(handle: Any, links: int, *, gpm: bool,
     why = NO_NVLINK if not links else "NVLink counters unsupported"
     absent["gpu_nvlink_tx_bytes_per_second"] = why
     absent["gpu_nvlink_rx_bytes_per_second"] = why
+    return None
+
+
+def _nvlink_max(handle: Any, links: int, speed: CounterValue | None,
+                absent: dict[str, str]) -> float | None:
+    """The NVLink maximum per direction: the links NVML says are active times the common speed
+    it reports for active links (field 90, MBps per link and direction). Never guessed from a
+    generation: a GPU whose NVML cannot say has none (absent, with the reason), and a link
+    down (``nvidia-smi nvlink -s`` prints it inactive) is not counted, so the share is of what
+    the GPU can send now."""
+    why = NO_NVLINK
+    active = 0
+    if links:
+        for link in range(links):
+            try:
+                active += pynvml.nvmlDeviceGetNvLinkState(handle, link) == pynvml.NVML_FEATURE_ENABLED
+            except pynvml.NVMLError as exc:
+                if not is_unsupported(exc):
+                    raise
+        why = "no active NVLink link" if not active else \
+            "NVLink speed unsupported (NVML field 90)"
+    if active and speed is not None and speed.value > 0:
+        return active * speed.value * MBPS
+    absent.update(dict.fromkeys(_NVLINK_MAX, why))
     return None
 
 

@@ -158,6 +158,7 @@ def read_gpu(handles: Handles, caps: Capabilities, state: ReadState, failures: F
             pcie_link_current_bytes_per_second=trained,
             nvlink_tx_bytes_per_second=nvlink_tx,
             nvlink_rx_bytes_per_second=nvlink_rx,
+            nvlink_link_max_bytes_per_second=caps.nvlink_max_bytes_per_second,
             c2c_tx_bytes_per_second=gpm.get("c2c_tx_bytes_per_second"),
             c2c_rx_bytes_per_second=gpm.get("c2c_rx_bytes_per_second"),
             c2c_link_max_bytes_per_second=caps.health.c2c_link_max_bytes_per_second,
