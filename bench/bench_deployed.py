@@ -539,13 +539,32 @@ def in_process(agent_cycles: int = 300, naive_cycles: int = 20) -> dict:
         out = {"agent_cycle_ms": cpu / agent_cycles * 1e3,
                "agent_standin_ms": inside / agent_cycles * 1e3,
                "agent_series_in_process": series}
+        # the floor under any agent exporting these figures: the GPUs' reading alone (the same
+        # NVML calls through pynvml, nothing built from them), and the app's messages of a
+        # cycle decoded (the app-socket thread's work), each measured on its own
+        uuids = agent.selected()
+        lib, t = fake.cpu_seconds, time.process_time()
+        for _ in range(agent_cycles):
+            clock.advance(INTERVAL_S)
+            source.read(uuids)
+        out["read_ms"] = (time.process_time() - t) / agent_cycles * 1e3
+        out["read_standin_ms"] = (fake.cpu_seconds - lib) / agent_cycles * 1e3
+        datagrams = [[protocol.encode(m) for g in sc.gpus
+                      for m in profile_messages(sc.app, g.uuid, 4242, 600.0 + agent_cycles + i)]
+                     for i in range(1, agent_cycles + 1)]
+        t = time.process_time()
+        for cycle_datagrams in datagrams:
+            for datagram in cycle_datagrams:
+                state.feed(datagram)
+        out["app_feed_ms"] = (time.process_time() - t) / agent_cycles * 1e3
+        agent_cycles_done = 2 * agent_cycles  # the app's clock goes on from here
         # a fresh window filled whole (15 minutes and a bucket): what it holds is what this
         # process's traced memory loses when the window is dropped
         tracemalloc.start()
         agent.recent = Recent()
         full = int(WINDOW_S / INTERVAL_S) + 15
         for i in range(1, full + 1):
-            cycle(agent_cycles + i)
+            cycle(agent_cycles_done + i)
         held = tracemalloc.get_traced_memory()[0]
         agent.recent = None
         gc.collect()
@@ -553,7 +572,7 @@ def in_process(agent_cycles: int = 300, naive_cycles: int = 20) -> dict:
         out["window_to_s"] = full * INTERVAL_S
         tracemalloc.stop()
         agent.recent = Recent()
-        done = agent_cycles + full
+        done = agent_cycles_done + full
         profile = cProfile.Profile()
         for i in range(done + 1, done + agent_cycles + 1):
             profile.enable()
@@ -800,6 +819,12 @@ def report(runs: dict[str, list[dict]], ip: dict, st: dict, warmup: float, windo
         f"| whole cycle with the remote-write sink's emit, CPU ms (= mCPU at one cycle per "
         f"second) | {ip['agent_cycle_ms']:.3f} | - | - | {ip['naive_cycle_ms']:.3f} |",
         f"| of which inside the stand-in NVML | {a_sc:.3f} | - | - | {n_sc:.3f} |",
+        f"| the GPUs' reading alone (`NvmlSource.read` of {GPUS} GPUs: every NVML call a cycle "
+        f"makes, through pynvml, nothing built from it), CPU ms | {ip['read_ms']:.3f} | - | - "
+        f"| - |",
+        f"| of which inside the stand-in NVML | {ip['read_standin_ms']:.3f} | - | - | - |",
+        f"| the app's datagrams of one cycle decoded alone (`AppState.feed`, {2 * GPUS} "
+        f"messages: the app-socket thread's work), CPU ms | {ip['app_feed_ms']:.3f} | - | - | - |",
         f"| CPU of the stand-in's 20 ms waits alone (16 `time.sleep(0.02)`, as the naive loop's "
         f"throughput calls make; the agent makes none on Hopper) | 0 | - | 0 | "
         f"{ip['naive_waits_ms']:.3f} |",

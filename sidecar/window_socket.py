@@ -104,6 +104,7 @@ class WindowSocket:
         self._sock: socket.socket | None = None
         self._inode: int | None = None
         self._stop = threading.Event()
+        self._wake: tuple[socket.socket, socket.socket] | None = None  # stop() writes a byte
         self._thread: threading.Thread | None = None
 
     def start(self) -> WindowSocket:
@@ -112,14 +113,21 @@ class WindowSocket:
         sock.setblocking(False)
         self._sock = sock
         self._inode = os.stat(self.path).st_ino
+        self._wake = socket.socketpair()
         self._thread = threading.Thread(target=self._serve, name="diagnose-socket", daemon=True)
         self._thread.start()
         return self
 
     def stop(self) -> None:
         self._stop.set()
+        if self._wake is not None:
+            with contextlib.suppress(OSError):
+                self._wake[1].send(b"\0")
         if self._thread is not None:
             self._thread.join(timeout=2)
+        if self._wake is not None:
+            for end in self._wake:
+                end.close()
         if self._sock is not None:
             self._sock.close()
         with contextlib.suppress(OSError):  # only the file this agent bound
@@ -127,12 +135,17 @@ class WindowSocket:
                 os.unlink(self.path)
 
     def _serve(self) -> None:
-        assert self._sock is not None
+        assert self._sock is not None and self._wake is not None
         askers: dict[socket.socket, _Asker] = {}  # in the order they came
         with selectors.DefaultSelector() as sel:
             sel.register(self._sock, selectors.EVENT_READ)
+            sel.register(self._wake[0], selectors.EVENT_READ)
             while not self._stop.is_set():
-                for key, _ in sel.select(timeout=0.5):
+                # idle, the thread sleeps until a connection or stop(); with askers it wakes
+                # every half second to hold them to their deadlines
+                for key, _ in sel.select(timeout=0.5 if askers else None):
+                    if key.fileobj is self._wake[0]:
+                        continue  # stop(): the loop's condition ends it
                     if key.fileobj is self._sock:
                         self._accept(sel, askers)
                     else:

@@ -122,10 +122,13 @@ class CounterValue:
 
 def field_value(fv: Any) -> CounterValue | None:
     """The integer in one ``c_nvmlFieldValue_t``, None when that field failed or is no integer."""
-    member = _VALUE_MEMBER.get(fv.valueType)
-    if fv.nvmlReturn != pynvml.NVML_SUCCESS or member is None:
+    if fv.nvmlReturn != pynvml.NVML_SUCCESS:
         return None
-    return CounterValue(value=getattr(fv.value, member), bits=_VALUE_BITS[fv.valueType])
+    kind = fv.valueType  # read once: each read of a pynvml struct's member runs Python code
+    member = _VALUE_MEMBER.get(kind)
+    if member is None:
+        return None
+    return CounterValue(value=getattr(fv.value, member), bits=_VALUE_BITS[kind])
 
 
 @dataclass(frozen=True, slots=True)

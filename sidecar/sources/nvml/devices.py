@@ -27,7 +27,7 @@ from sidecar.sources.nvml.capabilities import (
 )
 from sidecar.sources.nvml.errors import Failures
 from sidecar.sources.nvml.health import NO_C2C
-from sidecar.sources.nvml.reading import Handles, ReadState, alloc_gpm_samples
+from sidecar.sources.nvml.reading import Handles, ReadState, alloc_gpm_samples, gpm_request
 
 log = structlog.get_logger("sidecar.nvml")
 
@@ -114,7 +114,8 @@ def _open_migs(parent: Device, errors: Counter[str]) -> list[Device]:
 def _device(identity: GpuIdentity, caps: Capabilities, handles: Handles, errors: Counter[str],
             *, mig_slot: int | None = None) -> Device:
     return Device(identity=identity, caps=caps, handles=handles,
-                  state=ReadState(gpm_samples=alloc_gpm_samples(caps)),
+                  state=ReadState(gpm_samples=alloc_gpm_samples(caps),
+                                  gpm_request=gpm_request(caps)),
                   failures=Failures(identity.uuid, errors), mig_slot=mig_slot)
 
 

@@ -25,7 +25,6 @@ from sidecar.sources.nvml.capabilities import (
     Capabilities,
     CounterValue,
     FieldId,
-    GpmFigure,
     field_value,
 )
 from sidecar.sources.nvml.errors import Failures, GpuLost
@@ -79,6 +78,7 @@ class ReadState:
     next cycle's starting point without a copy."""
 
     gpm_samples: tuple[Any, ...] = ()
+    gpm_request: Any = None  # the GPM metrics request, built once (see gpm_request)
     gpm_next: int = 1  # which buffer the next sample goes into
     gpm_prev_t: float | None = None
     pcie: Totals | None = None  # bytes
@@ -202,7 +202,9 @@ def _field_values(device: Any, caps: Capabilities, state: ReadState, failures: F
         if rare_due:
             state.rare, state.rare_t = {}, None
         return {}
-    got = {(fv.fieldId, fv.scopeId): field_value(fv) for fv in values}
+    # NVML answers in the caller's array, entry for entry: each id is where it was asked for
+    # (reading fieldId and scopeId back would cost two of pynvml's converting reads a value)
+    got = {key: field_value(fv) for key, fv in zip(ids, values, strict=True)}
     if rare_due:
         state.rare = {key: got[key] for key in caps.rare_field_ids}
         state.rare_t = now
@@ -276,7 +278,8 @@ def _gpm_figures(handles: Handles, caps: Capabilities, state: ReadState, failure
     state.gpm_prev_t = now
     if prev_t is None:
         return {}
-    request = _metrics_request(older, newer, caps.gpm_figures)
+    request = state.gpm_request
+    request.sample1, request.sample2 = older, newer
     got = failures.call("gpm_metrics", pynvml.nvmlGpmMetricsGet, request)
     if got is None:
         return {}
@@ -292,12 +295,16 @@ def _take_sample(handles: Handles, sample: Any) -> Any:
     return pynvml.nvmlGpmSampleGet(handles.device, sample)
 
 
-def _metrics_request(older: Any, newer: Any, figures: tuple[GpmFigure, ...]) -> Any:
+def gpm_request(caps: Capabilities) -> Any:
+    """The GPM metrics request a GPU with GPM asks every cycle: the same metrics each time, so
+    built once; each cycle sets only its two samples (NVML writes the answers over the last).
+    None without GPM."""
+    if not caps.gpm:
+        return None
     request = pynvml.c_nvmlGpmMetricsGet_t()
     request.version = pynvml.NVML_GPM_METRICS_GET_VERSION
-    request.numMetrics = len(figures)
-    request.sample1, request.sample2 = older, newer
-    for i, figure in enumerate(figures):
+    request.numMetrics = len(caps.gpm_figures)
+    for i, figure in enumerate(caps.gpm_figures):
         request.metrics[i].metricId = figure.metric_id
     return request
 
