@@ -23,7 +23,7 @@ import pytest
 from sidecar.recent import BUCKET_S, CURRENT_S, Recent
 from sidecar.simulate.scenarios import GPU_LOST_INDEX
 from sidecar.views.verdict import Figures, Summary, judge
-from sidecar.window_socket import DEADLINE_S, FILE_NAME, MAX_QUESTION
+from sidecar.window_socket import DEADLINE_S, FILE_NAME, MAX_QUESTION, WindowSocket, ask
 from tests.conftest import run_cli
 from tests.receivers import Agent
 from tests.test_diagnose import verdicts
@@ -296,6 +296,22 @@ def test_the_window_socket_is_removed_when_the_agent_stops_and_only_its_own(tmp_
         until(lambda: agent.cycles() >= 2, what="2 cycles")
         assert any(e.get("event") == "diagnose_socket_unavailable" for e in agent.events())
     assert path.read_text() == "someone else's"
+
+
+def test_an_idle_window_socket_sleeps_until_asked_and_ends_at_once_on_stop(tmp_path):
+    """Idle, its thread waits on the socket with no timeout (no wake-ups while nobody asks), so
+    stop() must wake it: after a stop the thread is gone, whether or not anyone ever asked."""
+    for asked in (False, True):
+        served = WindowSocket(tmp_path / FILE_NAME, Recent()).start()
+        try:
+            if asked:
+                answer = ask(tmp_path / FILE_NAME, 60)
+                assert answer["code"] == 2 and "no GPU" in answer["report"]  # an empty window
+                until(lambda s=served: s.answered == 1, what="the question answered")
+        finally:
+            served.stop()
+        assert not served._thread.is_alive(), f"the thread outlived stop() (asked: {asked})"
+        assert not (tmp_path / FILE_NAME).exists()
 
 
 def test_status_shows_the_current_verdict_the_table_and_diagnose_give(tmp_path):
