@@ -91,10 +91,7 @@ class SpooledSink:
         self.push_interval_s = push_interval_s
         self.max_batch_samples = max_batch_samples
         self.clock = clock
-        # the open batch: each cycle encoded once, as journaled, appended in place (a list of
-        # records joined at the seal would hold the batch twice at that moment: at 1 s and a 15 s
-        # push, 1.3 MiB more at the agent's peak)
-        self._open = bytearray()
+        self._cycles: list[bytes] = []  # the open batch: each cycle encoded once, as journaled
         self._open_samples = 0
         self._unjournaled = 0  # samples of the open batch its journal could not take
         self.last_flush = clock()
@@ -176,7 +173,7 @@ class SpooledSink:
         now = self.clock()
         with self._lock:
             self._append_journal(record, len(series))
-            self._open += record
+            self._cycles.append(record)
             self._open_samples += len(series)
             # sealed at the cycle nearest to the push interval: one whose interval equals the
             # push interval seals every cycle, though its clock reads a hair early each time
@@ -207,8 +204,8 @@ class SpooledSink:
         """Seal the open batch into the spool; the sender takes it from there. ``now``: the
         clock of the cycle that sealed it, from which the next push interval counts."""
         with self._lock:
-            payload, samples = self._open, self._open_samples
-            self._open, self._open_samples = bytearray(), 0
+            cycles, samples = self._cycles, self._open_samples
+            self._cycles, self._open_samples = [], 0
             unjournaled, self._unjournaled = self._unjournaled, 0
             sealed, self._journal = self._journal, journal.Journal(self.spool.dir,
                                                                   self.spool.reserve())
@@ -217,7 +214,7 @@ class SpooledSink:
         if not samples:
             sealed.discard()
             return
-        body = self.codec.compress(payload)
+        body = self.codec.compress(b"".join(cycles))
         journaled = (sealed.path, sealed.samples) if sealed.records else None
         if self.spool.put(body, samples, seq=sealed.seq, journaled=journaled) is None:
             sealed.discard()  # counted as lost: it must not come back at the next start
