@@ -413,7 +413,7 @@ def _run(cfg: config.Config, *, temporary_spool: bool = False) -> int:
         else:
             # what start-up built (modules, configuration, NVML handles) lives as long as the
             # agent: frozen out of the collector's way, its full collections walk only what
-            # the cycles made (0.3 -> 0.1 ms of collection a cycle of 8 GPUs)
+            # the cycles made
             gc.collect()
             gc.freeze()
             agent.run(stop)

@@ -298,7 +298,7 @@ def test_the_window_socket_is_removed_when_the_agent_stops_and_only_its_own(tmp_
     assert path.read_text() == "someone else's"
 
 
-def test_an_idle_window_socket_sleeps_until_asked_and_ends_at_once_on_stop(tmp_path):
+def test_the_window_socket_thread_ends_on_stop_whether_asked_or_not(tmp_path):
     """Idle, its thread waits on the socket with no timeout (no wake-ups while nobody asks), so
     stop() must wake it: after a stop the thread is gone, whether or not anyone ever asked."""
     for asked in (False, True):
