@@ -582,9 +582,9 @@ RATIOS: tuple[MetricSpec, ...] = tuple(m for m in TABLE if m.ratio_of)
 DCGM_FIELDS: dict[str, str] = {m.name: m.dcgm for m in TABLE if m.dcgm}
 # the figures a pushing sink sends when they change and every minute (sidecar/sinks/cadence.py)
 RARE: frozenset[str] = frozenset(m.name for m in TABLE if m.cadence == "rare")
-# the rare figures that NVML gives as field values (error, ECC and remapping counters) are asked
-# for this often by the running agent (sidecar/sources/nvml/reading.py), their last answer
-# carried between; diagnose's own sampling asks every cycle
+# the rare figures that NVML gives as field values (error, ECC and remapping counters), and the
+# power limit, are asked for this often by the running agent (sidecar/sources/nvml/reading.py),
+# their last answer carried between; diagnose's own sampling asks every cycle
 RARE_READ_S = 10.0
 
 
@@ -734,9 +734,10 @@ def render_markdown() -> str:
         "",
         "**Cadence.** Every figure is judged every cycle, and read every cycle but the rare",
         "counters that NVML gives as field values (PCIe error and replay counters, ECC, row",
-        f"remapping): the running agent asks for those every {RARE_READ_S:g} s and carries their",
-        "last answer between two asks, so an increase reaches its series and its verdict within",
-        f"{RARE_READ_S:g} s (`diagnose`'s own sampling asks every cycle). Remote-write and OTLP",
+        "remapping) and the power limit: the running agent asks for those every",
+        f"{RARE_READ_S:g} s and carries their last answer between two asks, so an increase (or a",
+        f"new limit) reaches its series and its verdict within {RARE_READ_S:g} s (`diagnose`'s own",
+        "sampling asks every cycle). Remote-write and OTLP",
         "receivers get every figure every cycle but those marked *rare* below (maxima, the link's trained",
         "maximum, error and ECC counters, row remapping, Xid counts: they change a few times a",
         "year): a rare figure is sent in the cycle it changes, and again every minute when it",

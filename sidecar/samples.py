@@ -178,13 +178,19 @@ def sample_series(
     if labels is None:
         labels = gpu_labels(sample.identity, pod)
     ts = sample.timestamp_ms
-    figures = [*layer_figures(sample.compute), *layer_figures(sample.memory),
-               *layer_figures(sample.io), *layer_figures(sample.health)]
-    read = dict(figures)
-    figures += [(m.name, ratio(read.get(m.ratio_of[0]), read.get(m.ratio_of[1])))  # type: ignore[index]
-                for m in metrics.RATIOS]
+    # series name -> value of every figure read, in the layers' order, then the ratios of them
+    read: dict[str, float] = {}
+    for layer in (sample.compute, sample.memory, sample.io, sample.health):
+        for attr, name in LAYER_METRICS[type(layer)]:
+            value = getattr(layer, attr)
+            if value is not None:
+                read[name] = value
+    for m in metrics.RATIOS:
+        value = ratio(read.get(m.ratio_of[0]), read.get(m.ratio_of[1]))  # type: ignore[index]
+        if value is not None:
+            read[m.name] = value
     out = [Series(name=name, labels=labels, value=float(value), timestamp_ms=ts)
-           for name, value in figures if value is not None]
+           for name, value in read.items()]
     out.extend(Series(name="gpu_xid_errors_total", labels=with_labels(labels, xid=str(code)),
                       value=float(count), timestamp_ms=ts) for code, count in sample.xids)
     app = sample.app

@@ -320,6 +320,41 @@ def test_transient_error_drops_only_that_figure_for_that_cycle(install_fake, clo
     assert source.read([uuid])[uuid].compute.utilization_ratio == 0.97
 
 
+def test_the_power_limit_is_asked_for_with_the_rare_figures_and_carried_between(install_fake,
+                                                                               clock):
+    """An operator's new limit reaches the reading at the next rare read (docs/metrics.md,
+    *Cadence*); a refused ask is asked again the next cycle, and meanwhile the limit is absent."""
+    fake = install_fake([gpu()], clock=clock, record_calls=True)
+    source = open_source(clock, rare_read_s=10.0)
+    uuid = source.devices()[0].uuid
+    call = fake._fns["nvmlDeviceGetEnforcedPowerLimit"]
+    real, asked = call._impl, fake.calls["nvmlDeviceGetEnforcedPowerLimit"]
+
+    def limit_w(answer: object = None) -> float | None:
+        if answer is not None:
+            call._impl = answer
+        clock.advance(1.0)
+        return source.read([uuid])[uuid].health.power_limit_watts
+
+    def set_to(mw: int) -> object:
+        def impl(handle: object, ref: object) -> int:
+            ref._obj.value = mw
+            return pynvml.NVML_SUCCESS
+        return impl
+
+    first = [limit_w() for _ in range(9)]  # t = 1..9: the ask at t = 1, carried
+    assert first == [700.0] * 9
+    assert fake.calls["nvmlDeviceGetEnforcedPowerLimit"] - asked == 1
+    assert limit_w(set_to(450_000)) == 700.0  # t = 10: the new limit is not asked for yet
+    assert limit_w() == 450.0  # t = 11: ten seconds after the last ask
+    assert limit_w(lambda h, ref: pynvml.NVML_ERROR_UNKNOWN) == 450.0
+    later = [limit_w() for _ in range(9)]  # t = 13..21: the ask at t = 21 is refused
+    assert later[-1] is None and later[:-1] == [450.0] * 8
+    call._impl = real
+    assert limit_w() == 700.0  # asked again the very next cycle, not ten seconds later
+    assert fake.calls["nvmlDeviceGetEnforcedPowerLimit"] - asked == 4
+
+
 def test_mig_instances_have_their_own_uuid_memory_and_gpm_and_the_parents_link(install_fake, clock):
     migs = (FakeMig(1, "MIG-11111111-2222-3333-4444-555555555555", "Simulated H200 MIG 3g.71gb",
                     71 * GiB, memory_used=Signal(5 * GiB), sm_occupancy=Signal(33)),

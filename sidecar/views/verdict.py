@@ -65,6 +65,7 @@ import dataclasses
 from array import array
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, fields
+from operator import attrgetter
 
 from sidecar import metrics, thresholds
 from sidecar.samples import Series
@@ -144,6 +145,10 @@ _NUMBERS = tuple(f.name for f in fields(Figures)
                  if f.name not in ("uuid", "name", "index", "available", "xids", "latency_source",
                                    "engine", *_HISTS))
 _LAST_AT = frozenset(i for i, name in enumerate(_NUMBERS) if name in _LAST)
+# how ``_Running.add`` takes each number: (position, name, keep the last value, a counter whose
+# first value in the window is kept), with all the numbers of a Figures read in one call
+_ADDS = tuple((i, name, i in _LAST_AT, name in _HEALTH_COUNTERS) for i, name in enumerate(_NUMBERS))
+_NUMBERS_OF = attrgetter(*_NUMBERS)
 _ZEROS = [0.0] * len(_NUMBERS)
 _ZEROS_I = [0] * len(_NUMBERS)
 # a rate above the link as trained at the reading: the link trained down during the interval
@@ -162,26 +167,34 @@ def figures_of(series: Iterable[Series]) -> dict[str, Figures]:
     engine = _EngineFigures()
     # each label set read once: its labels, and the GPU's row its series fill (None: no GPU's)
     seen: dict[tuple[tuple[str, str], ...], tuple[dict[str, str], dict[str, object] | None]] = {}
+    # a GPU's series come one after another with the same label set (the same object): looked
+    # up again only when it changes
+    last: tuple[tuple[str, str], ...] | None = None
+    labels: dict[str, str] = {}
+    row: dict[str, object] | None = None
     for s in series:
-        if s.name not in _READ and not s.name.startswith("engine_"):
+        name = s.name
+        if name not in _READ and not name.startswith("engine_"):
             continue  # what no verdict reads (the agent's own counters, most health counters)
-        known = seen.get(s.labels)
-        if known is None:
-            known = seen[s.labels] = _row_of(dict(s.labels), rows)
-        labels, row = known
+        if s.labels is not last:
+            last = s.labels
+            known = seen.get(last)
+            if known is None:
+                known = seen[last] = _row_of(dict(last), rows)
+            labels, row = known
         if row is None:
-            if s.name.startswith("engine_") and "gpu_uuid" not in labels:
-                engine.add(s.name, labels, s.value)
+            if name.startswith("engine_") and "gpu_uuid" not in labels:
+                engine.add(name, labels, s.value)
             continue
-        uuid = row["uuid"]
-        if s.name == "gpu_sidecar_gpu_available":
+        field_ = _FIELD_OF.get(name)
+        if field_ is not None:
+            row[field_] = s.value
+        elif name == _BUCKET:
+            buckets.setdefault(row["uuid"], []).append((float(labels["le"]), s.value))
+        elif name == "gpu_sidecar_gpu_available":
             row["available"] = s.value == 1
-        elif s.name == _BUCKET:
-            buckets.setdefault(uuid, []).append((float(labels["le"]), s.value))
-        elif s.name == _XID and labels.get("xid", "").isdigit():
-            xids.setdefault(uuid, []).append((int(labels["xid"]), s.value))
-        elif s.name in _FIELD_OF:
-            row[_FIELD_OF[s.name]] = s.value
+        elif name == _XID and labels.get("xid", "").isdigit():
+            xids.setdefault(row["uuid"], []).append((int(labels["xid"]), s.value))
     for uuid, pairs in buckets.items():
         pairs.sort()
         rows[uuid]["latency"] = (_shared_bounds(tuple(b for b, _ in pairs)),
@@ -347,16 +360,16 @@ class _Running:
     def add(self, f: Figures, *, nested: bool = False) -> None:
         self.n += 1
         self.last = f
-        for i, name in enumerate(_NUMBERS):
-            v = getattr(f, name)
+        sums, counts = self.sums, self.counts
+        for (i, name, last, counter), v in zip(_ADDS, _NUMBERS_OF(f), strict=True):
             if v is None:
                 continue
-            if i in _LAST_AT:
-                self.sums[i] = v
+            if last:
+                sums[i] = v
             else:
-                self.sums[i] += v
-            self.counts[i] += 1
-            if name in _HEALTH_COUNTERS:
+                sums[i] += v
+            counts[i] += 1
+            if counter:
                 self.first.setdefault(name, v)
         if self.first_counters is None and (f.retries is not None or f.ooms is not None):
             self.first_counters = (f.retries, f.ooms)

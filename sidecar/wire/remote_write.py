@@ -93,21 +93,22 @@ class Encoder:
             self._prefixes.clear()
         pack = DOUBLE.pack
         prefixes = self._prefixes
-        tails: dict[int, bytes] = {}
         out: list[bytes] = []
+        ts, tail, width = None, b"", 0  # a cycle's series share one timestamp: encoded once
         for s in series:
-            tail = tails.get(s.timestamp_ms)
-            if tail is None:
-                tail = tails[s.timestamp_ms] = SAMPLE_TIMESTAMP + varint(s.timestamp_ms)
-            key = (s.name, s.labels, len(tail))
+            if s.timestamp_ms != ts:
+                ts = s.timestamp_ms
+                tail = SAMPLE_TIMESTAMP + varint(ts)
+                width = len(tail)
+            key = (s.name, s.labels, width)
             prefix = prefixes.get(key)
             if prefix is None:
                 labels = encode_labels(s.name, s.labels)
                 sample = _sample_head(tail)
                 # the TimeSeries: its tag and length, then its labels and its one sample
-                size = len(labels) + len(sample) + DOUBLE.size + len(tail)
+                size = len(labels) + len(sample) + DOUBLE.size + width
                 prefix = prefixes[key] = WRITE_REQUEST_TIMESERIES + varint(size) + labels + sample
-            out.append(prefix + pack(s.value) + tail)
+            out += (prefix, pack(s.value), tail)
         return b"".join(out)
 
     def write_request(self, series: dict[SeriesKey, list[tuple[int, float]]]) -> bytes:

@@ -220,8 +220,11 @@ class ClockEventTotals:
 
 def read_health(device: Any, caps: HealthCaps, values: dict[tuple[int, int], Any],
                 previous: ClockEventTotals | None, failures: Failures, now: float,
-                last_xid: int | None) -> tuple[HealthLayer, ClockEventTotals | None]:
-    """One cycle's health figures, and the counters the next cycle's shares start from."""
+                last_xid: int | None, power_limit_watts: float | None = None,
+                ) -> tuple[HealthLayer, ClockEventTotals | None]:
+    """One cycle's health figures, and the counters the next cycle's shares start from.
+    ``power_limit_watts`` is read by the caller, with the rare figures: it changes when an
+    operator sets it, not from cycle to cycle."""
     figures: dict[str, float | int | None] = {
         attr: (None if (v := values.get((fid, 0))) is None else v.value * scale)
         for fid, attr, scale in caps.fields}
@@ -232,8 +235,7 @@ def read_health(device: Any, caps: HealthCaps, values: dict[tuple[int, int], Any
         mw = failures.call("power", pynvml.nvmlDeviceGetPowerUsage, device)
         figures["power_watts"] = None if mw is None else mw / 1000
     if caps.power_limit:
-        mw = failures.call("power_limit", pynvml.nvmlDeviceGetEnforcedPowerLimit, device)
-        figures["power_limit_watts"] = None if mw is None else mw / 1000
+        figures["power_limit_watts"] = power_limit_watts
     if caps.temperature:
         figures["temperature_celsius"] = failures.call(
             "temperature", pynvml.nvmlDeviceGetTemperature, device, pynvml.NVML_TEMPERATURE_GPU)

@@ -86,11 +86,12 @@ class ReadState:
     clock_events: ClockEventTotals | None = None  # ns in each clock-limiting reason
     rare: dict[FieldId, CounterValue | None] = field(default_factory=dict)  # the last answer
     rare_t: float | None = None  # when the rare field values were last asked for
+    power_limit_watts: float | None = None  # the last answer, asked for with the rare ones
 
     def forget(self) -> None:
         """The GPU was lost: counters and samples from before are no base for a rate."""
         self.pcie = self.nvlink = None
-        self.rare, self.rare_t = {}, None
+        self.rare, self.rare_t, self.power_limit_watts = {}, None, None
         self.clock_events = None
         self.gpm_prev_t = None
         self.gpm_next = 1
@@ -107,7 +108,9 @@ def read_gpu(handles: Handles, caps: Capabilities, state: ReadState, failures: F
     mem = failures.call("memory", _memory_info, device, caps.memory) if caps.memory else None
     util = (failures.call("utilization", pynvml.nvmlDeviceGetUtilizationRates, device)
             if caps.utilization else None)
-    values = _field_values(device, caps, state, failures, now, rare_read_s)
+    # the rare figures (error counters, the power limit) are asked for every ``rare_read_s``
+    rare_due = state.rare_t is None or not 0 <= now - state.rare_t < rare_read_s
+    values = _field_values(device, caps, state, failures, now, rare_due)
     gpm = _gpm_figures(handles, caps, state, failures, now)
 
     pcie_tx = pcie_rx = None
@@ -129,8 +132,11 @@ def read_gpu(handles: Handles, caps: Capabilities, state: ReadState, failures: F
 
     health = HealthLayer()
     if not handles.is_mig:
+        if caps.health.power_limit and (rare_due or state.power_limit_watts is None):
+            mw = failures.call("power_limit", pynvml.nvmlDeviceGetEnforcedPowerLimit, device)
+            state.power_limit_watts = None if mw is None else mw / 1000  # None: asked again
         health, state.clock_events = read_health(device, caps.health, values, state.clock_events,
-                                                 failures, now, xids[0])
+                                                 failures, now, xids[0], state.power_limit_watts)
     generation, width, trained = current_link(device, caps.health, failures)
     reading = NvmlReading(
         compute=ComputeLayer(
@@ -188,12 +194,10 @@ def _memory_info(device: Any, version: str) -> Any:
 
 
 def _field_values(device: Any, caps: Capabilities, state: ReadState, failures: Failures,
-                  now: float, rare_read_s: float) -> dict[FieldId, CounterValue | None]:
+                  now: float, rare_due: bool) -> dict[FieldId, CounterValue | None]:
     """This cycle's field values by (field id, scope), in one call: those that move, and the
-    rare ones when ``rare_read_s`` has passed since they were asked for (else their last
-    answer). Empty when none were asked for or the call failed (the rare ones are then asked
-    again next cycle)."""
-    rare_due = state.rare_t is None or not 0 <= now - state.rare_t < rare_read_s
+    rare ones when ``rare_due`` (else their last answer). Empty when none were asked for or the
+    call failed (the rare ones are then asked again next cycle)."""
     ids = caps.field_ids + caps.rare_field_ids if rare_due else caps.field_ids
     if not ids:
         return dict(state.rare)
