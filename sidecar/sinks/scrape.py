@@ -141,17 +141,22 @@ class _Server:
             self._wake_w.send(b"x")
 
     def _accept(self) -> None:
-        for _ in range(BACKLOG):  # drain what the kernel queued, a bounded batch per turn
+        for turn in range(BACKLOG):  # drain what the kernel queued, a bounded batch per turn
+            if len(self._conns) >= MAX_CONNECTIONS:
+                # room is made before the accept, so never more than the cap are held; only
+                # the turn's first accept, which the listener's readiness says is queued,
+                # drops one (the selector calls again while more wait)
+                if turn:
+                    return
+                waiting = [c for c in self._conns.values() if c.answer is None]
+                self._drop(waiting[0] if waiting else next(iter(self._conns.values())),
+                           "connection_cap")
             try:
                 sock, _ = self.listener.accept()
             except (BlockingIOError, InterruptedError):
                 return
             except OSError:  # out of descriptors, or the peer gone already: try next turn
                 return
-            if len(self._conns) >= MAX_CONNECTIONS:
-                waiting = [c for c in self._conns.values() if c.answer is None]
-                self._drop(waiting[0] if waiting else next(iter(self._conns.values())),
-                           "connection_cap")
             sock.setblocking(False)
             self._conns[sock] = _Conn(sock, self.clock())
             self._selector.register(sock, selectors.EVENT_READ)
