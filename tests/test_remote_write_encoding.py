@@ -151,3 +151,12 @@ def test_cycles_joined_are_one_write_request_with_every_sample_in_order(cycles):
         got.setdefault((name, tuple(sorted(d.items()))), []).extend(
             (s.timestamp, bits(s.value)) for s in series.samples)
     assert got == {k: [(t, bits(v)) for t, v in pts] for k, pts in expected.items()}
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.lists(st.binary(max_size=300) | st.sampled_from([b"", b"ab" * 40_000]), max_size=8))
+def test_snappy_blocks_joined_unopened_are_the_block_of_their_payloads_joined(payloads):
+    """How the open batch is sealed (its cycles are held compressed): read back by snappy's own
+    decoder, whatever the sizes (a payload past 64 KiB is compressed in fragments)."""
+    joined = remote_write.join_compressed([compress(p) for p in payloads])
+    assert bytes(cramjam.snappy.decompress_raw(joined)) == b"".join(payloads)

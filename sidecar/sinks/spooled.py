@@ -43,6 +43,14 @@ class Codec(Protocol):
 
     def compress(self, payload: bytes) -> bytes: ...
 
+    def hold(self, record: bytes) -> bytes:
+        """What the open batch keeps of a cycle's record until the batch is sealed."""
+        ...
+
+    def seal(self, held: list[bytes]) -> bytes:
+        """The sealed batch's body (compressed) from what the open batch kept of its cycles."""
+        ...
+
     def decompress(self, body: bytes) -> bytes: ...
 
     def partial(self, response: Response) -> tuple[int, str] | None:
@@ -91,7 +99,7 @@ class SpooledSink:
         self.push_interval_s = push_interval_s
         self.max_batch_samples = max_batch_samples
         self.clock = clock
-        self._cycles: list[bytes] = []  # the open batch: each cycle encoded once, as journaled
+        self._cycles: list[bytes] = []  # the open batch: each cycle as the codec holds it
         self._open_samples = 0
         self._unjournaled = 0  # samples of the open batch its journal could not take
         self.last_flush = clock()
@@ -170,10 +178,11 @@ class SpooledSink:
         if self.cadence is not None:
             series = self.cadence.due(series)
         record = self.codec.cycle(series)
+        held = self.codec.hold(record)
         now = self.clock()
         with self._lock:
             self._append_journal(record, len(series))
-            self._cycles.append(record)
+            self._cycles.append(held)
             self._open_samples += len(series)
             # sealed at the cycle nearest to the push interval: one whose interval equals the
             # push interval seals every cycle, though its clock reads a hair early each time
@@ -214,7 +223,7 @@ class SpooledSink:
         if not samples:
             sealed.discard()
             return
-        body = self.codec.compress(b"".join(cycles))
+        body = self.codec.seal(cycles)
         journaled = (sealed.path, sealed.samples) if sealed.records else None
         if self.spool.put(body, samples, seq=sealed.seq, journaled=journaled) is None:
             sealed.discard()  # counted as lost: it must not come back at the next start

@@ -15,13 +15,13 @@ timestamps in milliseconds.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 import cramjam
 
 from sidecar.samples import Labels, Series
-from sidecar.wire.protobuf import DOUBLE, WireType, length_delimited, string, tag, varint
+from sidecar.wire.protobuf import DOUBLE, WireType, length_delimited, read_varint, string, tag, varint
 
 CONTENT_HEADERS = {
     "Content-Encoding": "snappy",
@@ -144,5 +144,20 @@ def compress(payload: bytes) -> bytes:
 
 def decompress(body: bytes) -> bytes:
     return bytes(cramjam.snappy.decompress_raw(body))
+
+
+def join_compressed(blocks: Sequence[bytes]) -> bytes:
+    """Snappy blocks as one block of their payloads joined, none decompressed. A block is its
+    payload's length (a varint) and then elements that copy only from earlier in the same
+    block, so the elements of several blocks, after the length of all their payloads, are a
+    block of the whole. The open batch keeps each cycle compressed (a ninth of its size) and
+    is sealed by this join, never held or compressed whole."""
+    total, parts = 0, [b""]
+    for block in blocks:
+        length, start = read_varint(block, 0)
+        total += length
+        parts.append(memoryview(block)[start:])
+    parts[0] = varint(total)
+    return b"".join(parts)
 
 
