@@ -156,7 +156,26 @@ def test_cycles_joined_are_one_write_request_with_every_sample_in_order(cycles):
 @settings(max_examples=100, deadline=None)
 @given(st.lists(st.binary(max_size=300) | st.sampled_from([b"", b"ab" * 40_000]), max_size=8))
 def test_snappy_blocks_joined_unopened_are_the_block_of_their_payloads_joined(payloads):
-    """How the open batch is sealed (its cycles are held compressed): read back by snappy's own
-    decoder, whatever the sizes (a payload past 64 KiB is compressed in fragments)."""
+    """How the open batch is sealed (its cycles are held compressed), read back by a snappy
+    decoder (cramjam's; the sinks' tests send such bodies to VictoriaMetrics, Go's), whatever the
+    sizes (a payload past 64 KiB is compressed in fragments)."""
     joined = remote_write.join_compressed([compress(p) for p in payloads])
     assert bytes(cramjam.snappy.decompress_raw(joined)) == b"".join(payloads)
+
+
+@pytest.mark.parametrize("gpus", [1, 8])
+def test_an_open_batch_kept_compressed_is_the_request_and_as_small_as_the_whole_compressed(gpus):
+    """A push interval of cycles (15 at 1 s) of one GPU's 60 series (14 KB a cycle: several go
+    into one snappy fragment) and of eight GPUs' (each cycle past a fragment)."""
+    labels = [(("gpu_uuid", f"GPU-{g}"), ("pod", "vllm-0")) for g in range(gpus)]
+    encoder, batch, records = Encoder(), remote_write.SnappyBatch(), []
+    for cycle in range(15):
+        ts = 1_700_000_000_000 + 1000 * cycle
+        record = encoder.cycle([Series(f"gpu_figure_{n}_ratio", lab, (n * 7 + cycle) % 10 / 10, ts)
+                                for lab in labels for n in range(60)])
+        batch.add(record)
+        records.append(record)
+    body = batch.seal()
+    assert decompress(body) == b"".join(records)
+    whole = compress(b"".join(records))
+    assert len(body) <= len(whole) * 1.02, (len(body), len(whole))

@@ -26,7 +26,7 @@ from sidecar.durability.spool import Spool
 from sidecar.samples import Series
 from sidecar.sinks.answers import OTLP, Response, is_protobuf
 from sidecar.sinks.http import HttpOptions
-from sidecar.sinks.spooled import SpooledSink
+from sidecar.sinks.spooled import RecordsBatch, SpooledSink
 from sidecar.urls import sink_label
 from sidecar.wire import otlp
 
@@ -61,11 +61,9 @@ class OtlpCodec:
     def compress(self, payload: bytes) -> bytes:
         return otlp.compress(payload)
 
-    def hold(self, record: bytes) -> bytes:
-        return record  # gzip'd whole at the seal: not every receiver reads joined gzip members
-
-    def seal(self, held: list[bytes]) -> bytes:
-        return otlp.compress(b"".join(held))
+    def open_batch(self) -> RecordsBatch:
+        # gzip'd whole at the seal: not every receiver reads gzip members joined
+        return RecordsBatch(otlp.compress)
 
     def decompress(self, body: bytes) -> bytes:
         return otlp.decompress(body)

@@ -19,7 +19,7 @@ from sidecar.sinks.cadence import Cadence
 from sidecar.sinks.http import HttpOptions
 from sidecar.sinks.spooled import SpooledSink
 from sidecar.urls import sink_label
-from sidecar.wire.remote_write import CONTENT_HEADERS, Encoder, compress, decompress, join_compressed
+from sidecar.wire.remote_write import CONTENT_HEADERS, Encoder, SnappyBatch, compress, decompress
 
 __all__ = ["RemoteWriteCodec", "RemoteWriteSink", "sink_name"]
 
@@ -48,11 +48,8 @@ class RemoteWriteCodec:
     def compress(self, payload: bytes) -> bytes:
         return compress(payload)
 
-    def hold(self, record: bytes) -> bytes:
-        return compress(record)  # snappy blocks join without decompressing (join_compressed)
-
-    def seal(self, held: list[bytes]) -> bytes:
-        return join_compressed(held)
+    def open_batch(self) -> SnappyBatch:
+        return SnappyBatch()
 
     def decompress(self, body: bytes) -> bytes:
         return decompress(body)

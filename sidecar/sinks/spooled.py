@@ -28,6 +28,30 @@ from sidecar.sinks.http import Http, HttpOptions
 from sidecar.urls import redact_url as redact
 
 
+class OpenBatch(Protocol):
+    """The cycles of the batch being filled, kept until it is sealed into the spool."""
+
+    def add(self, record: bytes) -> None: ...
+
+    def seal(self) -> bytes:
+        """The batch's body, compressed: every record added, in order, as one request."""
+        ...
+
+
+class RecordsBatch:
+    """An open batch kept as its records, joined and compressed whole when sealed."""
+
+    def __init__(self, compress: Callable[[bytes], bytes]) -> None:
+        self._records: list[bytes] = []
+        self._compress = compress
+
+    def add(self, record: bytes) -> None:
+        self._records.append(record)
+
+    def seal(self) -> bytes:
+        return self._compress(b"".join(self._records))
+
+
 class Codec(Protocol):
     """What a spooled protocol decides; the pipeline (``SpooledSink``) is the same for all."""
 
@@ -43,12 +67,8 @@ class Codec(Protocol):
 
     def compress(self, payload: bytes) -> bytes: ...
 
-    def hold(self, record: bytes) -> bytes:
-        """What the open batch keeps of a cycle's record until the batch is sealed."""
-        ...
-
-    def seal(self, held: list[bytes]) -> bytes:
-        """The sealed batch's body (compressed) from what the open batch kept of its cycles."""
+    def open_batch(self) -> OpenBatch:
+        """An empty open batch, which keeps the cycles' records as suits the compression."""
         ...
 
     def decompress(self, body: bytes) -> bytes: ...
@@ -99,7 +119,7 @@ class SpooledSink:
         self.push_interval_s = push_interval_s
         self.max_batch_samples = max_batch_samples
         self.clock = clock
-        self._cycles: list[bytes] = []  # the open batch: each cycle as the codec holds it
+        self._batch = codec.open_batch()  # the open batch, as the codec keeps it
         self._open_samples = 0
         self._unjournaled = 0  # samples of the open batch its journal could not take
         self.last_flush = clock()
@@ -178,11 +198,10 @@ class SpooledSink:
         if self.cadence is not None:
             series = self.cadence.due(series)
         record = self.codec.cycle(series)
-        held = self.codec.hold(record)
         now = self.clock()
         with self._lock:
             self._append_journal(record, len(series))
-            self._cycles.append(held)
+            self._batch.add(record)
             self._open_samples += len(series)
             # sealed at the cycle nearest to the push interval: one whose interval equals the
             # push interval seals every cycle, though its clock reads a hair early each time
@@ -213,8 +232,8 @@ class SpooledSink:
         """Seal the open batch into the spool; the sender takes it from there. ``now``: the
         clock of the cycle that sealed it, from which the next push interval counts."""
         with self._lock:
-            cycles, samples = self._cycles, self._open_samples
-            self._cycles, self._open_samples = [], 0
+            batch, samples = self._batch, self._open_samples
+            self._batch, self._open_samples = self.codec.open_batch(), 0
             unjournaled, self._unjournaled = self._unjournaled, 0
             sealed, self._journal = self._journal, journal.Journal(self.spool.dir,
                                                                   self.spool.reserve())
@@ -223,7 +242,7 @@ class SpooledSink:
         if not samples:
             sealed.discard()
             return
-        body = self.codec.seal(cycles)
+        body = batch.seal()
         journaled = (sealed.path, sealed.samples) if sealed.records else None
         if self.spool.put(body, samples, seq=sealed.seq, journaled=journaled) is None:
             sealed.discard()  # counted as lost: it must not come back at the next start

@@ -199,7 +199,9 @@ def _field_values(device: Any, caps: Capabilities, state: ReadState, failures: F
     rare ones when ``rare_due`` (else their last answer). Empty when none were asked for or the
     call failed (the rare ones are then asked again next cycle)."""
     ids = caps.field_ids + caps.rare_field_ids if rare_due else caps.field_ids
-    if not ids:
+    if not ids:  # none to ask for: the rare read (the power limit's) is done all the same
+        if rare_due:
+            state.rare, state.rare_t = {}, now
         return dict(state.rare)
     values = failures.call("field_values", pynvml.nvmlDeviceGetFieldValues, device, list(ids))
     if values is None:
