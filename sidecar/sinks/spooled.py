@@ -91,8 +91,8 @@ class SpooledSink:
     order, so a receiver slower than the push interval is caught up rather than left behind.
 
     What differs between protocols is the ``Codec``: how a cycle is encoded (each cycle as a
-    whole request, so that requests joined are one request), how a body is compressed, the
-    headers, and what the receiver's answers mean."""
+    whole request, so that requests joined are one request), how the open batch keeps its cycles
+    and a body is compressed, the headers, and what the receiver's answers mean."""
 
     def __init__(
         self,
