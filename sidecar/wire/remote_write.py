@@ -190,5 +190,3 @@ class SnappyBatch:
         if self._pending:
             self._blocks.append(compress(b"".join(self._pending)))
             self._pending, self._pending_bytes = [], 0
-
-

@@ -85,7 +85,7 @@ class ReadState:
     nvlink: Totals | None = None  # KiB, summed over links
     clock_events: ClockEventTotals | None = None  # ns in each clock-limiting reason
     rare: dict[FieldId, CounterValue | None] = field(default_factory=dict)  # the last answer
-    rare_t: float | None = None  # when the rare field values were last asked for
+    rare_t: float | None = None  # when the rare figures were last asked for
     power_limit_watts: float | None = None  # the last answer, asked for with the rare ones
 
     def forget(self) -> None:
@@ -201,7 +201,7 @@ def _field_values(device: Any, caps: Capabilities, state: ReadState, failures: F
     ids = caps.field_ids + caps.rare_field_ids if rare_due else caps.field_ids
     if not ids:  # none to ask for: the rare read (the power limit's) is done all the same
         if rare_due:
-            state.rare, state.rare_t = {}, now
+            state.rare_t = now
         return dict(state.rare)
     values = failures.call("field_values", pynvml.nvmlDeviceGetFieldValues, device, list(ids))
     if values is None:
