@@ -110,7 +110,9 @@ def read_gpu(handles: Handles, caps: Capabilities, state: ReadState, failures: F
             if caps.utilization else None)
     # the rare figures (error counters, the power limit) are asked for every ``rare_read_s``
     rare_due = state.rare_t is None or not 0 <= now - state.rare_t < rare_read_s
-    values = _field_values(device, caps, state, failures, now, rare_due)
+    if rare_due:
+        state.rare_t = now  # unset by a refused field-values call: all asked again next cycle
+    values = _field_values(device, caps, state, failures, rare_due)
     gpm = _gpm_figures(handles, caps, state, failures, now)
 
     pcie_tx = pcie_rx = None
@@ -194,14 +196,12 @@ def _memory_info(device: Any, version: str) -> Any:
 
 
 def _field_values(device: Any, caps: Capabilities, state: ReadState, failures: Failures,
-                  now: float, rare_due: bool) -> dict[FieldId, CounterValue | None]:
+                  rare_due: bool) -> dict[FieldId, CounterValue | None]:
     """This cycle's field values by (field id, scope), in one call: those that move, and the
     rare ones when ``rare_due`` (else their last answer). Empty when none were asked for or the
     call failed (the rare ones are then asked again next cycle)."""
     ids = caps.field_ids + caps.rare_field_ids if rare_due else caps.field_ids
-    if not ids:  # none to ask for: the rare read (the power limit's) is done all the same
-        if rare_due:
-            state.rare_t = now
+    if not ids:
         return dict(state.rare)
     values = failures.call("field_values", pynvml.nvmlDeviceGetFieldValues, device, list(ids))
     if values is None:
@@ -213,7 +213,6 @@ def _field_values(device: Any, caps: Capabilities, state: ReadState, failures: F
     got = {key: field_value(fv) for key, fv in zip(ids, values, strict=True)}
     if rare_due:
         state.rare = {key: got[key] for key in caps.rare_field_ids}
-        state.rare_t = now
     else:
         got.update(state.rare)
     return got
