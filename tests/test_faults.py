@@ -18,6 +18,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -290,7 +291,12 @@ def test_samples_held_in_memory_when_the_agent_is_killed_are_counted_by_the_next
     sampled = keyed(first.sampled())
     lost = set(sampled) - set(stored)
     assert counted["samples"] > 0
-    assert len(lost) == counted["samples"], "every sample lost to the refusing volume is counted"
+    # every sample lost to the refusing volume is counted; counted and not printed is at most
+    # the cycle the kill cut short between the ledger and stdout (fed last), no bigger than the
+    # first cycle, which sends every series
+    cycles = Counter(ts for _, _, ts in sampled)
+    assert 0 <= counted["samples"] - len(lost) <= max(cycles.values()), (
+        counted["samples"], len(lost))
     assert all(stored[k] == pytest.approx(sampled[k], rel=VM_REL) for k in set(sampled) - lost)
 
 
