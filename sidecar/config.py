@@ -581,7 +581,9 @@ OPTIONS: tuple[Option, ...] = (
            "terminal (TERM=dumb or unset) 'auto' gives 'prometheus' and 'table' prints plain "
            "frames one after another, without escape codes), "
            "'prometheus' (text exposition with millisecond timestamps) or 'json' (one series per "
-           "line).", _choice("auto", "table", "prometheus", "json"), commands=("run", "fleet")),
+           "line); diagnose and fleet: 'json' prints one JSON document (docs/diagnose.md), anything "
+           "else the text.", _choice("auto", "table", "prometheus", "json"),
+           commands=("run", "diagnose", "fleet")),
     Option("stdout", "Also write every series to stdout (in --output format) when receivers are "
            "configured, e.g. to watch what is pushed.", _bool, flag_only=True, commands=("run",)),
     Option("once", "Take one sample cycle, print it and exit.", _bool, flag_only=True,
@@ -858,8 +860,8 @@ def build(command: str, args: argparse.Namespace, env: Mapping[str, str] = os.en
     elif config.fresh or config.simulate:
         raise ConfigError("--query-url judges what the store holds: it does not combine with "
                           f"{'--fresh' if config.fresh else '--simulate'} (sampling here)")
-    if command == "fleet" and config.output == "prometheus":
-        raise ConfigError("fleet --output takes auto, table (the grouped list) or json")
+    if command in ("fleet", "diagnose") and config.output == "prometheus":
+        raise ConfigError(f"{command} --output takes auto, table (the text report) or json")
     if config.once and config.has_receivers:
         raise ConfigError("--once prints one cycle to stdout and exits: it does not combine with "
                           "receivers (--remote-write-url / GPU_SIDECAR_REMOTE_WRITE_URL, "

@@ -223,7 +223,9 @@ class WindowSocket:
         asker.sock.close()
 
     def answer(self, seconds: float) -> dict[str, object]:
-        from sidecar.views.report import report  # only when asked: the agent's path stays lean
+        # only when asked: the agent's path stays lean
+        from sidecar.views.document import document
+        from sidecar.views.report import report
 
         verdicts, span = self.recent.verdicts(seconds, self.clock(), self.t)
         if not verdicts:
@@ -233,9 +235,11 @@ class WindowSocket:
                               "status` says)\n"}
         text = report(verdicts, seconds=span.covered_s, samples=span.cycles,
                       label=self.label, t=self.t, source=span.short())
+        doc = document(verdicts, seconds=span.covered_s, samples=span.cycles,
+                       source=span.short(), origin="agent-window", t=self.t)
         code = 1 if any(v.findings for v in verdicts.values()) else 0
-        return {"v": VERSION, "code": code, "report": text, "cycles": span.cycles,
-                "covered_s": span.covered_s}
+        return {"v": VERSION, "code": code, "report": text, "document": doc,
+                "cycles": span.cycles, "covered_s": span.covered_s}
 
     def _refuse(self, reason: str, text: str) -> None:
         self.refused[reason] += 1

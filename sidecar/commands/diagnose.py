@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING
 import structlog
 
 from sidecar.thresholds import Thresholds
+from sidecar.views.document import document, dumps
 from sidecar.views.report import report
 from sidecar.views.verdict import Summary, figures_of, judge
 
@@ -81,9 +82,21 @@ def diagnose(cfg: Config, *, t: Thresholds | None = None) -> int:
                 print(f"gpu-sidecar diagnose: the agent refused: {answer.get('error')}",
                       file=sys.stderr)
                 return 2
-            sys.stdout.write(str(answer["report"]))
             code = answer.get("code")
-            return code if isinstance(code, int) and code in (0, 1, 2) else 2
+            code = code if isinstance(code, int) and not isinstance(code, bool) \
+                and code in (0, 1, 2) else 2
+            if cfg.output != "json":
+                sys.stdout.write(str(answer["report"]))
+            elif isinstance(answer.get("document"), dict):
+                sys.stdout.write(dumps(answer["document"]))
+            elif code == 2:  # no GPU to judge: said, as the text says it, on stderr
+                sys.stderr.write(str(answer["report"]))
+            else:  # an agent of an older release answers with the text only
+                print("gpu-sidecar diagnose: the agent beside is of an older release and answers "
+                      "with the text report only: drop --output json, or ask with --fresh",
+                      file=sys.stderr)
+                return 2
+            return code
     with wiring.simulated_paths(cfg) as cfg, contextlib.ExitStack() as stack:
         held = ""
         try:
@@ -122,8 +135,13 @@ def diagnose(cfg: Config, *, t: Thresholds | None = None) -> int:
         label += (f"  PARTIAL: interrupted after {seconds:.1f} of {cfg.duration:.0f} s, judged "
                   "on what was sampled")
     source = f"sampled afresh by this command, from now ({why_fresh})"
-    sys.stdout.write(report(verdicts, seconds=seconds, samples=summary.cycles, label=label, t=t,
-                            held=held, source=source))
+    if cfg.output == "json":
+        sys.stdout.write(dumps(document(verdicts, seconds=seconds, samples=summary.cycles,
+                                        source=source, origin="fresh", t=t, held=held,
+                                        partial=interrupted)))
+    else:
+        sys.stdout.write(report(verdicts, seconds=seconds, samples=summary.cycles, label=label,
+                                t=t, held=held, source=source))
     if interrupted:
         return code_interrupted
     return 1 if any(v.findings for v in verdicts.values()) else 0
