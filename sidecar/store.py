@@ -10,12 +10,16 @@ No retry: a person waits at a terminal, and one clear failure beats a minute of 
 What the store answers becomes one of four outcomes, each its own exception and exit code (see
 ``EXIT_CODES``): an answer, no answer (unreachable, too slow: 6), credentials refused (401, 403:
 7), the query refused (400, 413, 422, 503 with the store's reason: too many series, too long a
-range: 8).
+range: 8). An answer is checked whole before anything reads it: one in a shape no query API
+answers (a value that is not a number, a series twice as a proxy merging two stores gives) is
+exit 6, saying what was wrong, never a verdict from figures it did not really hold.
 """
 
 from __future__ import annotations
 
+import itertools
 import json
+import math
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -30,7 +34,8 @@ ANSWER_MAX_BYTES = 256 << 20  # a query's answer is read up to this; larger: nar
 GPU_LABELS = ("gpu_uuid", "gpu_name", "gpu_index")  # only the GPU series carry these
 EXIT_UNREACHABLE, EXIT_DENIED, EXIT_REFUSED = 6, 7, 8
 EXIT_CODES = {EXIT_UNREACHABLE: "the store did not answer within --query-timeout (unreachable, "
-                                "too slow, or an answer that is no query API's)",
+                                "too slow, or an answer that is no query API's, or in a "
+                                "shape no query API answers)",
               EXIT_DENIED: "the store refused the credentials (401, 403)",
               EXIT_REFUSED: "the store refused the query (400, 413, 422, 503: too many series, "
                             "too long a range, a bad expression)"}
@@ -192,22 +197,96 @@ class Store:
                 f"{self.timeout_s:g} s (a store too slow, or a proxy trickling it): raise "
                 "--query-timeout, or ask less with --select or a shorter --duration")
         try:
-            doc = json.loads(content)
-            data = doc["data"]
-            kind, result = data["resultType"], data["result"]
-        except (ValueError, KeyError, TypeError):
+            return _read_answer(json.loads(content))
+        except (ValueError, RecursionError) as exc:  # json's errors are ValueErrors too
             raise StoreUnreachable(f"{where} answered 200 with something that is no Prometheus "
-                                   "query API answer: check --query-url") from None
-        if kind == "matrix":
-            return [Row(_labels(r["metric"]), tuple(Point(float(t), float(v))
-                                                    for t, v in r["values"])) for r in result]
+                                   f"query API answer ({_brief(exc)}): check --query-url"
+                                   ) from None
+
+
+class _Malformed(ValueError):
+    """What in an answer is not the query API's shape (said in the exit-6 message)."""
+
+
+def _brief(exc: Exception) -> str:
+    text = " ".join(str(exc).split())
+    return text if len(text) <= 200 else text[:197] + "..."
+
+
+def _quoted(value: object) -> str:
+    try:
+        text = json.dumps(value)
+    except (ValueError, RecursionError):
+        text = type(value).__name__
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+def _read_answer(doc: object) -> list[Row]:
+    """The answer's rows, every part checked against the query API's shape: a value that is not
+    a number, labels that are not strings, a timestamp that is not one, a series twice (a proxy
+    merging two stores) or a sample twice in a series. A wrong part raises ``_Malformed``, never
+    a guess: a verdict read from figures the answer did not really hold could be a wrong
+    'healthy' (or every GPU 'lost')."""
+    if not isinstance(doc, dict) or not isinstance(doc.get("data"), dict):
+        raise _Malformed(f"no 'data' object: {_quoted(doc)}")
+    data = doc["data"]
+    kind, result = data.get("resultType"), data.get("result")
+    if kind == "scalar":
+        return [Row((), (_point(result, "result"),))]
+    if kind not in ("matrix", "vector"):
+        raise _Malformed(f"resultType {_quoted(kind)}, which no query here asks for")
+    if not isinstance(result, list):
+        raise _Malformed(f"result is {_quoted(result)}, not a list")
+    rows: list[Row] = []
+    seen: dict[tuple[tuple[str, str], ...], int] = {}
+    for i, r in enumerate(result):
+        where = f"result[{i}]"
+        if not isinstance(r, dict):
+            raise _Malformed(f"{where} is {_quoted(r)}, not an object")
+        labels = _labels(r.get("metric"), where)
+        if labels in seen:
+            raise _Malformed(f"{where} has the labels of result[{seen[labels]}] "
+                             f"({_quoted(dict(labels))}): the same series twice, as a proxy "
+                             "merging two stores answers; ask one store")
+        seen[labels] = i
         if kind == "vector":
-            return [Row(_labels(r["metric"]), (Point(float(r["value"][0]),
-                                                     float(r["value"][1])),)) for r in result]
-        if kind == "scalar":
-            return [Row((), (Point(float(result[0]), float(result[1])),))]
-        raise StoreUnreachable(f"{where} answered a {kind!r} result, which no query here asks for")
+            points: tuple[Point, ...] = (_point(r.get("value"), f"{where}.value"),)
+        else:
+            values = r.get("values")
+            if not isinstance(values, list) or not values:
+                raise _Malformed(f"{where}.values is {_quoted(values)}, not a list of samples")
+            points = tuple(_point(v, f"{where}.values[{j}]") for j, v in enumerate(values))
+            for j, (a, b) in enumerate(itertools.pairwise(points)):
+                if b.t <= a.t:
+                    raise _Malformed(f"{where}.values[{j + 1}] at {b.t:.3f} does not follow "
+                                     f"the sample at {a.t:.3f}: a series' samples out of order "
+                                     "or twice, as a proxy merging two stores answers")
+        rows.append(Row(labels, points))
+    return rows
 
 
-def _labels(metric: dict[str, str]) -> tuple[tuple[str, str], ...]:
+def _point(pair: object, where: str) -> Point:
+    """A ``[unix seconds, "value"]`` pair: the time a finite number, the value a number's text
+    (``"NaN"`` and ``"+Inf"`` included: the store's own, read by whoever judges the figure)."""
+    if not isinstance(pair, list) or len(pair) != 2:
+        raise _Malformed(f"{where} is {_quoted(pair)}, not a [time, value] pair")
+    t, v = pair
+    try:
+        if isinstance(t, bool) or not isinstance(t, int | float) or not math.isfinite(t):
+            raise ValueError
+        when = float(t)
+    except (ValueError, OverflowError):  # an int of 400 digits is no time either
+        raise _Malformed(f"{where} has the time {_quoted(t)}, not a number of seconds") from None
+    try:
+        if isinstance(v, bool) or not isinstance(v, str | int | float):
+            raise ValueError
+        return Point(when, float(v))
+    except (ValueError, OverflowError):
+        raise _Malformed(f"{where} has the value {_quoted(v)}, not a number") from None
+
+
+def _labels(metric: object, where: str = "result") -> tuple[tuple[str, str], ...]:
+    if not isinstance(metric, dict) or not all(
+            isinstance(k, str) and isinstance(v, str) for k, v in metric.items()):
+        raise _Malformed(f"{where}.metric is {_quoted(metric)}, not an object of label strings")
     return tuple(sorted(metric.items()))

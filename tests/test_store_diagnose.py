@@ -10,14 +10,17 @@ every bit."""
 from __future__ import annotations
 
 import dataclasses
+import http.server
+import json
 import math
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
+import requests
 
 from sidecar.commands.from_store import Window, fetch, judge_stored
 from sidecar.config import Config
@@ -27,7 +30,14 @@ from sidecar.simulate.scenarios import SCENARIOS
 from sidecar.store import Store
 from sidecar.views.verdict import Summary, figures_of, judge
 from tests.conftest import ROOT, run_cli
-from tests.receivers import Agent, Prometheus, VictoriaMetrics, running
+from tests.receivers import (
+    Agent,
+    LocalServer,
+    Prometheus,
+    VictoriaMetrics,
+    answer_with,
+    running,
+)
 from tests.stored import add_gpu, gpu_labels, push
 from tests.test_diagnose import verdicts as report_verdicts
 from tests.waiting import until
@@ -235,3 +245,142 @@ def test_the_report_says_which_layer_moved_first(stores, tmp_path):
         seconds = (t.tm_hour * 3600 + t.tm_min * 60 + t.tm_sec)
         expected = int(at / 1000) % 86400
         assert 0 <= (seconds - expected) % 86400 <= 18, (found, clock(at / 1000))
+
+
+class QueryProxy(LocalServer):
+    """A proxy in front of a real store's query API that rewrites each JSON answer with
+    ``mangle`` (the parsed answer in, the answer to send out), as a broken gateway, a
+    merging proxy or a store of another kind would answer."""
+
+    def __init__(self, target: str, mangle: Callable[[dict], object]) -> None:
+        proxy = self
+        self.asked = 0
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_POST(self) -> None:
+                body = self.rfile.read(int(self.headers.get("Content-Length", 0)))
+                r = requests.post(target + self.path, data=body, timeout=30, headers={
+                    "Content-Type": self.headers.get("Content-Type", "")})
+                proxy.asked += 1
+                out = r.content
+                if r.status_code == 200:
+                    out = json.dumps(mangle(r.json())).encode()
+                answer_with(self, r.status_code, {"Content-Type": "application/json"}, out)
+
+            def log_message(self, *args: object) -> None:
+                pass
+
+        self.base = self.serve(Handler, "")
+
+
+def _each_series(mangle: Callable[[dict], None]) -> Callable[[dict], object]:
+    def apply(doc: dict) -> object:
+        for r in doc["data"]["result"]:
+            mangle(r)
+        return doc
+    return apply
+
+
+def _merged(doc: dict) -> dict:
+    """Two stores' answers merged: every series twice, the second with other values."""
+    twins = [{**r, "values": [[t, str(float(v) * 0.5 + 0.25)] for t, v in r["values"]]}
+             for r in doc["data"]["result"]]
+    doc["data"]["result"] += twins
+    return doc
+
+
+def _merged_samples(doc: dict) -> dict:
+    """Two stores' samples merged into one series: each time twice, with different values."""
+    for r in doc["data"]["result"]:
+        r["values"] = sorted([*r["values"], *([t, "0"] for t, _ in r["values"])],
+                             key=lambda p: p[0])
+    return doc
+
+
+def _first(key: str, change: Callable[[list], object]) -> Callable[[dict], None]:
+    def apply(r: dict) -> None:
+        r["values"][0] = change(r["values"][0])
+    return apply
+
+
+# each wrong shape of answer, and the words its exit-6 message must carry
+MANGLED = {
+    "a value that is a word": (_each_series(_first("values", lambda p: [p[0], "fast"])),
+                               'the value "fast", not a number'),
+    "a value that is an object": (_each_series(_first("values", lambda p: [p[0], {"v": 1}])),
+                                  'the value {"v": 1}, not a number'),
+    "a timestamp as a string": (_each_series(_first("values", lambda p: [str(p[0]), p[1]])),
+                                "not a number of seconds"),
+    "a sample of one element": (_each_series(_first("values", lambda p: [p[0]])),
+                                "not a [time, value] pair"),
+    "a sample of three elements": (_each_series(_first("values", lambda p: [*p, p[1]])),
+                                   "not a [time, value] pair"),
+    "metric: null": (_each_series(lambda r: r.update(metric=None)),
+                     "metric is null, not an object of label strings"),
+    "a label value that is a number": (
+        _each_series(lambda r: r["metric"].update(gpu_index=0)),
+        "not an object of label strings"),
+    "values: null": (_each_series(lambda r: r.update(values=None)), "not a list of samples"),
+    "result: null": (lambda d: {**d, "data": {**d["data"], "result": None}},
+                     "result is null, not a list"),
+    "data: a list": (lambda d: {**d, "data": [d["data"]]}, "no 'data' object"),
+    "the answer a bare list": (lambda d: [d], "no 'data' object"),
+    "every series twice, different values": (_merged, "the same series twice"),
+    "every sample twice in its series": (_merged_samples, "out of order or twice"),
+}
+
+
+@pytest.fixture(scope="module")
+def stored_agent(stores, tmp_path_factory) -> Window:
+    """Twelve cycles of a pcie-saturated agent in the real VictoriaMetrics (namespace
+    ``mangle``): the window around them."""
+    agent = agent_for("pcie-saturated", stores, tmp_path_factory.mktemp("spool"),
+                      namespace="mangle")
+    with running(agent):
+        agent.start()
+        agent.more_cycles(CYCLES, "pushing")
+    cycles = cycles_of([agent])
+    w = window_around(cycles)
+    judged_from_ns(stores[0].base, "mangle", w, len(cycles))
+    return w
+
+
+def judged_from_ns(url: str, namespace: str, w: Window, want_cycles: int):
+    def ready():
+        cfg = store_cfg(url, "pcie-saturated", w, namespace)
+        store = Store(cfg)
+        try:
+            judged = judge_stored(fetch(store, cfg.select, w), w)
+        finally:
+            store.close()
+        return judged if judged.cycles >= want_cycles else None
+    return until(ready, 30, interval=0.5, what=f"{want_cycles} cycles of {namespace} in {url}")
+
+
+def diagnose_at(url: str, w: Window, *more: str) -> subprocess.CompletedProcess[str]:
+    return run_cli("diagnose", "--query-url", url, "--select", "namespace=mangle",
+                   f"--at={w.end:.3f}", "--duration", f"{w.end - w.start:.3f}", *more)
+
+
+def test_the_real_answer_through_the_proxy_is_the_finding(stores, stored_agent):
+    """The proxy itself changes nothing when it mangles nothing: the pcie finding, exit 1."""
+    proxy = QueryProxy(stores[0].base, lambda d: d)
+    with running(proxy):
+        proc = diagnose_at(proxy.base, stored_agent)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert "verdict: pcie" in proc.stdout
+
+
+@pytest.mark.parametrize("how", MANGLED)
+def test_an_answer_of_the_wrong_shape_is_exit_6_saying_what_was_wrong(how, stores,
+                                                                      stored_agent):
+    mangle, said = MANGLED[how]
+    proxy = QueryProxy(stores[0].base, mangle)
+    with running(proxy):
+        proc = diagnose_at(proxy.base, stored_agent)
+    assert proc.returncode == 6, (how, proc.returncode, proc.stdout, proc.stderr)
+    assert "Traceback" not in proc.stderr and proc.stdout == "", proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1, lines
+    assert "no Prometheus query API answer" in lines[0] and said in lines[0], lines[0]
+    assert proxy.base.split("//")[1] in lines[0]  # which store, by its URL
