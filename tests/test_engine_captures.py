@@ -1,8 +1,10 @@
 """Every supported engine's real /metrics text (``tests/realworld/``, issue #35), served on
 127.0.0.1 by a real HTTP server and read by a real ``gpu-sidecar run --engine-metrics-url``.
 
-- Each real capture (vLLM with V0 and V1 names mixed, SGLang 0.5.10, TGI's router, Triton,
-  llama.cpp's current server) is served byte for byte, its header comments included. Where a
+- Each real capture (vLLM with V0 and V1 names mixed, vLLM V1 as served in 2026 with ``engine``
+  on every series and ``*_created`` samples, SGLang 0.5.10, TGI's router, Triton, llama.cpp's
+  current server, NVIDIA Dynamo's frontend) is served byte for byte, its header comments
+  included. Where a
   capture is only a list of names (trtllm-serve's MetricsCollector, LLMKube's inventories of live
   llama.cpp, vLLM and SGLang servers) the smallest valid text is built from those names
   (``engine_texts.text_from_names``: one series per name, types from the engine's source) and
@@ -15,6 +17,8 @@
   appears only at the first retraction, TGI's latency histograms the excerpt cut.
 - TGI's ``tgi_batch_next_size`` with its 1,000 buckets forwards nothing: the series stay the
   excerpt's.
+- Dynamo's frontend lower-cases the model on its request series and keeps it as registered on
+  its ``model_*`` gauges: its series are forwarded under one model, the registered spelling.
 - The ``queueing`` verdict fires on a served trtllm-serve text whose requests wait (its queue
   time histogram against its request latency histogram); llama.cpp's server gives deferred
   requests but no latency and no queue time, so the verdict cannot be judged from its figures:
@@ -86,6 +90,19 @@ def _llamacpp(text: Callable[[], bytes], name: str) -> Capture:
         frozenset(ALL) - {RUNNING, WAITING})
 
 
+def _dynamo(text: Callable[[], bytes], name: str) -> Capture:
+    return Capture(name, text, Mapping(
+        "dynamo", "model", {WAITING: ("dynamo_frontend_queued_requests", sum)},
+        {E2E: ("dynamo_frontend_request_duration_seconds", 1.0),
+         TTFT: ("dynamo_frontend_time_to_first_token_seconds", 1.0),
+         ITL: ("dynamo_frontend_inter_token_latency_seconds", 1.0)},
+        spellings=("dynamo_frontend_model_context_length",)),
+        frozenset({QUEUE, KV, RUNNING, PREEMPTED}))
+
+
+VLLM_2026 = "vllm_v1_metrics_kops_conformance_qwen05b_idle.prom"
+DYNAMO = "dynamo_frontend_metrics_example_qwen3_06b.prom"
+
 TGI = Mapping("tgi", None, {RUNNING: ("tgi_batch_current_size", sum),
                             WAITING: ("tgi_queue_size", sum)},
               {ITL: ("tgi_request_mean_time_per_token_duration", 1.0)})
@@ -94,6 +111,8 @@ TGI_ABSENT = frozenset({E2E, QUEUE, TTFT, KV, PREEMPTED})
 
 CAPTURES = (
     _vllm(lambda: texts.capture("vllm_metrics_datadog_fixture_mixed_v0_v1.prom"), "vllm"),
+    _vllm(lambda: texts.capture(VLLM_2026), "vllm-2026"),
+    _dynamo(lambda: texts.capture(DYNAMO), "dynamo-frontend"),
     _sglang(lambda: texts.capture("sglang_metrics_datadog_fixture_v0.5.10.prom"), "sglang"),
     Capture("tgi", lambda: texts.capture("tgi_metrics_datadog_fixture_excerpt.prom"), TGI,
             TGI_ABSENT),
@@ -198,6 +217,30 @@ def test_each_capture_is_found_once_and_what_it_lacks_is_said_absent_with_why(re
         assert "no queue time" in found[0]["not_exposed"][QUEUE]
     if capture.mapping.engine == "sglang":  # the counter only appears at the first retraction
         assert "sglang:num_retracted_requests" in found[0]["not_exposed"][PREEMPTED]
+    if capture.mapping.engine == "dynamo":
+        assert "no queue-time histogram" in found[0]["not_exposed"][QUEUE]
+        assert "inflight_requests" in found[0]["not_exposed"][RUNNING]
+
+
+def test_dynamos_series_join_by_model_under_the_spelling_it_registered(read):
+    """The capture's request series say ``qwen/qwen3-0.6b``, its model gauges
+    ``Qwen/Qwen3-0.6B``: every forwarded series names the model once, as registered."""
+    body = read.bodies["dynamo-frontend"]
+    assert b'model="qwen/qwen3-0.6b"' in body and b'model="Qwen/Qwen3-0.6B"' in body
+    for got in read.cycles("dynamo-frontend").values():
+        assert {dict(labels).get("model") for _, labels in got} == {"Qwen/Qwen3-0.6B"}
+
+
+def test_the_2026_vllm_capture_is_read_with_its_engine_label_and_created_samples(read):
+    """``engine="0"`` on every series and a ``*_created`` sample beside every counter and
+    histogram: the series forwarded are the figures', one per model, none of them a
+    ``_created``."""
+    body = read.bodies["vllm-2026"]
+    assert b'engine="0"' in body and b"vllm:e2e_request_latency_seconds_created{" in body
+    for got in read.cycles("vllm-2026").values():
+        assert not any(series.endswith("_created") for series, _ in got)
+        assert {dict(labels)["model"] for _, labels in got} == {"Qwen/Qwen2.5-0.5B-Instruct"}
+        assert {dict(labels)["engine"] for _, labels in got} == {"vllm"}
 
 
 def test_tgis_thousand_bucket_histogram_forwards_nothing(read):

@@ -196,6 +196,18 @@ class Mapping:
     numbers: dict[str, tuple[str, Callable]]
     histograms: dict[str, tuple[str, float]]
     means: dict[str, tuple[str, str]] = field(default_factory=dict)
+    # gauges whose model label is the model as the engine registered it: every other series'
+    # model that equals one of them but for case is expected under that spelling (Dynamo)
+    spellings: tuple[str, ...] = ()
+
+    def model_of(self, labels: dict[str, str], samples: dict) -> str:
+        """The model a sample's labels name, spelled as the engine registered it."""
+        model = labels.get(self.model, "") if self.model else ""
+        for name in self.spellings:
+            for other, _ in samples.get(name, ()):
+                if other.get(self.model, "").casefold() == model.casefold():
+                    return other[self.model]
+        return model
 
 
 VLLM_NUMBERS = {
@@ -270,13 +282,13 @@ def served_histograms(body: bytes, mapping: Mapping, family: str, scale: float
     buckets: dict[str, dict[float, float]] = {}
     sums: dict[str, float] = {}
     for labels, value in samples[f"{family}_bucket"]:
-        model = labels.get(mapping.model, "") if mapping.model else ""
+        model = mapping.model_of(labels, samples)
         le = float(labels["le"])
         bound = le if math.isinf(le) else le * scale
         per = buckets.setdefault(model, {})
         per[bound] = per.get(bound, 0.0) + value
     for labels, value in samples[f"{family}_sum"]:
-        model = labels.get(mapping.model, "") if mapping.model else ""
+        model = mapping.model_of(labels, samples)
         sums[model] = sums.get(model, 0.0) + value * scale
     return {m: (sorted(per.items()), sums[m]) for m, per in buckets.items()}
 
@@ -298,8 +310,7 @@ def expected_series(name: str | Mapping, body: bytes, endpoint: str) -> dict[Key
         per: dict[str, list[float]] = {}
         # prometheus_client's parser names a counter's samples with _total, as written or not
         for labels, value in samples.get(sample) or samples[f"{sample}_total"]:
-            model = labels.get(mapping.model, "") if mapping.model else ""
-            per.setdefault(model, []).append(value)
+            per.setdefault(mapping.model_of(labels, samples), []).append(value)
         return per
 
     for ours, (sample, combine) in mapping.numbers.items():

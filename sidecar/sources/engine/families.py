@@ -1,17 +1,19 @@
 """Which of a serving engine's own Prometheus families become which engine series of ours.
 
 One table per engine (vLLM, SGLang, TGI, Triton, TensorRT-LLM's ``trtllm-serve``, llama.cpp's
-``llama-server``): for each figure of ours, the engine's families that carry it, newest name
-first (vLLM renamed two between releases; both names in use in 2026 are here), with the factor
-to our unit. Only these families are read; every other family the engine exposes is dropped
-before parsing, so what is forwarded stays a fixed, small set of series whatever the engine
-adds. A figure an engine has no family for stays absent, never zero, and ``absent`` says why
-(logged once when the engine is found, as ``not_exposed``). ``docs/metrics.md`` renders this
-table, with each source family and the versions that expose it.
+``llama-server``, NVIDIA Dynamo's frontend): for each figure of ours, the engine's families that
+carry it, newest name first (vLLM renamed two between releases; both names in use in 2026 are
+here), with the factor to our unit. Only these families are read; every other family the
+engine exposes is dropped before parsing, so what is forwarded stays a fixed, small set of
+series whatever the engine adds. A figure an engine has no family for stays absent, never
+zero, and ``absent`` says why (logged once when the engine is found, as ``not_exposed``).
+``docs/metrics.md`` renders this table, with each source family, the versions that expose it,
+and what each engine's names were checked against (``Engine.checked``).
 
-The names were checked in the engines' sources (vLLM's and SGLang's metrics modules, TensorRT-LLM's
-``tensorrt_llm/metrics/collector.py``, llama.cpp's ``tools/server`` metrics handler) and are
-pinned by the real captures in ``tests/realworld/`` (``tests/test_engine_captures.py``).
+The names were checked in the engines' sources (vLLM's and SGLang's metrics modules,
+TensorRT-LLM's ``tensorrt_llm/metrics/collector.py``, llama.cpp's ``tools/server`` metrics
+handler, Dynamo's ``lib/llm/src/http/service/metrics.rs``) and are pinned by the real captures
+in ``tests/realworld/`` (``tests/test_engine_captures.py``).
 """
 
 from __future__ import annotations
@@ -69,6 +71,12 @@ class Engine:
     title: str = ""  # as a person names it, in hints and the docs
     # our figures the engine exposes under no family, and why (said once when it is found)
     absent: dict[str, str] | None = None
+    # the releases (or source commits) and captures the names were checked against, for the docs
+    checked: str = ""
+    # families whose model label is the model as registered: another series' model that equals
+    # one of these case-insensitively is forwarded with its spelling, so the engine's series of
+    # one model join (Dynamo labels requests with the model lower-cased, its model_* gauges not)
+    model_spellings: tuple[str, ...] = ()
 
 
 def _f(name: str, kind: SourceKind, versions: str, **kw: object) -> Family:
@@ -78,6 +86,9 @@ def _f(name: str, kind: SourceKind, versions: str, **kw: object) -> Family:
 VLLM = Engine(
     name="vllm", title="vLLM", prefix="vllm:", model_label="model_name", replicas=("engine",),
     default_url="http://127.0.0.1:8000/metrics",
+    checked="vllm/v1/metrics/loggers.py of 0.8 to 0.33; the captures of 0.x with V0 and V1 names "
+            "mixed and of vllm/vllm-openai:latest of March 2026 (engine=\"0\" on every series, "
+            "*_created samples)",
     figures={
         "engine_request_duration_seconds": (
             _f("vllm:e2e_request_latency_seconds", "histogram", "all"),),
@@ -103,6 +114,7 @@ SGLANG = Engine(
     name="sglang", title="SGLang", prefix="sglang:", model_label="model_name",
     replicas=("dp_rank",),
     default_url="http://127.0.0.1:30000/metrics",
+    checked="sglang/srt/observability/metrics_collector.py of 0.5.23; the 0.5.10 capture",
     figures={
         "engine_request_duration_seconds": (
             _f("sglang:e2e_request_latency_seconds", "histogram", "all"),),
@@ -127,6 +139,7 @@ SGLANG = Engine(
 TGI = Engine(
     name="tgi", title="TGI (archived March 2026)", prefix="tgi_", model_label=None,
     default_url="http://127.0.0.1:80/metrics",  # the image's PORT; 3000 outside it
+    checked="router/src/server.rs of 3.3.x; the router capture (histograms cut)",
     figures={
         "engine_request_duration_seconds": (_f("tgi_request_duration", "histogram", "all"),),
         "engine_inter_token_latency_seconds": (
@@ -147,6 +160,7 @@ TGI = Engine(
 TRITON = Engine(
     name="triton", title="Triton", prefix="nv_inference_", model_label="model",
     default_url="http://127.0.0.1:8002/metrics",
+    checked="triton-inference-server/core src/metrics.cc; the :8002 capture",
     figures={
         "engine_request_duration_seconds": (
             _f("nv_inference_request_duration_us", "microsecond_counter",
@@ -180,6 +194,8 @@ TRITON = Engine(
 TRTLLM = Engine(
     name="trtllm", title="TensorRT-LLM (trtllm-serve)", prefix="trtllm_",
     model_label="model_name", default_url="http://127.0.0.1:8000/prometheus/metrics",
+    checked="tensorrt_llm/metrics/collector.py of 1.1 and 2026; a list of its names (no "
+            "exposition captured)",
     figures={
         "engine_request_duration_seconds": (
             _f("trtllm_e2e_request_latency_seconds", "histogram",
@@ -214,6 +230,7 @@ TRTLLM = Engine(
 LLAMACPP = Engine(
     name="llamacpp", title="llama.cpp (llama-server)", prefix="llamacpp:", model_label=None,
     default_url="http://127.0.0.1:8080/metrics",  # with --metrics
+    checked="tools/server of 2026 builds; the current build's capture",
     figures={
         "engine_kv_cache_usage_ratio": (
             _f("llamacpp:kv_cache_usage_ratio", "gauge",
@@ -233,7 +250,45 @@ LLAMACPP = Engine(
     },
 )
 
-ENGINES: tuple[Engine, ...] = (VLLM, SGLANG, TGI, TRITON, TRTLLM, LLAMACPP)
+# NVIDIA Dynamo's HTTP frontend (python -m dynamo.frontend; lib/llm/src/http/service/metrics.rs,
+# Rust's prometheus crate): the entry point in front of vLLM, SGLang or TensorRT-LLM workers,
+# which serve their own engine's families on their own port. Request series are labelled with the
+# request's model (lower-cased in the capture), the model_* gauges with the model card's display
+# name: the model is joined case-insensitively and forwarded as registered. Its queued_requests
+# count requests from the handler's start to their first token (prefill included), and
+# inflight_requests (active_requests from 2026) the queued ones too: waiting, yes; running, no
+DYNAMO = Engine(
+    name="dynamo", title="NVIDIA Dynamo (frontend)", prefix="dynamo_frontend_",
+    model_label="model", default_url="http://127.0.0.1:8000/metrics",
+    checked="lib/llm/src/http/service/metrics.rs and lib/runtime/src/metrics/prometheus_names.rs "
+            "of 2026; the frontend's example capture (ai-dynamo/dynamo @ ce30a76, one request)",
+    model_spellings=("dynamo_frontend_model_context_length",
+                     "dynamo_frontend_model_total_kv_blocks",
+                     "dynamo_frontend_model_max_num_seqs"),
+    figures={
+        "engine_request_duration_seconds": (
+            _f("dynamo_frontend_request_duration_seconds", "histogram",
+               "all (handler start to the response's end; 1 to 512 s, 10 buckets by default)"),),
+        "engine_time_to_first_token_seconds": (
+            _f("dynamo_frontend_time_to_first_token_seconds", "histogram", "all"),),
+        "engine_inter_token_latency_seconds": (
+            _f("dynamo_frontend_inter_token_latency_seconds", "histogram", "all"),),
+        "engine_requests_waiting": (
+            _f("dynamo_frontend_queued_requests", "gauge",
+               "all (requests not yet given their first token: prefill included)"),),
+    },
+    absent={
+        "engine_request_queue_duration_seconds": "Dynamo's frontend has no queue-time histogram "
+                                                 "(its workers' engine endpoints have theirs)",
+        "engine_kv_cache_usage_ratio": "Dynamo's frontend gives a worker's KV blocks "
+                                       "(dynamo_frontend_model_total_kv_blocks), not those in use",
+        "engine_requests_running": "Dynamo's frontend counts requests in flight with the queued "
+                                   "ones (dynamo_frontend_inflight_requests), not those executing",
+        "engine_preemptions_total": "Dynamo's frontend counts no preemptions",
+    },
+)
+
+ENGINES: tuple[Engine, ...] = (VLLM, SGLANG, TGI, TRITON, TRTLLM, LLAMACPP, DYNAMO)
 
 
 def absent_reason(engine: Engine, figure: str) -> str:
@@ -257,4 +312,5 @@ def source_names() -> frozenset[str]:
             for fam in families:
                 names.add(fam.name)
                 names.update(fam.count)
+        names.update(engine.model_spellings)
     return frozenset(names)

@@ -16,7 +16,9 @@ that the engine never said.
 
 The families are then mapped per model: the labels an engine adds beyond the model (vLLM's
 engine-core index, SGLang's ranks, Triton's model version, a finish reason) are summed over, the
-KV-cache usage taking the fullest core instead.
+KV-cache usage taking the fullest core instead. Where an engine spells one model two ways (Dynamo's
+frontend lower-cases it on its request series, not on its model gauges), the model is joined
+case-insensitively and forwarded as the engine registered it (``Engine.model_spellings``).
 """
 
 from __future__ import annotations
@@ -297,19 +299,20 @@ def map_engine(engine: Engine, samples: Samples) -> EngineFigures:
     figures: dict[str, dict[str, LatencyHistogram | float]] = {}
     left_out: list[str] = []
     models: set[str] = set()
+    spell = _spellings(engine, samples)
     for ours, fams in engine.figures.items():
         fam = next((f for f in fams if _present(f, samples)), None)
         if fam is None:
             continue
         if fam.kind == "histogram":
-            by_model = _histograms(fam, samples, engine.model_label)
+            by_model = _histograms(fam, samples, engine.model_label, spell)
             if any(len(h.bounds) > MAX_BUCKETS for h in by_model.values()):
                 left_out.append(f"too_many_buckets:{fam.name}")
                 continue
         elif fam.kind == "microsecond_counter":
             by_model = _sums_and_counts(fam, samples, engine)
         else:
-            by_model = _numbers(fam, samples, engine, take_max=ours in _TAKE_MAX)
+            by_model = _numbers(fam, samples, engine, take_max=ours in _TAKE_MAX, spell=spell)
         models.update(by_model)
         figures[ours] = by_model  # type: ignore[assignment]
     if len(models) > MAX_MODELS:
@@ -319,12 +322,28 @@ def map_engine(engine: Engine, samples: Samples) -> EngineFigures:
     return EngineFigures(engine=engine.name, figures=figures, left_out=tuple(left_out))
 
 
-def _model(labels: Mapping[str, str], model_label: str | None) -> str:
-    return labels.get(model_label, "")[:MAX_MODEL_CHARS] if model_label else ""
+def _spellings(engine: Engine, samples: Samples) -> dict[str, str]:
+    """The model names as the engine registered them (its ``model_spellings`` families' model
+    label), by their case-folded form: the key that joins its other series to them."""
+    out: dict[str, str] = {}
+    if engine.model_label is None:
+        return out
+    for name in engine.model_spellings:
+        for labels, _ in samples.get(name, ()):
+            model = dict(labels).get(engine.model_label)
+            if model:
+                out.setdefault(model.casefold(), model)
+    return out
+
+
+def _model(labels: Mapping[str, str], model_label: str | None,
+           spell: Mapping[str, str] | None = None) -> str:
+    model = labels.get(model_label, "")[:MAX_MODEL_CHARS] if model_label else ""
+    return spell.get(model.casefold(), model) if spell else model
 
 
 def _numbers(fam: Family, samples: Samples, engine: Engine, *,
-             take_max: bool) -> dict[str, float]:
+             take_max: bool, spell: Mapping[str, str] | None = None) -> dict[str, float]:
     """A gauge or counter per model: the largest within a replica, summed over replicas (or
     the largest of all where ``take_max``)."""
     rows = _rows(samples, f"{fam.name}_total" if f"{fam.name}_total" in samples else fam.name)
@@ -332,7 +351,7 @@ def _numbers(fam: Family, samples: Samples, engine: Engine, *,
     for labels, value in rows:
         if not math.isfinite(value):
             continue
-        m = _model(labels, engine.model_label)
+        m = _model(labels, engine.model_label, spell)
         if fam.kind == "counter" and value < 0:
             continue  # a counter never is
         if engine.replicas is None:
@@ -349,13 +368,13 @@ def _numbers(fam: Family, samples: Samples, engine: Engine, *,
     return out
 
 
-def _histograms(fam: Family, samples: Samples, model_label: str | None
-                ) -> dict[str, LatencyHistogram]:
+def _histograms(fam: Family, samples: Samples, model_label: str | None,
+                spell: Mapping[str, str] | None = None) -> dict[str, LatencyHistogram]:
     buckets: dict[str, dict[float, float]] = {}
     sums: dict[str, float] = {}
     bad: set[str] = set()  # models whose buckets cannot be a histogram
     for labels, value in _rows(samples, f"{fam.name}_bucket"):
-        le, m = labels.get("le"), _model(labels, model_label)
+        le, m = labels.get("le"), _model(labels, model_label, spell)
         if le is None:
             continue
         try:
@@ -370,7 +389,7 @@ def _histograms(fam: Family, samples: Samples, model_label: str | None
         per = buckets.setdefault(m, {})
         per[bound] = per.get(bound, 0.0) + value
     for labels, value in _rows(samples, f"{fam.name}_sum"):
-        m = _model(labels, model_label)
+        m = _model(labels, model_label, spell)
         if not math.isfinite(value):
             bad.add(m)
         sums[m] = sums.get(m, 0.0) + value * fam.scale
