@@ -13,6 +13,7 @@ import dataclasses
 import http.server
 import json
 import math
+import re
 import subprocess
 import sys
 import time
@@ -38,7 +39,7 @@ from tests.receivers import (
     answer_with,
     running,
 )
-from tests.stored import add_gpu, gpu_labels, push
+from tests.stored import SeriesKey, add_gpu, gpu_labels, push
 from tests.test_diagnose import verdicts as report_verdicts
 from tests.waiting import until
 
@@ -384,3 +385,56 @@ def test_an_answer_of_the_wrong_shape_is_exit_6_saying_what_was_wrong(how, store
     assert len(lines) == 1, lines
     assert "no Prometheus query API answer" in lines[0] and said in lines[0], lines[0]
     assert proxy.base.split("//")[1] in lines[0]  # which store, by its URL
+
+
+def _restored(agent: Agent, namespace: str, change: Callable[[str, float], float]
+              ) -> dict[SeriesKey, list[tuple[int, float]]]:
+    """What ``agent`` sent, as another pod's (``namespace``), each value through ``change``
+    (name, value): the agent's real series, written again with some values as a store might
+    hold them."""
+    series: dict[SeriesKey, list[tuple[int, float]]] = {}
+    for name, labels, ts, value in agent.sampled():
+        moved = tuple(sorted({**dict(labels), "namespace": namespace}.items()))
+        series.setdefault((name, moved), []).append((ts, change(name, value)))
+    return series
+
+
+# Prometheus stores NaN as sent; VictoriaMetrics drops NaN at ingestion (it is then absent) and
+# keeps the infinities: each store gets the non-finite value it holds
+NOT_A_NUMBER = {"prometheus": math.nan, "victoria-metrics": math.inf}
+
+
+@pytest.mark.parametrize("kind", NOT_A_NUMBER)
+def test_pcie_figures_stored_as_not_a_number_are_not_judged_never_healthy(kind, stores,
+                                                                          tmp_path):
+    """A pcie-saturated agent's real series, written to a real store again with every PCIe ratio
+    not a number: PCIe is not judged (said, per GPU), never 'none' with exit 0 (exit 6: the
+    store held what no agent sends), and no figure is printed as 'nan %'."""
+    vm, prom = stores
+    store = prom if kind == "prometheus" else vm
+    agent = agent_for("pcie-saturated", stores, tmp_path / "spool", namespace="nan-src")
+    with running(agent):
+        agent.start()
+        agent.more_cycles(CYCLES, "pushing")
+    pcie_ratio = re.compile(r"gpu_pcie_.*_ratio")
+    bad = NOT_A_NUMBER[kind]
+    push(store.write_url, _restored(agent, "nan", lambda name, v: bad
+                                    if pcie_ratio.fullmatch(name) else v))
+    w = window_around(cycles_of([agent]))
+
+    def stored():
+        proc = run_cli("diagnose", "--query-url", store.base, "--select", "namespace=nan",
+                       f"--at={w.end:.3f}", "--duration", f"{w.end - w.start:.3f}")
+        return proc if f"{len(cycles_of([agent]))} samples" in proc.stdout else None
+
+    proc = until(stored, 30, interval=0.5, what=f"the {bad} copy in {store.base}")
+    assert "nan %" not in proc.stdout.lower() and "inf %" not in proc.stdout.lower(), proc.stdout
+    assert "Traceback" not in proc.stderr, proc.stderr
+    assert proc.returncode == 6, proc.stdout + proc.stderr
+    text = " ".join(proc.stdout.split())
+    assert text.count("not judged where these figures feed it") == 2, text  # on each GPU
+    assert "gpu_pcie_rx_bandwidth_util_ratio" in text, text
+    assert "result: no finding in the figures read of 2 GPU(s), but GPU 0, 1 not judged " \
+        "whole" in text, text
+    assert "verdict: none" in text and "nothing found" not in text, text
+    assert "not a number" in proc.stderr and len(proc.stderr.strip().splitlines()) == 1

@@ -25,6 +25,7 @@ import dataclasses
 import datetime
 import itertools
 import json
+import math
 import re
 import statistics
 import sys
@@ -37,7 +38,15 @@ from sidecar import config, thresholds
 from sidecar.metrics import RARE
 from sidecar.samples import Series
 from sidecar.sinks.cadence import RESEND_S
-from sidecar.store import GPU_LABELS, Row, Store, StoreError, duration, selector
+from sidecar.store import (
+    EXIT_UNREACHABLE,
+    GPU_LABELS,
+    Row,
+    Store,
+    StoreError,
+    duration,
+    selector,
+)
 from sidecar.thresholds import Thresholds
 from sidecar.views.report import report
 from sidecar.views.verdict import ALL_KINDS, Figures, Summary, Verdict, figures_of, judge, ms
@@ -77,6 +86,9 @@ class Pod:
     cycles: tuple[tuple[float, tuple[Series, ...]], ...]
     notes: tuple[str, ...] = ()
     interval_s: float = 0.0
+    # (GPU UUID, or "" for the pod's own series) -> the series stored as NaN or an infinity in
+    # the window, and in how many cycles: left out, so what they alone feed is not judged
+    unreadable: tuple[tuple[str, tuple[tuple[str, int], ...]], ...] = ()
 
 
 @dataclass
@@ -144,12 +156,18 @@ def _rebuild(key: tuple[str, ...], rows: list[Row], start: float) -> Pod:
     (each reset said), samples grouped by their time (one cycle of the agent each)."""
     by_time: dict[int, list[Series]] = {}
     resets: dict[str, list[float]] = {}
+    unreadable: dict[str, dict[str, int]] = {}  # GPU UUID -> series -> cycles stored as NaN
     for row in rows:
         name = row.name
         labels = tuple((k, v) for k, v in row.labels if k != "__name__")
         offset, previous = 0.0, None
         for p in sorted(row.points, key=lambda p: p.t):
             value = p.v
+            if not math.isfinite(value):  # no agent sends one: absent, and said, never judged
+                if p.t >= start:
+                    per = unreadable.setdefault(row.label("gpu_uuid"), {})
+                    per[name] = per.get(name, 0) + 1
+                continue
             if name.endswith(CUMULATIVE):
                 if previous is not None and value < previous:
                     offset += previous
@@ -187,7 +205,17 @@ def _rebuild(key: tuple[str, ...], rows: list[Row], start: float) -> Pod:
             + ": judged on the cycles stored, nothing filled in (the agent was down, or its "
             "pushes were lost)")
     cycles = tuple((ms_ / 1000, tuple(by_time[ms_])) for ms_ in times)
-    return Pod(key, cycles, tuple(notes), interval)
+    return Pod(key, cycles, tuple(notes), interval, tuple(
+        (uuid, tuple(sorted(per.items()))) for uuid, per in sorted(unreadable.items())))
+
+
+def unreadable_note(unreadable: Sequence[tuple[str, int]]) -> str:
+    """What the store held as NaN or an infinity (values no agent sends): left out, so a layer
+    they alone feed is "not judged", never healthy."""
+    said = [f"{name} ({n} cycle(s))" for name, n in unreadable]
+    return ("not judged where these figures feed it (stored as not a number: NaN or an "
+            "infinity, which no agent sends; left out): " + ", ".join(said[:8])
+            + (f" and {len(said) - 8} more" if len(said) > 8 else ""))
 
 
 def _carry_rare(by_time: dict[int, list[Series]], times: list[int]) -> None:
@@ -218,6 +246,8 @@ class Judged:
     verdicts: dict[str, Verdict]
     cycles: int
     interval_s: float
+    # the GPUs (verdicts' keys) with figures stored as NaN or an infinity: never "seen healthy"
+    unreadable: frozenset[str] = frozenset()
 
 
 def judge_stored(stored: Stored, w: Window, t: Thresholds | None = None) -> Judged:
@@ -225,7 +255,9 @@ def judge_stored(stored: Stored, w: Window, t: Thresholds | None = None) -> Judg
     t = t or thresholds.THRESHOLDS
     verdicts: dict[str, Verdict] = {}
     cycles, intervals = 0, []
+    unreadable: set[str] = set()
     for pod in stored.pods:
+        bad = dict(pod.unreadable)
         summary = Summary()
         timeline: dict[str, list[tuple[float, Figures]]] = {}
         for at, series in pod.cycles:
@@ -239,12 +271,15 @@ def judge_stored(stored: Stored, w: Window, t: Thresholds | None = None) -> Judg
         for uuid, window in summary.windows().items():
             v = judge(window, t)
             extra = [*pod.notes]
+            if lost := (*bad.get(uuid, ()), *bad.get("", ())):
+                extra.append(unreadable_note(lost))
+                unreadable.add(uuid)
             if said := onset_note(v, timeline[uuid], w, pod.interval_s, t):
                 extra.append(said)
             verdicts[uuid] = dataclasses.replace(v, notes=(*v.notes, *extra))
     order = sorted(verdicts, key=lambda u: (_ident(verdicts[u]), u))
     return Judged({u: verdicts[u] for u in order}, cycles,
-                  statistics.median(intervals) if intervals else 0.0)
+                  statistics.median(intervals) if intervals else 0.0, frozenset(unreadable))
 
 
 def _ident(v: Verdict) -> tuple[int, str]:
@@ -358,9 +393,21 @@ def from_store(cfg: Config, *, t: Thresholds | None = None) -> int:
              if judged.interval_s else "every stored cycle")
     source = (f"long-term storage {store.shown}, window {w.shown()} (UTC), {every}; "
               f"{store.queries} queries")
-    sys.stdout.write(report(judged.verdicts, seconds=w.end - w.start, samples=judged.cycles,
-                            label="  [from long-term storage]", t=t, source=source))
-    return 1 if any(v.findings for v in judged.verdicts.values()) else 0
+    unjudged = sorted(judged.verdicts[u].window.mean.index for u in judged.unreadable
+                      if not judged.verdicts[u].findings)
+    sys.stdout.write(report(
+        judged.verdicts, seconds=w.end - w.start, samples=judged.cycles,
+        label="  [from long-term storage]", t=t, source=source,
+        unjudged=(f"GPU {', '.join(unjudged)} not judged whole: figures stored as not a number "
+                  "(see its notes)") if unjudged else ""))
+    if any(v.findings for v in judged.verdicts.values()):
+        return 1
+    if unjudged:  # not seen healthy: what the store held was no agent's figure
+        print(f"gpu-sidecar diagnose: {store.shown} holds figures that are not a number (NaN "
+              f"or an infinity) for GPU {', '.join(unjudged)}: left out, so nothing is said "
+              "healthy (exit 6)", file=sys.stderr)
+        return EXIT_UNREACHABLE
+    return 0
 
 
 def by_uuid(judged: Judged) -> Mapping[str, str]:

@@ -28,9 +28,11 @@ from sidecar.views.verdict import (
 
 
 def report(verdicts: Mapping[str, Verdict], *, seconds: float, samples: int, label: str,
-           t: Thresholds | None = None, held: str = "", source: str = "") -> str:
+           t: Thresholds | None = None, held: str = "", source: str = "",
+           unjudged: str = "") -> str:
     """What diagnose prints: where the window came from, a block per GPU, then one line of
-    result."""
+    result; ``unjudged`` names GPUs without a finding that were not judged whole (never
+    "nothing found" for them)."""
     t = t or thresholds.THRESHOLDS
     out = [f"gpu-sidecar diagnose: {len(verdicts)} GPU(s), {samples} samples over "
            f"{seconds:.1f} s{label}",
@@ -43,8 +45,13 @@ def report(verdicts: Mapping[str, Verdict], *, seconds: float, samples: int, lab
     for uuid, v in verdicts.items():
         out += ["", *_block(uuid, v)]
     bad = [f"GPU {v.window.mean.index} {v.key}" for v in verdicts.values() if v.findings]
-    out += ["", f"result: a bottleneck on {len(bad)} of {len(verdicts)} GPU(s): {', '.join(bad)}"
-            if bad else f"result: nothing found on {len(verdicts)} GPU(s)"]
+    if bad:
+        result = f"a bottleneck on {len(bad)} of {len(verdicts)} GPU(s): {', '.join(bad)}"
+    elif unjudged:
+        result = f"no finding in the figures read of {len(verdicts)} GPU(s), but {unjudged}"
+    else:
+        result = f"nothing found on {len(verdicts)} GPU(s)"
+    out += ["", f"result: {result}" + (f"; {unjudged}" if bad and unjudged else "")]
     return "\n".join(out) + "\n"
 
 
