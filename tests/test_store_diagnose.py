@@ -438,3 +438,37 @@ def test_pcie_figures_stored_as_not_a_number_are_not_judged_never_healthy(kind, 
         "whole" in text, text
     assert "verdict: none" in text and "nothing found" not in text, text
     assert "not a number" in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize("kind", ("victoria-metrics", "prometheus"))
+def test_a_window_after_the_agent_stopped_is_exit_2_saying_why(kind, stores, stored_agent):
+    """A window just after the agent's last cycle: the cycles fetched from before it (for the
+    rare figures) make no GPU of the window; no GPU matched (exit 2), and the message says the
+    selector matches GPUs lately, never 'nothing found on 0 GPU(s)'."""
+    vm, prom = stores
+    store = prom if kind == "prometheus" else vm
+    after = stored_agent.end + 3
+    until(lambda: time.time() > after + 0.5, 10, what="the window after the agent stopped")
+    proc = run_cli("diagnose", "--query-url", store.base, "--select", "namespace=mangle",
+                   f"--at={after:.3f}", "--duration", "2")
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert proc.stdout == "" and "Traceback" not in proc.stderr, proc.stdout + proc.stderr
+    assert "no GPU series in the window" in proc.stderr, proc.stderr
+    assert "2 GPU(s) match it in the last 7 days" in proc.stderr, proc.stderr
+
+
+@pytest.mark.parametrize("label", ("gpu_uuid", "__name__"))
+def test_series_without_a_gpu_label_or_a_name_are_exit_2_saying_why(label, stores,
+                                                                    stored_agent):
+    """Every series answered without its GPU label (or its name: then series of one GPU differ
+    by nothing, a shape no query API answers): never 'nothing found on 0 GPU(s)', exit 0."""
+    proxy = QueryProxy(stores[0].base, _each_series(lambda r: r["metric"].pop(label, None)))
+    with running(proxy):
+        proc = diagnose_at(proxy.base, stored_agent)
+    assert "Traceback" not in proc.stderr and proc.stdout == "", proc.stdout + proc.stderr
+    if label == "gpu_uuid":
+        assert proc.returncode == 2, proc.stderr
+        assert "none that is a GPU's figure" in proc.stderr, proc.stderr
+    else:
+        assert proc.returncode == 6, proc.stderr
+        assert "the same series twice" in proc.stderr, proc.stderr

@@ -135,7 +135,9 @@ def fetch(store: Store, select: Sequence[tuple[str, str, str]], w: Window) -> St
     for row in (*gpu_rows, *pod_rows):
         if (k := _pod_key(row)) in by_pod:
             by_pod[k].append(row)
-    return Stored([_rebuild(k, rows, w.start) for k, rows in by_pod.items()])
+    # a pod whose rows all came from before the window (fetched for the rare figures: its agent
+    # stopped before the window began) has nothing to judge in it
+    return Stored([pod for k, rows in by_pod.items() if (pod := _rebuild(k, rows, w.start)).cycles])
 
 
 def _literal(text: str) -> str:
@@ -389,6 +391,13 @@ def from_store(cfg: Config, *, t: Thresholds | None = None) -> int:
     finally:
         store.close()
     judged = judge_stored(stored, w, t)
+    if not judged.verdicts:  # series in the window, but none a GPU's figure by name and labels
+        print(f"gpu-sidecar diagnose: the window {w.shown()} in {store.shown} holds series of "
+              f"{len(stored.pods)} pod(s) matching --select, but none that is a GPU's figure "
+              "(a gpu_* name the agent exports, with its gpu_uuid label): nothing to judge; "
+              "check that --query-url is the store the agents push to, unchanged (no relabelling "
+              "that drops __name__ or gpu_uuid)", file=sys.stderr)
+        return 2
     every = (f"every stored cycle (the agents' interval, about {judged.interval_s:g} s)"
              if judged.interval_s else "every stored cycle")
     source = (f"long-term storage {store.shown}, window {w.shown()} (UTC), {every}; "
