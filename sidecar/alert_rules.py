@@ -70,20 +70,26 @@ _OTHER_GROUPS = """\
     rules:
       - alert: GPUVerdictSustained
         # the agent's own verdict (gpu_verdict: the kind its judge names over its last 30 s,
-        # with the thresholds above) has named the same layer for 10 minutes: one alert that
-        # says why, beside the per-layer ones; "none" never fires, and a verdict that ends is
-        # sent at 0, so the alert resolves when the cause does
+        # with the thresholds above) has named a finding on a GPU, whatever its kind, for 10
+        # minutes: one alert per GPU that says why, beside the per-layer ones. The kind is not
+        # one of the alert's labels, so a finding whose kind alternates (PCIe, fragmentation,
+        # PCIe...) is one alert whose `for` holds across the changes; its annotations name the
+        # kind at 1 now. "none" never fires, a verdict that ends is sent at 0, and a stopped
+        # agent's series end, so the alert resolves when the cause (or the agent) does
         expr: |
-          max by (namespace, pod, node, gpu_uuid, gpu_index, verdict) (
+          max by (namespace, pod, node, gpu_uuid, gpu_index) (
             gpu_verdict{verdict!="none"}
           ) == 1
         for: 10m
         labels:
           severity: warning
         annotations:
-          summary: "GPU {{ $labels.gpu_index }} of {{ $labels.pod }}: {{ $labels.verdict }} for 10 minutes"
+          summary: >-
+            GPU {{ $labels.gpu_index }} of {{ $labels.pod }} in trouble for 10 minutes, now:
+            %(verdict_kinds_now)s
           description: >-
-            gpu-sidecar names {{ $labels.verdict }} as what explains the latency on this GPU;
+            gpu-sidecar has named a finding (the summary says which now) as what explains the
+            latency on this GPU for 10 minutes;
             `kubectl exec {{ $labels.pod }} -c gpu-sidecar -- gpu-sidecar diagnose` gives the
             figures behind it and what to do.
 
@@ -206,6 +212,12 @@ _OTHER_GROUPS = """\
 THROTTLE_REASONS = (("power_cap", "power cap"), ("hw_slowdown", "HW slowdown"),
                     ("hw_thermal", "HW thermal"), ("hw_power_brake", "HW power brake"),
                     ("sw_thermal", "SW thermal"))
+# the kinds at 1 now of the GPU of an alert keyed by GPU (GPUVerdictSustained), for its
+# annotations: a template asking the store, since the kind is not one of the alert's labels
+VERDICT_KINDS_NOW = (
+    '{{ range $i, $k := query (printf `max by (verdict) (gpu_verdict{namespace=%q, pod=%q,'
+    ' node=%q, gpu_uuid=%q, verdict!="none"} == 1)` $labels.namespace $labels.pod'
+    ' $labels.node $labels.gpu_uuid) }}{{ if $i }}, {{ end }}{{ $k.Labels.verdict }}{{ end }}')
 RULES_FILE = Path("deploy/alerts/gpu-sidecar.rules.yml")
 OPERATOR_FILE = Path("k8s/monitoring/prometheusrule.yaml")
 
@@ -223,6 +235,7 @@ def _values(t: Thresholds) -> dict[str, object]:
     values["pcie_degraded_percent"] = f"{100 * t.pcie_degraded_traffic_ratio:g}"
     values["kv_cache_percent"] = f"{100 * t.kv_cache_full_ratio:g}"
     values["queue_share_percent"] = f"{100 * t.queue_share_ratio:g}"
+    values["verdict_kinds_now"] = VERDICT_KINDS_NOW
     values["throttle_reasons_expr"] = "\n            or\n            ".join(
         f'label_replace(avg_over_time(gpu_clocks_event_{reason}_ratio[5m])'
         f' > {t.throttle_ratio:g},\n              "reason", "{name}", "", "")'
