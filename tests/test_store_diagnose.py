@@ -472,3 +472,28 @@ def test_series_without_a_gpu_label_or_a_name_are_exit_2_saying_why(label, store
     else:
         assert proc.returncode == 6, proc.stderr
         assert "the same series twice" in proc.stderr, proc.stderr
+
+
+def test_a_window_longer_than_the_data_is_said_and_its_onsets_are_from_the_first_cycle(
+        stores, stored_agent):
+    """--duration 120 over an agent that ran a few seconds: the window line says how much of it
+    holds cycles, and the pcie finding held 'from the first stored cycle', never 'already at the
+    window's start' (the window's start held nothing)."""
+    proc = run_cli("diagnose", "--query-url", stores[0].base, "--select", "namespace=mangle",
+                   f"--at={stored_agent.end:.3f}", "--duration", "120")
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    text = " ".join(proc.stdout.split())
+    held = re.search(r"the window holds only (\d+) s of stored cycles, from (\S+) to (\S+) "
+                     r"\(the agents' first cycle came after its start\)", text)
+    assert held, text
+    assert int(held[1]) <= stored_agent.end - stored_agent.start + 2, held[0]
+    assert "already at the window's start" not in text, text
+    assert re.search(r"pcie \([^)]*\) from the first stored cycle, at " + held[2], text), text
+
+
+def test_a_window_within_the_data_says_nothing_of_what_it_holds(stores, stored_agent):
+    """The window around the agent's cycles: no 'holds only' (the pin of the other side)."""
+    proc = diagnose_at(stores[0].base, stored_agent)
+    text = " ".join(proc.stdout.split())
+    assert proc.returncode == 1 and "holds only" not in text, text
+    assert "already at the window's start" in text, text

@@ -339,16 +339,45 @@ def onset_note(v: Verdict, timeline: Sequence[tuple[float, Figures]], w: Window,
         return ""
     span = onset_window(w, interval_s)
     parts = []
+    first = timeline[0][0] if timeline else w.start
+    # the data may begin after the window does (the agent started later): then "from the start"
+    # is from the first stored cycle, never the window's start, which held nothing
+    start_said = ("already at the window's start" if not late_start(first, w, interval_s)
+                  else f"from the first stored cycle, at {clock(first)}")
     for since, key, from_start in found:
         what = (f"p99 above {ms(t.p99_latency_s)}" if key == "p99"
                 else f"{key} ({ALL_KINDS[key][2]})")
-        parts.append(f"{what} already at the window's start" if from_start
-                     else f"{what} from {clock(since)}")
+        parts.append(f"{what} {start_said}" if from_start else f"{what} from {clock(since)}")
     unsettled = [f.key for f in v.findings if f.key not in {k for _, k, _ in found}]
     tail = (f"; {', '.join(unsettled)} found over the whole window but not held to its end"
             if unsettled else "")
     return (f"when it started (UTC, each judged on the trailing {span:.0f} s, held to the "
             f"window's end): {'; '.join(parts)}{tail}")
+
+
+def late_start(first: float, w: Window, interval_s: float) -> bool:
+    """Whether the first stored cycle comes later than the window's start by more than a gap."""
+    return first - w.start > max(GAP_INTERVALS * interval_s, 1.0)
+
+
+def held_note(stored: Stored, w: Window, interval_s: float) -> str:
+    """The part of the window that holds stored cycles, where it is not the whole window (the
+    agents started after its start or stopped before its end): said on the window line, as the
+    live diagnose says a window longer than the agent's."""
+    times = [t for pod in stored.pods for t, _ in pod.cycles]
+    if not times:
+        return ""
+    first, last = min(times), max(times)
+    late, early = late_start(first, w, interval_s), w.end - last > max(
+        GAP_INTERVALS * interval_s, 1.0)
+    if not late and not early:
+        return ""
+    held = last - first + interval_s
+    return (f"; the window holds only {held:.0f} s of stored cycles, from {clock(first)} to "
+            f"{clock(last)} (" + " and ".join(
+                [*(["the agents' first cycle came after its start"] if late else []),
+                 *(["their last before its end"] if early else [])])
+            + "): judged on those")
 
 
 def explain_empty(store: Store, select: Sequence[tuple[str, str, str]], w: Window) -> str:
@@ -401,7 +430,7 @@ def from_store(cfg: Config, *, t: Thresholds | None = None) -> int:
     every = (f"every stored cycle (the agents' interval, about {judged.interval_s:g} s)"
              if judged.interval_s else "every stored cycle")
     source = (f"long-term storage {store.shown}, window {w.shown()} (UTC), {every}; "
-              f"{store.queries} queries")
+              f"{store.queries} queries{held_note(stored, w, judged.interval_s)}")
     unjudged = sorted(judged.verdicts[u].window.mean.index for u in judged.unreadable
                       if not judged.verdicts[u].findings)
     sys.stdout.write(report(
