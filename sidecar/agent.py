@@ -314,6 +314,9 @@ class Agent:
         if self.source is not None:
             for reason, n in sorted(self.source.errors.items()):
                 out.append(s("gpu_sidecar_collection_errors_total", n, ("reason", reason)))
+            for call, spent in self.source.nvml_calls().items():
+                out.append(s("gpu_sidecar_nvml_call_seconds_total", spent.seconds, ("call", call)))
+                out.append(s("gpu_sidecar_nvml_calls_total", spent.calls, ("call", call)))
         for uuid, ok in available.items():
             labels = self._labels(self.identity(uuid))
             out.append(Series(name="gpu_sidecar_gpu_available", labels=labels,

@@ -475,6 +475,15 @@ TABLE: tuple[MetricSpec, ...] = (
     _m("gpu_sidecar_cycle_duration_seconds", "gauge", "seconds", "self", "agent",
        "Wall time of the last sampling cycle.",
        otel="gpu.sidecar.cycle.duration"),
+    _m("gpu_sidecar_nvml_call_seconds_total", "counter", "seconds", "self", "agent: pynvml calls",
+       "Wall time the agent spent inside NVML since it started, per pynvml function (label `call`, "
+       "e.g. nvmlDeviceGetFieldValues): NVML calls serialise in the driver, so this is the time the "
+       "agent held it. The Xid watcher's nvmlEventSetWait_v2, a wait for an event, is not counted.",
+       otel="gpu.sidecar.nvml.call.duration"),
+    _m("gpu_sidecar_nvml_calls_total", "counter", "calls", "self", "agent: pynvml calls",
+       "NVML calls the agent made since it started, per pynvml function (label `call`), failed "
+       "ones included.",
+       otel="gpu.sidecar.nvml.calls"),
     _m("gpu_sidecar_app_messages_accepted_total", "counter", "messages", "self", "agent",
        "App socket messages accepted.",
        otel="gpu.sidecar.app.messages.accepted"),

@@ -9,7 +9,7 @@ from typing import Any
 from sidecar import __version__, config, protocol, wiring
 from sidecar.agent import PRIME_WINDOW_S
 from sidecar.samples import GpuIdentity, ratio
-from sidecar.sources.nvml import NvmlReading, NvmlSource
+from sidecar.sources.nvml import NvmlReading, NvmlSource, timed
 from sidecar.views import links
 from sidecar.views.links import Link
 
@@ -23,13 +23,16 @@ def probe(cfg: config.Config) -> int:
         uuids = [d.uuid for d in devices]
         source.read(uuids)
         time.sleep(PRIME_WINDOW_S)
+        before = timed.totals()
         readings = source.read(uuids)
+        cycle = timed.since(before)
         sim = f"  [SIMULATED: scenario {cfg.simulate}]" if scenario is not None else ""
         print(f"gpu-sidecar {__version__} probe: NVML driver {source.driver_version}, "
               f"{len(devices)} GPU(s){sim}")
         # one line to check what a DRA claim or NVIDIA_VISIBLE_DEVICES gave this container
         print("this container sees: " + (", ".join(
             f"{d.uuid} ({d.name})" for d in devices) or "no GPU"))
+        print(_nvml_cost(source, devices, cycle))
         for identity in devices:
             print()
             print(_probe_block(source, identity, readings.get(identity.uuid)))
@@ -41,6 +44,28 @@ def probe(cfg: config.Config) -> int:
                   f"{cfg.socket}` says what it receives (processes, rejections by reason), "
                   "pushes and exports")
     return 0
+
+
+COSTLIEST_SHOWN = 5
+
+
+def _ms(seconds: float) -> str:
+    return f"{seconds * 1e3:.3f} ms"
+
+
+def _nvml_cost(source: NvmlSource, devices: list[GpuIdentity],
+               cycle: dict[str, timed.CallTime]) -> str:
+    """What one cycle's reading of every GPU cost in NVML (the driver's time, which the model
+    server waits on): in all, per GPU, and the costliest calls."""
+    seconds = sum(c.seconds for c in cycle.values())
+    calls = sum(c.calls for c in cycle.values())
+    per_gpu = source.last_read_nvml
+    gpus = ", ".join(f"GPU {d.index} {_ms(m.seconds)} ({m.calls} calls)" for d in devices
+                     if (m := per_gpu.get(d.uuid)) is not None)
+    costliest = ", ".join(f"{name} {_ms(c.seconds)} x{c.calls}"
+                          for name, c in list(cycle.items())[:COSTLIEST_SHOWN])
+    return (f"NVML time in one cycle: {_ms(seconds)} in {calls} calls; per GPU: {gpus or 'none'}"
+            f"\n  costliest calls: {costliest or 'none'}")
 
 
 def _held(path: str) -> bool:

@@ -28,6 +28,7 @@ from sidecar.sources.nvml.health import (
     HealthCaps,
     detect_health,
 )
+from sidecar.sources.nvml.timed import nvml
 from sidecar.sources.pcie import link_max_bytes_per_second
 
 log = structlog.get_logger("sidecar.nvml")
@@ -243,14 +244,14 @@ def detect_mig(handle: Any, parent: Capabilities) -> Capabilities:
 def detect_memory(handle: Any, absent: dict[str, str]) -> Literal["v2", "v1"] | None:
     """v2 (with the driver's reservation) where the driver has it, else v1."""
     try:
-        pynvml.nvmlDeviceGetMemoryInfo(handle, version=pynvml.nvmlMemory_v2)
+        nvml.nvmlDeviceGetMemoryInfo(handle, version=pynvml.nvmlMemory_v2)
         return "v2"
     except pynvml.NVMLError as exc:
         if not is_unsupported(exc):
             raise
     absent["gpu_memory_reserved_bytes"] = "nvmlDeviceGetMemoryInfo_v2 unavailable (old driver)"
     try:
-        pynvml.nvmlDeviceGetMemoryInfo(handle)
+        nvml.nvmlDeviceGetMemoryInfo(handle)
         return "v1"
     except pynvml.NVMLError as exc:
         if not is_unsupported(exc):
@@ -262,7 +263,7 @@ def detect_memory(handle: Any, absent: dict[str, str]) -> Literal["v2", "v1"] | 
 
 def _detect_utilization(handle: Any, absent: dict[str, str]) -> bool:
     try:
-        pynvml.nvmlDeviceGetUtilizationRates(handle)
+        nvml.nvmlDeviceGetUtilizationRates(handle)
         return True
     except pynvml.NVMLError as exc:
         if not is_unsupported(exc):
@@ -275,7 +276,7 @@ def _detect_utilization(handle: Any, absent: dict[str, str]) -> bool:
 def _detect_gpm(handle: Any) -> tuple[bool, str]:
     """Whether the GPU has GPM, and why not when it has none."""
     try:
-        supported = bool(pynvml.nvmlGpmQueryDeviceSupport(handle).isSupportedDevice)
+        supported = bool(nvml.nvmlGpmQueryDeviceSupport(handle).isSupportedDevice)
         return supported, "GPM not supported on this GPU (Hopper and newer only)"
     except pynvml.NVMLError as exc:
         if not is_unsupported(exc):
@@ -284,8 +285,8 @@ def _detect_gpm(handle: Any) -> tuple[bool, str]:
 
 
 def _detect_link(handle: Any, pcie_peak: float | None, absent: dict[str, str]) -> Link:
-    generation = try_nvml(lambda: pynvml.nvmlDeviceGetMaxPcieLinkGeneration(handle), None)
-    width = try_nvml(lambda: pynvml.nvmlDeviceGetMaxPcieLinkWidth(handle), None)
+    generation = try_nvml(lambda: nvml.nvmlDeviceGetMaxPcieLinkGeneration(handle), None)
+    width = try_nvml(lambda: nvml.nvmlDeviceGetMaxPcieLinkWidth(handle), None)
     peak: float | None = None
     if pcie_peak:
         peak = float(pcie_peak)
@@ -300,7 +301,7 @@ def _detect_link(handle: Any, pcie_peak: float | None, absent: dict[str, str]) -
 def _probe_fields(handle: Any, ids: tuple[int, ...]) -> dict[int, CounterValue | None]:
     """One reading of the field values ``ids``; empty where the driver has no field values."""
     try:
-        values = pynvml.nvmlDeviceGetFieldValues(handle, list(ids))
+        values = nvml.nvmlDeviceGetFieldValues(handle, list(ids))
     except pynvml.NVMLError as exc:
         if not is_unsupported(exc):
             raise
@@ -346,7 +347,7 @@ def _choose_replay(handle: Any, probe: dict[int, CounterValue | None],
                    absent: dict[str, str]) -> Literal["field", "call"] | None:
     if probe.get(FI_REPLAY) is not None:
         return "field"
-    if try_nvml(lambda: pynvml.nvmlDeviceGetPcieReplayCounter(handle), None) is not None:
+    if try_nvml(lambda: nvml.nvmlDeviceGetPcieReplayCounter(handle), None) is not None:
         return "call"
     absent["gpu_pcie_replay_errors_total"] = "not supported"
     return None
@@ -360,7 +361,7 @@ def _choose_nvlink(handle: Any, links: int, *, gpm: bool,
         return "gpm"
     if links:
         try:
-            check = pynvml.nvmlDeviceGetFieldValues(handle, [(FI_NVL_TX, 0), (FI_NVL_RX, 0)])
+            check = nvml.nvmlDeviceGetFieldValues(handle, [(FI_NVL_TX, 0), (FI_NVL_RX, 0)])
             if all(field_value(v) is not None for v in check):
                 return "counters"
         except pynvml.NVMLError as exc:
@@ -384,7 +385,7 @@ def _nvlink_max(handle: Any, links: int, speed: CounterValue | None,
     if links:
         for link in range(links):
             try:
-                active += pynvml.nvmlDeviceGetNvLinkState(handle, link) == pynvml.NVML_FEATURE_ENABLED
+                active += nvml.nvmlDeviceGetNvLinkState(handle, link) == pynvml.NVML_FEATURE_ENABLED
             except pynvml.NVMLError as exc:
                 if not is_unsupported(exc):
                     raise

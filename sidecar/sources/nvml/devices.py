@@ -28,6 +28,7 @@ from sidecar.sources.nvml.capabilities import (
 from sidecar.sources.nvml.errors import Failures
 from sidecar.sources.nvml.health import NO_C2C
 from sidecar.sources.nvml.reading import Handles, ReadState, alloc_gpm_samples, gpm_request
+from sidecar.sources.nvml.timed import nvml
 
 log = structlog.get_logger("sidecar.nvml")
 
@@ -61,7 +62,7 @@ class Device:
     def free(self) -> None:
         for sample in self.state.gpm_samples:
             with contextlib.suppress(pynvml.NVMLError):
-                pynvml.nvmlGpmSampleFree(sample)
+                nvml.nvmlGpmSampleFree(sample)
         self.state.gpm_samples = ()
 
 
@@ -69,17 +70,17 @@ def open_gpu(handle: Any, index: int, *, pcie_peak: float | None, interval_s: fl
              errors: Counter[str]) -> list[Device]:
     """The GPU at ``index`` and, in MIG mode, its instances; each reports once what it lacks."""
     identity = GpuIdentity(
-        uuid=pynvml.nvmlDeviceGetUUID(handle),
-        name=pynvml.nvmlDeviceGetName(handle),
+        uuid=nvml.nvmlDeviceGetUUID(handle),
+        name=nvml.nvmlDeviceGetName(handle),
         index=str(index),
         pci_bus_id=_bus_id(handle),
         architecture=ARCHITECTURES.get(
-            try_nvml(lambda: pynvml.nvmlDeviceGetArchitecture(handle), -1), "unknown"),
+            try_nvml(lambda: nvml.nvmlDeviceGetArchitecture(handle), -1), "unknown"),
     )
     caps = detect(handle, uuid=identity.uuid, pcie_peak=pcie_peak, interval_s=interval_s)
     gpu = _device(identity, caps, Handles(device=handle), errors)
     devices = [gpu]
-    mig_mode = try_nvml(lambda: pynvml.nvmlDeviceGetMigMode(handle), [0, 0])
+    mig_mode = try_nvml(lambda: nvml.nvmlDeviceGetMigMode(handle), [0, 0])
     if mig_mode[0] == 1:
         devices += _open_migs(gpu, errors)
     _report(gpu)
@@ -89,22 +90,22 @@ def open_gpu(handle: Any, index: int, *, pcie_peak: float | None, interval_s: fl
 def _open_migs(parent: Device, errors: Counter[str]) -> list[Device]:
     out: list[Device] = []
     parent_handle = parent.handles.device
-    slots = try_nvml(lambda: pynvml.nvmlDeviceGetMaxMigDeviceCount(parent_handle), 0)
+    slots = try_nvml(lambda: nvml.nvmlDeviceGetMaxMigDeviceCount(parent_handle), 0)
     for slot in range(slots):
         try:
-            handle = pynvml.nvmlDeviceGetMigDeviceHandleByIndex(parent_handle, slot)
+            handle = nvml.nvmlDeviceGetMigDeviceHandleByIndex(parent_handle, slot)
         except pynvml.NVMLError:
             continue  # empty slot
         identity = GpuIdentity(
-            uuid=pynvml.nvmlDeviceGetUUID(handle),
-            name=pynvml.nvmlDeviceGetName(handle),
+            uuid=nvml.nvmlDeviceGetUUID(handle),
+            name=nvml.nvmlDeviceGetName(handle),
             index=f"{parent.identity.index}/{slot}",
             pci_bus_id=parent.identity.pci_bus_id,
             architecture=parent.identity.architecture,
             parent_uuid=parent.identity.uuid,
         )
         handles = Handles(device=handle, parent=parent_handle,
-                          gpu_instance_id=pynvml.nvmlDeviceGetGpuInstanceId(handle))
+                          gpu_instance_id=nvml.nvmlDeviceGetGpuInstanceId(handle))
         mig = _device(identity, detect_mig(handle, parent.caps), handles, errors, mig_slot=slot)
         _report(mig)
         out.append(mig)
@@ -123,22 +124,22 @@ def reopen(dev: Device) -> Handles:
     """The handles of a lost GPU that answers again, found by its UUID; NVMLError while it
     does not (or, for a MIG instance, after a re-partition that removed it)."""
     if not dev.handles.is_mig:
-        handle = pynvml.nvmlDeviceGetHandleByUUID(dev.identity.uuid)
-        pynvml.nvmlDeviceGetUUID(handle)  # answers, not only listed
+        handle = nvml.nvmlDeviceGetHandleByUUID(dev.identity.uuid)
+        nvml.nvmlDeviceGetUUID(handle)  # answers, not only listed
         return Handles(device=handle)
-    parent = pynvml.nvmlDeviceGetHandleByUUID(dev.identity.parent_uuid)
+    parent = nvml.nvmlDeviceGetHandleByUUID(dev.identity.parent_uuid)
     handle = _find_mig(parent, dev)
     return Handles(device=handle, parent=parent,
-                   gpu_instance_id=pynvml.nvmlDeviceGetGpuInstanceId(handle))
+                   gpu_instance_id=nvml.nvmlDeviceGetGpuInstanceId(handle))
 
 
 def _find_mig(parent: Any, dev: Device) -> Any:
     """The instance's handle under its parent, by UUID: its old slot first, then every slot."""
-    slots = try_nvml(lambda: pynvml.nvmlDeviceGetMaxMigDeviceCount(parent), 0)
+    slots = try_nvml(lambda: nvml.nvmlDeviceGetMaxMigDeviceCount(parent), 0)
     for slot in dict.fromkeys([dev.mig_slot, *range(slots)]):
         try:
-            handle = pynvml.nvmlDeviceGetMigDeviceHandleByIndex(parent, slot)
-            if pynvml.nvmlDeviceGetUUID(handle) == dev.identity.uuid:
+            handle = nvml.nvmlDeviceGetMigDeviceHandleByIndex(parent, slot)
+            if nvml.nvmlDeviceGetUUID(handle) == dev.identity.uuid:
                 dev.mig_slot = slot
                 return handle
         except pynvml.NVMLError:
@@ -167,5 +168,5 @@ def _report(dev: Device) -> None:
 
 
 def _bus_id(handle: Any) -> str:
-    raw = try_nvml(lambda: pynvml.nvmlDeviceGetPciInfo(handle).busId, b"")
+    raw = try_nvml(lambda: nvml.nvmlDeviceGetPciInfo(handle).busId, b"")
     return raw.decode(errors="replace") if isinstance(raw, bytes) else str(raw)

@@ -21,6 +21,7 @@ import pynvml
 
 from sidecar.samples import LAYER_METRICS, HealthLayer
 from sidecar.sources.nvml.errors import Failures, error_name, is_lost
+from sidecar.sources.nvml.timed import nvml
 from sidecar.sources.pcie import link_max_bytes_per_second
 
 MHZ = 1e6
@@ -138,23 +139,23 @@ def detect_health(handle: Any, absent: dict[str, str], probe: Any) -> HealthCaps
             absent[_SERIES[attr]] = ("clock event reasons not supported" if bitmask is None
                                      else "this reason is not reported by this GPU")
     power_field = values.get(FI_POWER) is not None
-    power_call = not power_field and _answers(pynvml.nvmlDeviceGetPowerUsage, handle)
+    power_call = not power_field and _answers(nvml.nvmlDeviceGetPowerUsage, handle)
     if not (power_field or power_call):
         absent["gpu_power_usage_watts"] = "power readings not supported"
-    power_limit = _answers(pynvml.nvmlDeviceGetEnforcedPowerLimit, handle)
+    power_limit = _answers(nvml.nvmlDeviceGetEnforcedPowerLimit, handle)
     if not power_limit:
         absent["gpu_power_limit_watts"] = "power limit not supported"
-    temperature = _answers(pynvml.nvmlDeviceGetTemperature, handle, pynvml.NVML_TEMPERATURE_GPU)
+    temperature = _answers(nvml.nvmlDeviceGetTemperature, handle, pynvml.NVML_TEMPERATURE_GPU)
     if not temperature:
         absent["gpu_temperature_celsius"] = "temperature not supported"
-    clocks = (_answers(pynvml.nvmlDeviceGetClockInfo, handle, pynvml.NVML_CLOCK_SM)
-              and _answers(pynvml.nvmlDeviceGetClockInfo, handle, pynvml.NVML_CLOCK_MEM))
+    clocks = (_answers(nvml.nvmlDeviceGetClockInfo, handle, pynvml.NVML_CLOCK_SM)
+              and _answers(nvml.nvmlDeviceGetClockInfo, handle, pynvml.NVML_CLOCK_MEM))
     if not clocks:
         absent["gpu_sm_clock_hertz"] = absent["gpu_memory_clock_hertz"] = "clocks not supported"
     sm_max = _max_clock(handle, pynvml.NVML_CLOCK_SM, absent, "gpu_sm_clock_max_hertz")
     mem_max = _max_clock(handle, pynvml.NVML_CLOCK_MEM, absent, "gpu_memory_clock_max_hertz")
-    current_link = (_answers(pynvml.nvmlDeviceGetCurrPcieLinkGeneration, handle)
-                    and _answers(pynvml.nvmlDeviceGetCurrPcieLinkWidth, handle))
+    current_link = (_answers(nvml.nvmlDeviceGetCurrPcieLinkGeneration, handle)
+                    and _answers(nvml.nvmlDeviceGetCurrPcieLinkWidth, handle))
     if not current_link:
         absent.update(dict.fromkeys(CURRENT_LINK_SERIES, "current PCIe link not reported"))
     links, per_link = values.get(FI_C2C_LINKS), values.get(FI_C2C_MAX)
@@ -187,10 +188,10 @@ def _supported_reasons(handle: Any) -> tuple[int | None, Any]:
     """The reasons the GPU reports, and the call that reads them now: the clocks-event names
     (R535 and later), else their older "throttle reasons" names, same bits."""
     for supported, current in (
-            (pynvml.nvmlDeviceGetSupportedClocksEventReasons,
-             pynvml.nvmlDeviceGetCurrentClocksEventReasons),
-            (pynvml.nvmlDeviceGetSupportedClocksThrottleReasons,
-             pynvml.nvmlDeviceGetCurrentClocksThrottleReasons)):
+            (nvml.nvmlDeviceGetSupportedClocksEventReasons,
+             nvml.nvmlDeviceGetCurrentClocksEventReasons),
+            (nvml.nvmlDeviceGetSupportedClocksThrottleReasons,
+             nvml.nvmlDeviceGetCurrentClocksThrottleReasons)):
         try:
             return int(supported(handle)), current
         except pynvml.NVMLError as exc:
@@ -201,7 +202,7 @@ def _supported_reasons(handle: Any) -> tuple[int | None, Any]:
 
 def _max_clock(handle: Any, clock: int, absent: dict[str, str], series: str) -> float | None:
     try:
-        mhz = pynvml.nvmlDeviceGetMaxClockInfo(handle, clock)
+        mhz = nvml.nvmlDeviceGetMaxClockInfo(handle, clock)
     except pynvml.NVMLError as exc:
         if is_lost(exc):
             raise
@@ -232,17 +233,17 @@ def read_health(device: Any, caps: HealthCaps, values: dict[tuple[int, int], Any
         power = values.get((FI_POWER, 0))
         figures["power_watts"] = None if power is None else power.value / 1000
     elif caps.power_call:
-        mw = failures.call("power", pynvml.nvmlDeviceGetPowerUsage, device)
+        mw = failures.call("power", nvml.nvmlDeviceGetPowerUsage, device)
         figures["power_watts"] = None if mw is None else mw / 1000
     if caps.power_limit:
         figures["power_limit_watts"] = power_limit_watts
     if caps.temperature:
         figures["temperature_celsius"] = failures.call(
-            "temperature", pynvml.nvmlDeviceGetTemperature, device, pynvml.NVML_TEMPERATURE_GPU)
+            "temperature", nvml.nvmlDeviceGetTemperature, device, pynvml.NVML_TEMPERATURE_GPU)
     if caps.clocks:
-        sm = failures.call("sm_clock", pynvml.nvmlDeviceGetClockInfo, device,
+        sm = failures.call("sm_clock", nvml.nvmlDeviceGetClockInfo, device,
                            pynvml.NVML_CLOCK_SM)
-        mem = failures.call("memory_clock", pynvml.nvmlDeviceGetClockInfo, device,
+        mem = failures.call("memory_clock", nvml.nvmlDeviceGetClockInfo, device,
                             pynvml.NVML_CLOCK_MEM)
         figures["sm_clock_hertz"] = None if sm is None else sm * MHZ
         figures["memory_clock_hertz"] = None if mem is None else mem * MHZ
@@ -284,7 +285,7 @@ def current_link(device: Any, caps: HealthCaps,
     if not caps.current_link:
         return None, None, None
     generation = failures.call("current_link_generation",
-                               pynvml.nvmlDeviceGetCurrPcieLinkGeneration, device)
-    width = failures.call("current_link_width", pynvml.nvmlDeviceGetCurrPcieLinkWidth, device)
+                               nvml.nvmlDeviceGetCurrPcieLinkGeneration, device)
+    width = failures.call("current_link_width", nvml.nvmlDeviceGetCurrPcieLinkWidth, device)
     rate = link_max_bytes_per_second(generation, width) if generation and width else None
     return generation, width, rate

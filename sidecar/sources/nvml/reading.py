@@ -29,6 +29,7 @@ from sidecar.sources.nvml.capabilities import (
 )
 from sidecar.sources.nvml.errors import Failures, GpuLost
 from sidecar.sources.nvml.health import ClockEventTotals, current_link, read_health
+from sidecar.sources.nvml.timed import nvml
 from sidecar.sources.pcie import counter_rate
 
 GPM_MIN_INTERVAL_S = 0.1  # NVML's minimum between two GPM samples
@@ -106,7 +107,7 @@ def read_gpu(handles: Handles, caps: Capabilities, state: ReadState, failures: F
     figures' field values are asked for."""
     device = handles.device
     mem = failures.call("memory", _memory_info, device, caps.memory) if caps.memory else None
-    util = (failures.call("utilization", pynvml.nvmlDeviceGetUtilizationRates, device)
+    util = (failures.call("utilization", nvml.nvmlDeviceGetUtilizationRates, device)
             if caps.utilization else None)
     # the rare figures (error counters, the power limit) are asked for every ``rare_read_s``
     rare_due = state.rare_t is None or not 0 <= now - state.rare_t < rare_read_s
@@ -130,12 +131,12 @@ def read_gpu(handles: Handles, caps: Capabilities, state: ReadState, failures: F
     if caps.replay == "field":
         replay = _value(values.get((FI_REPLAY, 0)))
     elif caps.replay == "call":
-        replay = failures.call("replay", pynvml.nvmlDeviceGetPcieReplayCounter, device)
+        replay = failures.call("replay", nvml.nvmlDeviceGetPcieReplayCounter, device)
 
     health = HealthLayer()
     if not handles.is_mig:
         if caps.health.power_limit and (rare_due or state.power_limit_watts is None):
-            mw = failures.call("power_limit", pynvml.nvmlDeviceGetEnforcedPowerLimit, device)
+            mw = failures.call("power_limit", nvml.nvmlDeviceGetEnforcedPowerLimit, device)
             state.power_limit_watts = None if mw is None else mw / 1000  # None: asked again
         health, state.clock_events = read_health(device, caps.health, values, state.clock_events,
                                                  failures, now, xids[0], state.power_limit_watts)
@@ -191,8 +192,8 @@ def _nothing_read(reading: NvmlReading) -> bool:
 
 def _memory_info(device: Any, version: str) -> Any:
     if version == "v2":
-        return pynvml.nvmlDeviceGetMemoryInfo(device, version=pynvml.nvmlMemory_v2)
-    return pynvml.nvmlDeviceGetMemoryInfo(device)
+        return nvml.nvmlDeviceGetMemoryInfo(device, version=pynvml.nvmlMemory_v2)
+    return nvml.nvmlDeviceGetMemoryInfo(device)
 
 
 def _field_values(device: Any, caps: Capabilities, state: ReadState, failures: Failures,
@@ -203,7 +204,7 @@ def _field_values(device: Any, caps: Capabilities, state: ReadState, failures: F
     ids = caps.field_ids + caps.rare_field_ids if rare_due else caps.field_ids
     if not ids:
         return dict(state.rare)
-    values = failures.call("field_values", pynvml.nvmlDeviceGetFieldValues, device, list(ids))
+    values = failures.call("field_values", nvml.nvmlDeviceGetFieldValues, device, list(ids))
     if values is None:
         if rare_due:
             state.rare, state.rare_t = {}, None
@@ -285,7 +286,7 @@ def _gpm_figures(handles: Handles, caps: Capabilities, state: ReadState, failure
         return {}
     request = state.gpm_request
     request.sample1, request.sample2 = older, newer
-    got = failures.call("gpm_metrics", pynvml.nvmlGpmMetricsGet, request)
+    got = failures.call("gpm_metrics", nvml.nvmlGpmMetricsGet, request)
     if got is None:
         return {}
     # the request holds NVML_GPM_METRIC_MAX entries; only the first len(gpm_figures) were asked
@@ -296,8 +297,8 @@ def _gpm_figures(handles: Handles, caps: Capabilities, state: ReadState, failure
 
 def _take_sample(handles: Handles, sample: Any) -> Any:
     if handles.is_mig:
-        return pynvml.nvmlGpmMigSampleGet(handles.parent, handles.gpu_instance_id, sample)
-    return pynvml.nvmlGpmSampleGet(handles.device, sample)
+        return nvml.nvmlGpmMigSampleGet(handles.parent, handles.gpu_instance_id, sample)
+    return nvml.nvmlGpmSampleGet(handles.device, sample)
 
 
 def gpm_request(caps: Capabilities) -> Any:
@@ -318,5 +319,5 @@ def alloc_gpm_samples(caps: Capabilities) -> tuple[Any, ...]:
     """The two GPM sample buffers a GPU with GPM alternates between."""
     if not caps.gpm:
         return ()
-    return (pynvml.nvmlGpmSampleAlloc(), pynvml.nvmlGpmSampleAlloc())
+    return (nvml.nvmlGpmSampleAlloc(), nvml.nvmlGpmSampleAlloc())
 

@@ -30,6 +30,7 @@ from sidecar.sources.nvml.reading import (
     NvmlReading,
     read_gpu,
 )
+from sidecar.sources.nvml.timed import CallTime, Meter, metered, nvml, totals
 from sidecar.sources.nvml.xid import XidWatcher
 
 log = structlog.get_logger("sidecar.nvml")
@@ -56,6 +57,8 @@ class NvmlSource:
         self.errors: Counter[str] = Counter()
         self.unreadable_at_start: list[int] = []  # indexes NVML lists but could not open
         self._devices: dict[str, Device] = {}
+        # uuid -> the NVML time and calls of that GPU's last reading (its throughput calls too)
+        self.last_read_nvml: dict[str, Meter] = {}
         self._throughput = ThroughputCalls()
         self._xids = XidWatcher()
 
@@ -63,16 +66,16 @@ class NvmlSource:
 
     def open(self) -> None:
         try:
-            pynvml.nvmlInit()
+            nvml.nvmlInit()
         except pynvml.NVMLError as exc:
             raise NvmlUnavailable(init_advice(exc)) from exc
         try:
-            self.driver_version = pynvml.nvmlSystemGetDriverVersion()
+            self.driver_version = nvml.nvmlSystemGetDriverVersion()
         except pynvml.NVMLError:
             self.driver_version = "unknown"
-        for index in range(pynvml.nvmlDeviceGetCount()):
+        for index in range(nvml.nvmlDeviceGetCount()):
             try:
-                handle = pynvml.nvmlDeviceGetHandleByIndex(index)
+                handle = nvml.nvmlDeviceGetHandleByIndex(index)
                 for dev in open_gpu(handle, index, pcie_peak=self.pcie_peak,
                                     interval_s=self.interval_s, errors=self.errors):
                     self._devices[dev.identity.uuid] = dev
@@ -103,7 +106,7 @@ class NvmlSource:
             dev.free()
         self._devices.clear()
         with contextlib.suppress(pynvml.NVMLError):
-            pynvml.nvmlShutdown()
+            nvml.nvmlShutdown()
 
     def devices(self) -> list[GpuIdentity]:
         return [d.identity for d in self._devices.values()]
@@ -120,6 +123,11 @@ class NvmlSource:
         is known although the GPU no longer answers."""
         return self._xids.counts(uuid)[1]
 
+    def nvml_calls(self) -> dict[str, CallTime]:
+        """Each pynvml function this process has called, with the time spent in it and the
+        calls made (``timed.py``): what ``gpu_sidecar_nvml_call*_total`` export."""
+        return totals()
+
     def is_lost(self, uuid: str) -> bool:
         dev = self._devices.get(uuid)
         return dev is not None and dev.lost_since is not None
@@ -135,20 +143,23 @@ class NvmlSource:
         uuids = list(uuids)
         now = self._after_gpm_minimum([self._devices[u] for u in uuids if u in self._devices])
         live = [dev for u in uuids if (dev := self._live(u, now)) is not None]
+        meters = {dev.identity.uuid: Meter() for dev in live}
         slow = [d for d in live if d.caps.pcie == "throughput"]
-        pending = self._throughput.start(slow)
+        pending = self._throughput.start(slow, meters)
         result: dict[str, NvmlReading | None] = dict.fromkeys(uuids)
         for dev in live:
             try:
-                result[dev.identity.uuid] = read_gpu(dev.handles, dev.caps, dev.state,
-                                                     dev.failures, now,
-                                                     self._xids.counts(dev.identity.uuid),
-                                                     rare_read_s=self.rare_read_s)
+                with metered(meters[dev.identity.uuid]):
+                    result[dev.identity.uuid] = read_gpu(dev.handles, dev.caps, dev.state,
+                                                         dev.failures, now,
+                                                         self._xids.counts(dev.identity.uuid),
+                                                         rare_read_s=self.rare_read_s)
             except GpuLost as exc:
                 self._mark_lost(dev, now, str(exc.__cause__ or exc))
         for dev in slow:
             result[dev.identity.uuid] = self._add_throughput(
                 dev, result[dev.identity.uuid], pending[dev.identity.uuid], now)
+        self.last_read_nvml = meters
         return result
 
     def _after_gpm_minimum(self, devices: list[Device]) -> float:
@@ -231,17 +242,18 @@ class ThroughputCalls:
         self._pool: ThreadPoolExecutor | None = None
         self._size = 0
 
-    def start(self, devices: list[Device]) -> dict[str, tuple[Future[int], Future[int]]]:
-        """uuid -> the (TX, RX) calls of each of ``devices``, running."""
+    def start(self, devices: list[Device], meters: dict[str, Meter]
+              ) -> dict[str, tuple[Future[int], Future[int]]]:
+        """uuid -> the (TX, RX) calls of each of ``devices``, running; each GPU's time in them
+        goes to its meter."""
         if not devices:
             return {}
         pool = self._executor(2 * len(devices))
-        return {dev.identity.uuid: (
-            pool.submit(pynvml.nvmlDeviceGetPcieThroughput, dev.handles.device,
-                        pynvml.NVML_PCIE_UTIL_TX_BYTES),
-            pool.submit(pynvml.nvmlDeviceGetPcieThroughput, dev.handles.device,
-                        pynvml.NVML_PCIE_UTIL_RX_BYTES),
-        ) for dev in devices}
+        return {dev.identity.uuid: tuple(  # type: ignore[misc]
+            pool.submit(_metered_call, meters[dev.identity.uuid],
+                        nvml.nvmlDeviceGetPcieThroughput, dev.handles.device, counter)
+            for counter in (pynvml.NVML_PCIE_UTIL_TX_BYTES, pynvml.NVML_PCIE_UTIL_RX_BYTES))
+            for dev in devices}
 
     def _executor(self, calls: int) -> ThreadPoolExecutor:
         """A pool wide enough for every throughput call of a cycle to run at once."""
@@ -256,3 +268,9 @@ class ThroughputCalls:
         if self._pool is not None:
             self._pool.shutdown(wait=False, cancel_futures=True)
             self._pool = None
+
+
+def _metered_call(meter: Meter, fn: Callable[..., int], *args: object) -> int:
+    """``fn(*args)`` on a pool thread, its NVML time going to ``meter`` (one GPU's)."""
+    with metered(meter):
+        return fn(*args)

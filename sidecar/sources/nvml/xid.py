@@ -20,6 +20,7 @@ import structlog
 
 from sidecar.log import log_count
 from sidecar.sources.nvml.errors import error_code, error_name, is_unsupported
+from sidecar.sources.nvml.timed import nvml
 
 log = structlog.get_logger("sidecar.nvml")
 
@@ -59,13 +60,13 @@ class XidWatcher:
     def register(self, handle: Any, uuid: str) -> str | None:
         """Listen for ``handle``'s Xids; the reason when it cannot deliver them."""
         try:
-            supported = pynvml.nvmlDeviceGetSupportedEventTypes(handle)
+            supported = nvml.nvmlDeviceGetSupportedEventTypes(handle)
             if not supported & pynvml.nvmlEventTypeXidCriticalError:
                 return "Xid events not supported on this GPU"
             with self._lock:  # held while registering: a rebuild cannot swap the set meanwhile
                 if self._set is None:
-                    self._set = pynvml.nvmlEventSetCreate()
-                pynvml.nvmlDeviceRegisterEvents(handle, pynvml.nvmlEventTypeXidCriticalError,
+                    self._set = nvml.nvmlEventSetCreate()
+                nvml.nvmlDeviceRegisterEvents(handle, pynvml.nvmlEventTypeXidCriticalError,
                                                 self._set)
                 self._handles[_address(handle)] = (handle, uuid)
                 self._counts.setdefault(uuid, Counter())
@@ -97,7 +98,7 @@ class XidWatcher:
             self._thread.join(timeout=0.05)
         if self._set is not None and (self._thread is None or not self._thread.is_alive()):
             with contextlib.suppress(pynvml.NVMLError):
-                pynvml.nvmlEventSetFree(self._set)
+                nvml.nvmlEventSetFree(self._set)
             self._set = None
 
     def _run(self) -> None:
@@ -131,18 +132,18 @@ class XidWatcher:
         with self._lock:  # registering is quick; holding the lock keeps register() out
             old, handles = self._set, list(self._handles.values())
             try:
-                fresh = pynvml.nvmlEventSetCreate()
+                fresh = nvml.nvmlEventSetCreate()
             except pynvml.NVMLError:
                 return False
             kept = {}
             for handle, uuid in handles:
                 with contextlib.suppress(pynvml.NVMLError):
-                    pynvml.nvmlDeviceRegisterEvents(handle,
+                    nvml.nvmlDeviceRegisterEvents(handle,
                                                     pynvml.nvmlEventTypeXidCriticalError, fresh)
                     kept[_address(handle)] = (handle, uuid)
             self._set, self._handles = fresh, kept
         with contextlib.suppress(pynvml.NVMLError):
-            pynvml.nvmlEventSetFree(old)
+            nvml.nvmlEventSetFree(old)
         log.info("xid_listening_without_lost_gpu", gpus=sorted(uuid for _, uuid in kept.values()))
         return True
 
