@@ -497,3 +497,37 @@ def test_a_window_within_the_data_says_nothing_of_what_it_holds(stores, stored_a
     text = " ".join(proc.stdout.split())
     assert proc.returncode == 1 and "holds only" not in text, text
     assert "already at the window's start" in text, text
+
+
+def test_two_pods_reporting_one_gpu_uuid_get_a_verdict_each(stores, tmp_path):
+    """A rollout's old and new pod (or a time-sliced GPU): two real agents with different pod
+    labels and the same simulated GPUs, in one window of the real VictoriaMetrics: a verdict per
+    pod and GPU (4), each block naming its pod, neither replacing the other."""
+    vm, _ = stores
+    agents = [agent_for("pcie-saturated", stores, tmp_path / pod, namespace="twopods")
+              for pod in ("old", "new")]
+    for agent, pod in zip(agents, ("web-old", "web-new"), strict=True):
+        agent.args[agent.args.index("--pod-name") + 1] = pod
+    with running(*agents):
+        for agent in agents:
+            agent.start()
+        for agent in agents:
+            agent.more_cycles(8, "pushing")
+    cycles = cycles_of(agents)
+    w = window_around(cycles)
+    gpus = {(dict(lab)["gpu_index"], dict(lab)["gpu_uuid"]) for a in agents
+            for n, lab, _, _ in a.sampled() if n == "gpu_utilization_ratio"}
+    assert len(gpus) == 2  # the same two simulated GPUs in both pods
+
+    def both():
+        p = run_cli("diagnose", "--query-url", vm.base, "--select", "namespace=twopods",
+                    f"--at={w.end:.3f}", "--duration", f"{w.end - w.start:.3f}")
+        return p if p.stdout.count("verdict: pcie") == 4 else None
+
+    proc = until(both, 30, interval=0.5, what="both pods' cycles in VictoriaMetrics")
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    heads = [line for line in proc.stdout.splitlines() if line.startswith("GPU ")]
+    assert sorted(heads) == sorted(
+        f"GPU {i}  Simulated NVIDIA H200  {u} (pod twopods/{pod}, node node-a)"
+        for pod in ("web-old", "web-new") for i, u in gpus), heads
+    assert "a bottleneck on 4 of 4 GPU(s)" in proc.stdout, proc.stdout

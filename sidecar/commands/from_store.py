@@ -21,6 +21,7 @@ the end of the window, and the report lists them in time order.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import datetime
 import itertools
@@ -253,11 +254,12 @@ class Judged:
 
 
 def judge_stored(stored: Stored, w: Window, t: Thresholds | None = None) -> Judged:
-    """Each GPU's verdict over the window, with the store's notes and the onsets."""
+    """Each GPU's verdict over the window, with the store's notes and the onsets: one per pod and
+    GPU, keyed by the GPU's UUID, or by pod and UUID where two pods report one UUID in the window
+    (a rollout's old and new pod, a time-sliced GPU): neither replaces the other."""
     t = t or thresholds.THRESHOLDS
-    verdicts: dict[str, Verdict] = {}
+    found: list[tuple[tuple[str, ...], str, Verdict, bool]] = []  # pod, UUID, verdict, unreadable
     cycles, intervals = 0, []
-    unreadable: set[str] = set()
     for pod in stored.pods:
         bad = dict(pod.unreadable)
         summary = Summary()
@@ -275,13 +277,24 @@ def judge_stored(stored: Stored, w: Window, t: Thresholds | None = None) -> Judg
             extra = [*pod.notes]
             if lost := (*bad.get(uuid, ()), *bad.get("", ())):
                 extra.append(unreadable_note(lost))
-                unreadable.add(uuid)
             if said := onset_note(v, timeline[uuid], w, pod.interval_s, t):
                 extra.append(said)
-            verdicts[uuid] = dataclasses.replace(v, notes=(*v.notes, *extra))
+            found.append((pod.key, uuid, dataclasses.replace(v, notes=(*v.notes, *extra)),
+                          bool(lost)))
+    pods_of = collections.Counter(uuid for _, uuid, _, _ in found)
+    verdicts = {(uuid if pods_of[uuid] == 1 else pod_gpu(key, uuid)): v
+                for key, uuid, v, _ in found}
+    unreadable = frozenset(uuid if pods_of[uuid] == 1 else pod_gpu(key, uuid)
+                           for key, uuid, _, lost in found if lost)
     order = sorted(verdicts, key=lambda u: (_ident(verdicts[u]), u))
     return Judged({u: verdicts[u] for u in order}, cycles,
-                  statistics.median(intervals) if intervals else 0.0, frozenset(unreadable))
+                  statistics.median(intervals) if intervals else 0.0, unreadable)
+
+
+def pod_gpu(key: tuple[str, ...], uuid: str) -> str:
+    """A GPU's key where two pods report its UUID: the UUID and the pod (namespace/pod)."""
+    labels = dict(zip(POD_KEY, key, strict=True))
+    return f"{uuid} (pod {labels['namespace']}/{labels['pod']}, node {labels['node']})"
 
 
 def _ident(v: Verdict) -> tuple[int, str]:
