@@ -10,6 +10,7 @@ every bit."""
 from __future__ import annotations
 
 import dataclasses
+import datetime
 import http.server
 import json
 import math
@@ -22,8 +23,11 @@ from pathlib import Path
 
 import pytest
 import requests
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from sidecar.commands.from_store import Window, fetch, judge_stored
+from sidecar import cli, config
+from sidecar.commands.from_store import Refused, Window, clock, fetch, judge_stored, window_of
 from sidecar.config import Config
 from sidecar.metrics import RARE_READ_S
 from sidecar.samples import Series
@@ -237,7 +241,6 @@ def test_the_report_says_which_layer_moved_first(stores, tmp_path):
     assert frag < pcie < p99, text
     assert "fragmentation (the allocator" in text or "already at the window's start" in \
         text[frag:pcie]
-    from sidecar.commands.from_store import clock
     # each onset within one trailing window (18 s here: a tenth of 180 s) after the change
     found_pcie = text[pcie:].split(" from ", 1)[1][:8]
     found_p99 = text[p99:].split(" from ", 1)[1][:8]
@@ -531,3 +534,46 @@ def test_two_pods_reporting_one_gpu_uuid_get_a_verdict_each(stores, tmp_path):
         f"GPU {i}  Simulated NVIDIA H200  {u} (pod twopods/{pod}, node node-a)"
         for pod in ("web-old", "web-new") for i, u in gpus), heads
     assert "a bottleneck on 4 of 4 GPU(s)" in proc.stdout, proc.stdout
+
+
+@pytest.mark.parametrize("at", ("0001-01-01T00:00:00Z", "0001-01-01T00:00:00+14:00",
+                                "now-99999999999d", "now-" + "9" * 400 + "d", "9" * 400))
+def test_an_at_no_store_can_hold_is_exit_2_saying_so(at, stores):
+    """Times before the Unix epoch, or beyond any calendar: refused as a bad option (exit 2),
+    one line, no traceback, whatever the store holds."""
+    proc = run_cli("diagnose", "--query-url", stores[0].base, f"--at={at}")
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert "Traceback" not in proc.stderr and proc.stdout == "", proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1 and "--at" in proc.stderr, proc.stderr
+
+
+_OFFSETS = st.builds(datetime.timezone, st.timedeltas(
+    min_value=-datetime.timedelta(hours=23, minutes=59),
+    max_value=datetime.timedelta(hours=23, minutes=59)))
+AT_TEXTS = st.one_of(
+    st.text(max_size=40),
+    st.datetimes(timezones=_OFFSETS).map(datetime.datetime.isoformat),
+    st.datetimes().map(datetime.datetime.isoformat),
+    st.builds(lambda n, u: f"now-{n}{u}", st.integers(min_value=0, max_value=10**30),
+              st.sampled_from("smhdw")),
+    st.builds(lambda n, u: f"-{n}{u}", st.floats(min_value=0, allow_nan=False).map(repr),
+              st.sampled_from("smhdw")),
+    st.integers(min_value=0).map(str), st.floats(allow_nan=True).map(repr),
+    st.sampled_from(["now", "0", "-0s", "1970-01-01T00:00:00Z"]))
+
+
+@settings(max_examples=400, deadline=None)
+@given(at=AT_TEXTS, seconds=st.sampled_from(["1", "600", "3600"]))
+def test_any_at_is_a_bad_option_or_a_window_a_store_can_be_asked_for(at, seconds):
+    """Property: whatever --at says, the command line refuses it (exit 2: a configuration error,
+    or window_of's Refused) or gives a window from Unix time 0 on, not in the future, whose
+    ends the report can print; never another exception (a traceback, exit 1)."""
+    args = cli._parser().parse_args(["diagnose", "--query-url", "http://127.0.0.1:9",
+                                     f"--at={at}", f"--duration={seconds}"])
+    try:
+        cfg = config.build("diagnose", args, env={}, choices=cli.CHOICES)
+        w = window_of(cfg, now=1.8e9)
+    except (config.ConfigError, Refused):
+        return
+    assert 0 <= w.start <= w.end <= 1.8e9 + 60, (at, w)
+    assert w.shown() and clock(w.start) and clock(w.end)

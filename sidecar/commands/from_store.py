@@ -112,11 +112,15 @@ def window_of(cfg: Config, now: float | None = None) -> Window:
     now = time.time() if now is None else now
     try:
         end = config.instant(cfg.at, now)
-    except ValueError as exc:
+    except (ValueError, OverflowError) as exc:
         raise Refused(f"--at {cfg.at!r} {exc}") from None
     if end > now + NOT_FUTURE_S:
         raise Refused(f"--at {cfg.at!r} is {end - now:.0f} s in the future (by this machine's "
                       "clock): nothing is stored there yet; give a past time or 'now'")
+    if not end - cfg.duration >= 0:  # NaN included; the report could name no such time either
+        raise Refused(f"--at {cfg.at!r} with --duration {cfg.duration:g} begins before "
+                      "1970-01-01T00:00:00Z (Unix time 0), where no store holds anything: give "
+                      "a later time")
     return Window(end - cfg.duration, end)
 
 
