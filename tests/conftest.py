@@ -116,3 +116,55 @@ def logs_through_pytest_capture() -> Iterator[None]:
         logger_factory=structlog.stdlib.LoggerFactory(),
         cache_logger_on_first_use=False)
     yield  # kept to the end of the process: a thread may still log after the last test
+
+
+# -- the fast tier: `bash scripts/test --fast` ---------------------------------------------------
+#
+# Why a guard and not a list: the tier is every test that runs in this process alone (no real
+# receiver, no agent subprocess, no image build, no tool), and a list of such tests goes stale the
+# day one of them starts a process. With --fast, starting a process (subprocess, fork) skips the
+# test at that moment, in a fixture or in the test: what is left is in-process by construction,
+# and a test that gains a process leaves the tier by itself.
+
+FAST_SKIP = "not in the fast tier: it starts a process"
+_in_a_test = [False]  # collection may start a process (ctypes' find_library runs ldconfig)
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption("--fast", action="store_true", default=False,
+                     help="the fast tier: run only what needs no process of its own (a test that "
+                          "starts one is skipped when it does)")
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    if not config.getoption("--fast"):
+        return
+    real_init, real_fork = subprocess.Popen.__init__, os.fork
+
+    def guarded_popen(self: subprocess.Popen, *args: object, **kw: object) -> None:
+        if _in_a_test[0]:
+            raise pytest.skip.Exception(FAST_SKIP, _use_item_location=True)
+        real_init(self, *args, **kw)  # type: ignore[arg-type]
+
+    def guarded_fork() -> int:
+        if _in_a_test[0]:
+            raise pytest.skip.Exception(FAST_SKIP, _use_item_location=True)
+        return real_fork()
+
+    subprocess.Popen.__init__ = guarded_popen  # type: ignore[method-assign]
+    os.fork = guarded_fork
+
+    def restore() -> None:
+        subprocess.Popen.__init__ = real_init  # type: ignore[method-assign]
+        os.fork = real_fork
+
+    config.add_cleanup(restore)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> Iterator[None]:
+    _in_a_test[0] = True
+    try:
+        yield
+    finally:
+        _in_a_test[0] = False
