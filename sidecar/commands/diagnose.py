@@ -134,14 +134,14 @@ def diagnose(cfg: Config, *, t: Thresholds | None = None) -> int:
     if interrupted:
         label += (f"  PARTIAL: interrupted after {seconds:.1f} of {cfg.duration:.0f} s, judged "
                   "on what was sampled")
-    source = f"sampled afresh by this command, from now ({why_fresh})"
+    where = f"sampled afresh by this command, from now ({why_fresh})"
     if cfg.output == "json":
         sys.stdout.write(dumps(document(verdicts, seconds=seconds, samples=summary.cycles,
-                                        source=source, origin="fresh", t=t, held=held,
+                                        source=where, origin="fresh", t=t, held=held,
                                         partial=interrupted)))
     else:
         sys.stdout.write(report(verdicts, seconds=seconds, samples=summary.cycles, label=label,
-                                t=t, held=held, source=source))
+                                t=t, held=held, source=where))
     if interrupted:
         return code_interrupted
     return 1 if any(v.findings for v in verdicts.values()) else 0
