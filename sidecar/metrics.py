@@ -614,6 +614,8 @@ _ENGINE_OTEL: dict[str, dict[str, Any]] = {
     "engine_requests_waiting": {"otel": "gpu.engine.requests", "instrument": "updowncounter",
                                 "otel_attributes": (("gpu.engine.request.state", "waiting"),)},
     "engine_preemptions_total": {"otel": "gpu.engine.preemptions"},
+    "engine_request_prefill_seconds_total": {"otel": "gpu.engine.request.prefill.time"},
+    "engine_request_decode_seconds_total": {"otel": "gpu.engine.request.decode.time"},
 }
 
 
@@ -808,6 +810,8 @@ def _render_engines() -> list[str]:
                 lines.append(f"| `{name}` | {engine.name} | `{fam.name}`{count} | "
                              f"{fam.kind.replace('_', ' ')} | {fam.versions} | "
                              f"{'-' if fam.scale == 1 else f'x {fam.scale:g}'} |")
+    lines += ["", "Checked against (each engine's names, in its source and real captures):", ""]
+    lines += [f"- {e.name} ({e.title or e.name}): {e.checked}" for e in ENGINES if e.checked]
     lines += ["", "Default endpoints: " + ", ".join(f"{e.name} `{e.default_url}`" for e in ENGINES)
               + ".", ""]
     return lines

@@ -776,3 +776,72 @@ def tgi_with_batch_next_size(buckets: int = 1000) -> bytes:
     text = capture("tgi_metrics_datadog_fixture_excerpt.prom").decode()
     cut = [line for line in text.splitlines() if not line.startswith("tgi_batch_next_size")]
     return ("\n".join([*cut, "# TYPE tgi_batch_next_size histogram", *lines]) + "\n").encode()
+
+
+def rewritten_capture(name: str, *, observations: dict[str, list[float]] | None = None,
+                      values: dict[str, float] | None = None) -> bytes:
+    """A real capture with some of its families' values set, every line else as captured (its
+    header, labels, bucket bounds, ``*_created`` samples): the histograms of ``observations``
+    (family -> observed seconds) get the counts, sum and count of those observations within
+    the capture's own bounds, the samples named in ``values`` that value. The shape is the
+    engine's, the load is the test's."""
+    observations, values = observations or {}, values or {}
+    out = []
+    for line in capture(name).decode().splitlines():
+        if line.startswith("#") or not line.strip():
+            out.append(line)
+            continue
+        head, _ = line.rsplit(" ", 1)
+        sample = head.split("{", 1)[0]
+        family = next((f for f in observations if sample in (f"{f}_bucket", f"{f}_sum",
+                                                              f"{f}_count")), None)
+        if family is not None:
+            seen = observations[family]
+            if sample.endswith("_bucket"):
+                le = head.split('le="', 1)[1].split('"', 1)[0]
+                bound = math.inf if le == "+Inf" else float(le)
+                value = float(sum(1 for v in seen if v <= bound))
+            else:
+                value = float(sum(seen)) if sample.endswith("_sum") else float(len(seen))
+            line = f"{head} {value!r}"
+        elif sample in values:
+            line = f"{head} {float(values[sample])!r}"
+        out.append(line)
+    return ("\n".join(out) + "\n").encode()
+
+
+def vllm_2026(*, queue: tuple[float, float], prefill: tuple[float, float],
+              decode: tuple[float, float], waiting: int, running: int = 4, kv: float = 0.3,
+              requests: int = 400, seed: int = 47) -> bytes:
+    """The 2026 vLLM V1 capture under load: each request's queue, prefill and decode times
+    drawn as (median, p99), its time to first token their first two, its end-to-end latency all
+    three and a few milliseconds of the API server's; the request gauges set."""
+    rng = random.Random(seed)
+    queued, prefilled, decoded = (lognormal(rng, requests, *q) for q in (queue, prefill, decode))
+    e2e = [q + p + d + 0.004 for q, p, d in zip(queued, prefilled, decoded, strict=True)]
+    return rewritten_capture(
+        "vllm_v1_metrics_kops_conformance_qwen05b_idle.prom",
+        observations={"vllm:request_queue_time_seconds": queued,
+                      "vllm:request_prefill_time_seconds": prefilled,
+                      "vllm:request_decode_time_seconds": decoded,
+                      "vllm:request_inference_time_seconds":
+                          [p + d for p, d in zip(prefilled, decoded, strict=True)],
+                      "vllm:time_to_first_token_seconds":
+                          [q + p for q, p in zip(queued, prefilled, strict=True)],
+                      "vllm:e2e_request_latency_seconds": e2e},
+        values={"vllm:num_requests_waiting": waiting, "vllm:num_requests_running": running,
+                "vllm:kv_cache_usage_perc": kv})
+
+
+def dynamo_frontend(*, e2e: tuple[float, float], queued: int, inflight: int,
+                    requests: int = 400, seed: int = 47) -> bytes:
+    """Dynamo's frontend capture under load: request durations drawn as (median, p99), the
+    time to first token a tenth of each, the queue and in-flight gauges set."""
+    rng = random.Random(seed)
+    durations = lognormal(rng, requests, *e2e)
+    return rewritten_capture(
+        "dynamo_frontend_metrics_example_qwen3_06b.prom",
+        observations={"dynamo_frontend_request_duration_seconds": durations,
+                      "dynamo_frontend_time_to_first_token_seconds": [d / 10 for d in durations]},
+        values={"dynamo_frontend_queued_requests": queued,
+                "dynamo_frontend_inflight_requests": inflight})

@@ -36,7 +36,15 @@ import pytest
 from tests import engine_texts as texts
 from tests.conftest import run_cli
 from tests.receivers import Agent, running
-from tests.test_engine_metrics import EngineServer, Key, Mapping, expected_series, run_args
+from tests.test_engine_metrics import (
+    EngineServer,
+    Key,
+    Mapping,
+    expected_series,
+    prometheus_quantile,
+    run_args,
+    served_samples,
+)
 from tests.waiting import until
 
 E2E, TTFT, ITL, QUEUE = ("engine_request_duration_seconds", "engine_time_to_first_token_seconds",
@@ -44,7 +52,9 @@ E2E, TTFT, ITL, QUEUE = ("engine_request_duration_seconds", "engine_time_to_firs
                          "engine_request_queue_duration_seconds")
 KV, RUNNING, WAITING, PREEMPTED = ("engine_kv_cache_usage_ratio", "engine_requests_running",
                                    "engine_requests_waiting", "engine_preemptions_total")
-ALL = (E2E, TTFT, ITL, QUEUE, KV, RUNNING, WAITING, PREEMPTED)
+PREFILL, DECODE = ("engine_request_prefill_seconds_total", "engine_request_decode_seconds_total")
+PHASES = frozenset({PREFILL, DECODE})  # the request's phases: vLLM V1's and trtllm-serve's
+ALL = (E2E, TTFT, ITL, QUEUE, KV, RUNNING, WAITING, PREEMPTED, PREFILL, DECODE)
 
 
 @dataclass(frozen=True)
@@ -63,7 +73,9 @@ def _vllm(text: Callable[[], bytes], name: str) -> Capture:
         "vllm", "model_name",
         {KV: ("vllm:kv_cache_usage_perc", max), RUNNING: ("vllm:num_requests_running", sum),
          WAITING: ("vllm:num_requests_waiting", sum),
-         PREEMPTED: ("vllm:num_preemptions_total", sum)},
+         PREEMPTED: ("vllm:num_preemptions_total", sum),
+         PREFILL: ("vllm:request_prefill_time_seconds_sum", sum),
+         DECODE: ("vllm:request_decode_time_seconds_sum", sum)},
         {E2E: ("vllm:e2e_request_latency_seconds", 1.0),
          TTFT: ("vllm:time_to_first_token_seconds", 1.0),
          ITL: ("vllm:inter_token_latency_seconds", 1.0),  # V1's, preferred over V0's
@@ -79,7 +91,7 @@ def _sglang(text: Callable[[], bytes], name: str) -> Capture:
         {E2E: ("sglang:e2e_request_latency_seconds", 1.0),
          TTFT: ("sglang:time_to_first_token_seconds", 1.0),
          ITL: ("sglang:inter_token_latency_seconds", 1.0),
-         QUEUE: ("sglang:queue_time_seconds", 1.0)}), frozenset({PREEMPTED}))
+         QUEUE: ("sglang:queue_time_seconds", 1.0)}), frozenset({PREEMPTED}) | PHASES)
 
 
 def _llamacpp(text: Callable[[], bytes], name: str) -> Capture:
@@ -97,7 +109,7 @@ def _dynamo(text: Callable[[], bytes], name: str) -> Capture:
          TTFT: ("dynamo_frontend_time_to_first_token_seconds", 1.0),
          ITL: ("dynamo_frontend_inter_token_latency_seconds", 1.0)},
         spellings=("dynamo_frontend_model_context_length",)),
-        frozenset({QUEUE, KV, RUNNING, PREEMPTED}))
+        frozenset({QUEUE, KV, RUNNING, PREEMPTED}) | PHASES)
 
 
 VLLM_2026 = "vllm_v1_metrics_kops_conformance_qwen05b_idle.prom"
@@ -107,7 +119,7 @@ TGI = Mapping("tgi", None, {RUNNING: ("tgi_batch_current_size", sum),
                             WAITING: ("tgi_queue_size", sum)},
               {ITL: ("tgi_request_mean_time_per_token_duration", 1.0)})
 # the excerpt cut tgi_request_duration and tgi_request_queue_duration (its editor's note)
-TGI_ABSENT = frozenset({E2E, QUEUE, TTFT, KV, PREEMPTED})
+TGI_ABSENT = frozenset({E2E, QUEUE, TTFT, KV, PREEMPTED}) | PHASES
 
 CAPTURES = (
     _vllm(lambda: texts.capture("vllm_metrics_datadog_fixture_mixed_v0_v1.prom"), "vllm"),
@@ -121,12 +133,14 @@ CAPTURES = (
         "triton", "model", {WAITING: ("nv_inference_pending_request_count", sum)}, {},
         {E2E: ("nv_inference_request_duration_us", "nv_inference_request_success"),
          QUEUE: ("nv_inference_queue_duration_us", "nv_inference_request_success")}),
-        frozenset({TTFT, ITL, KV, RUNNING, PREEMPTED})),
+        frozenset({TTFT, ITL, KV, RUNNING, PREEMPTED}) | PHASES),
     _llamacpp(lambda: texts.capture("llamacpp_metrics_current_build_sample.prom"), "llamacpp"),
     Capture("trtllm-serve-built-from-names", texts.trtllm_serve, Mapping(
         "trtllm", "model_name",
         {KV: ("trtllm_kv_cache_utilization", max), RUNNING: ("trtllm_num_requests_running", sum),
-         WAITING: ("trtllm_num_requests_waiting", sum)},
+         WAITING: ("trtllm_num_requests_waiting", sum),
+         PREFILL: ("trtllm_request_prefill_time_seconds_sum", sum),
+         DECODE: ("trtllm_request_decode_time_seconds_sum", sum)},
         {E2E: ("trtllm_e2e_request_latency_seconds", 1.0),
          TTFT: ("trtllm_time_to_first_token_seconds", 1.0),
          ITL: ("trtllm_time_per_output_token_seconds", 1.0),
@@ -293,3 +307,46 @@ def test_llama_cpp_gives_deferred_requests_but_no_queue_time_so_queueing_is_not_
     assert "queue absent" in out and "KV cache absent" in out, out
     assert "queueing" not in _verdicts(out), out
     assert code == 0, out
+
+
+def _p99(body: bytes, family: str) -> float:
+    buckets = sorted((float(labels["le"]), value)
+                     for labels, value in served_samples(body)[f"{family}_bucket"])
+    return prometheus_quantile(0.99, buckets)
+
+
+def test_queueing_fires_on_the_2026_vllm_capture_whose_requests_wait():
+    """The 2026 capture's families with requests that wait ~9 s (p99 ~25 s) before a prefill
+    of ~50 ms and a decode of ~2 s: the GPU beside it is healthy, the verdict is queueing."""
+    body = texts.vllm_2026(queue=(9.0, 25.0), prefill=(0.05, 0.3), decode=(2.0, 6.0),
+                           waiting=40)
+    code, out = _diagnose(body)
+    assert code == 1, out
+    assert _verdicts(out) == {"queueing"}, out
+    assert "engine:  vllm:" in out and "waiting 40.0" in out, out
+
+
+def test_a_queue_within_vllms_first_bucket_is_judged_by_its_phases_not_its_p99():
+    """Requests queue ~4 ms, prefill ~20 ms and decode ~300 ms (p99 ~0.5 s, above the 0.25 s
+    objective). vLLM's queue buckets start at 0.3 s, so the queue's p99 interpolates to 0.297 s,
+    60 % of the request p99: the p99s alone would say queueing. The engine's own split of its
+    requests' time (queue, prefill, decode) says the queue holds about 1 %: no queueing."""
+    body = texts.vllm_2026(queue=(0.004, 0.02), prefill=(0.02, 0.08), decode=(0.3, 0.45),
+                           waiting=0)
+    queue_p99 = _p99(body, "vllm:request_queue_time_seconds")
+    e2e_p99 = _p99(body, "vllm:e2e_request_latency_seconds")
+    assert queue_p99 < 0.3, queue_p99  # within the first bucket: an interpolation
+    assert queue_p99 / e2e_p99 >= 0.5 and e2e_p99 > 0.25, (queue_p99, e2e_p99)
+    code, out = _diagnose(body)
+    assert "queueing" not in _verdicts(out), out
+    assert code == 0, out
+
+
+def test_dynamos_frontend_has_no_queue_time_so_queueing_is_not_judged_from_it():
+    """Dynamo's frontend with 40 requests queued and a request p99 of ~30 s: the waiting
+    requests and the latency are shown, the queue time is absent (the frontend has none; its
+    workers' engines do), and no queueing verdict is invented from the count alone."""
+    _, out = _diagnose(texts.dynamo_frontend(e2e=(12.0, 30.0), queued=40, inflight=60))
+    assert "engine:  dynamo:" in out and "waiting 40.0" in out, out
+    assert "queue absent" in out, out
+    assert "queueing" not in _verdicts(out), out

@@ -219,7 +219,10 @@ VLLM_NUMBERS = {
 MAPPINGS = {
     "vllm_current": Mapping(
         "vllm", "model_name",
-        {"engine_kv_cache_usage_ratio": ("vllm:kv_cache_usage_perc", max), **VLLM_NUMBERS},
+        {"engine_kv_cache_usage_ratio": ("vllm:kv_cache_usage_perc", max), **VLLM_NUMBERS,
+         # V1's request phases: their histograms' _sum only
+         "engine_request_prefill_seconds_total": ("vllm:request_prefill_time_seconds_sum", sum),
+         "engine_request_decode_seconds_total": ("vllm:request_decode_time_seconds_sum", sum)},
         {"engine_request_duration_seconds": ("vllm:e2e_request_latency_seconds", 1.0),
          "engine_time_to_first_token_seconds": ("vllm:time_to_first_token_seconds", 1.0),
          "engine_inter_token_latency_seconds": ("vllm:inter_token_latency_seconds", 1.0),
@@ -534,7 +537,8 @@ def test_no_other_family_of_an_engine_or_its_runtime_is_forwarded(forwarded):
                       "engine_inter_token_latency_seconds",
                       "engine_request_queue_duration_seconds", "engine_kv_cache_usage_ratio",
                       "engine_requests_running", "engine_requests_waiting",
-                      "engine_preemptions_total")
+                      "engine_preemptions_total", "engine_request_prefill_seconds_total",
+                      "engine_request_decode_seconds_total")
             for part in ("_bucket", "_sum", "_count")}
     assert {n for n in names if n.startswith("engine_")} == ours
     # vLLM's request_time_per_output_token_seconds is a per-request mean, not the inter-token

@@ -41,7 +41,9 @@ findings are listed, and the table shows the first, in this order):
 - ``low-occupancy`` (compute): mean SM occupancy below ``occupancy_ratio`` *and* the window's
   p99 above ``p99_latency_s``;
 - ``queueing`` (engine): p99 above ``p99_latency_s`` with the engine's queue time at least
-  ``queue_share_ratio`` of it (p99 over p99; mean over mean for an engine without buckets), and
+  ``queue_share_ratio`` of it (p99 over p99; where the queue's p99 is within its first bucket,
+  an interpolation, the engine's own split of its requests' time into queue, prefill and
+  decode, vLLM V1's and trtllm-serve's; mean over mean for an engine without buckets), and
   nothing above found: the GPU layers are unsaturated, so the engine's admission is the limit.
   Last because any other finding explains why requests wait;
 - ``none``: nothing crossed a threshold. A layer that could not be judged (no GPM before Hopper
@@ -110,7 +112,8 @@ Figures = dataclasses.make_dataclass(
      *((name, Hist | None, field(default=None)) for name in ("engine_latency", "queue", "ttft", "itl")),
      *((name, float | None, field(default=None))
        for name in ("engine_latency_sum", "engine_latency_count", "queue_sum", "queue_count",
-                    "kv_usage", "running", "waiting", "preemptions"))],
+                    "kv_usage", "running", "waiting", "preemptions", "prefill_sum",
+                    "decode_sum"))],
     frozen=True, slots=True,
     namespace={"link_below_max": _link_below_max, "link_known": _link_known})
 Figures.__module__ = __name__
@@ -128,7 +131,9 @@ _ENGINE_NUMBERS = {"engine_request_duration_seconds_sum": "engine_latency_sum",
                    "engine_request_queue_duration_seconds_sum": "queue_sum",
                    "engine_request_queue_duration_seconds_count": "queue_count",
                    "engine_kv_cache_usage_ratio": "kv_usage", "engine_requests_running": "running",
-                   "engine_requests_waiting": "waiting", "engine_preemptions_total": "preemptions"}
+                   "engine_requests_waiting": "waiting", "engine_preemptions_total": "preemptions",
+                   "engine_request_prefill_seconds_total": "prefill_sum",
+                   "engine_request_decode_seconds_total": "decode_sum"}
 _HISTS = ("latency", "engine_latency", "queue", "ttft", "itl")
 _XID = "gpu_xid_errors_total"
 _COUNTERS = ("retries", "ooms")  # the app's: increases from the first cycle that had either
@@ -136,7 +141,7 @@ _COUNTERS = ("retries", "ooms")  # the app's: increases from the first cycle tha
 _HEALTH_COUNTERS = (*(m.figure for m in metrics.TABLE
                       if m.figure and m.kind == "counter" and m.figure not in _COUNTERS),
                     "preemptions", "engine_latency_sum", "engine_latency_count", "queue_sum",
-                    "queue_count")
+                    "queue_count", "prefill_sum", "decode_sum")
 # a window keeps the last value of these, not a mean: counters, and states (a code, the link's
 # generation and width)
 _LAST = (*_COUNTERS, *_HEALTH_COUNTERS,
@@ -324,13 +329,16 @@ class Window:
     below_max_samples: int = 0
     link_samples: int = 0
     # the engine's: p99 of its request latency, queue time, time to first token, inter-token
-    # latency over the window, and the queue's share of the request latency (p99 over p99, or
-    # mean over mean where the engine has no buckets: Triton)
+    # latency over the window, and the queue's share of the request latency (p99 over p99; the
+    # engine's split of its requests' time into queue, prefill and decode where the queue's
+    # p99 is within its first bucket; mean over mean where the engine has no buckets: Triton),
+    # and which of the three it is ("p99", "phases", "mean")
     engine_p99: float | None = None
     queue_p99: float | None = None
     ttft_p99: float | None = None
     itl_p99: float | None = None
     queue_share: float | None = None
+    queue_share_of: str = ""
 
 
 class _Running:
@@ -487,10 +495,24 @@ def _window(read: _Running, unread: _Running, lost: bool) -> Window:
     engine_p99, queue_p99, ttft_p99, itl_p99 = (_quantiles(base, name)[1] for name in
                                                 ("engine_latency", "queue", "ttft", "itl"))
     queue_share = None
-    if queue_p99 is not None and engine_p99:
-        queue_share = queue_p99 / engine_p99
+    # the engine's own split of its requests' time (vLLM V1, trtllm-serve): queue, prefill, decode
+    phases = ("queue_sum", "prefill_sum", "decode_sum")
+    queued, prefill, decode = (increases.get(k) for k in phases)
+    if not (queued or prefill or decode):  # no request in the window: since the engine started,
+        queued, prefill, decode = (getattr(last, k) for k in phases)  # as the quantiles are
+    split = (queued / (queued + prefill + decode) if queued is not None and prefill is not None
+             and decode is not None and queued + prefill + decode > 0 else None)
+    # a queue p99 within the first bucket is the interpolation's, not the queue's (vLLM's first
+    # bound is 0.3 s): there the split says more
+    resolved = queue_p99 is not None and queue_p99 > _first_bound(base, "queue")
+    share_of = ""
+    if queue_p99 is not None and engine_p99 and (resolved or split is None):
+        queue_share, share_of = queue_p99 / engine_p99, "p99"
+    elif split is not None:
+        queue_share, share_of = split, "phases"
     elif increases.get("engine_latency_sum") and increases.get("queue_sum") is not None:
         queue_share = increases["queue_sum"] / increases["engine_latency_sum"]
+        share_of = "mean"
     xid_base = base.xid_base or {}
     # a GPU lost in the window: its Xids as last known, after the readings (79 lost it)
     latest = unread.last if lost and unread.last is not None else last
@@ -502,7 +524,14 @@ def _window(read: _Running, unread: _Running, lost: bool) -> Window:
                   below_max=None if below is None else _means(below),
                   below_max_samples=0 if below is None else below.n, link_samples=base.link_n,
                   engine_p99=engine_p99, queue_p99=queue_p99, ttft_p99=ttft_p99, itl_p99=itl_p99,
-                  queue_share=queue_share)
+                  queue_share=queue_share, queue_share_of=share_of)
+
+
+def _first_bound(run: _Running, name: str) -> float:
+    """The first finite bound of histogram ``name`` (0 where it has none): a quantile at or
+    below it is an interpolation from 0, which says only that the values are below it."""
+    hist = run.last_hist.get(name)
+    return hist[0][0] if hist is not None and hist[0] else 0.0
 
 
 def _quantiles(run: _Running, name: str) -> tuple[float | None, float | None, float, bool]:
@@ -1337,7 +1366,12 @@ def judge(w: Window, t: Thresholds | None = None) -> Verdict:
 def _queueing(w: Window, t: Thresholds) -> str:
     m = w.mean
     share = (f"queue p99 {ms(w.queue_p99)} is {pct(w.queue_share)} of the request p99 "
-             f"{ms(w.engine_p99)}" if w.queue_p99 is not None else
+             f"{ms(w.engine_p99)}" if w.queue_share_of == "p99" else
+             f"the queue holds {pct(w.queue_share)} of the engine's time per request (its own "
+             "split into queue, prefill and decode"
+             + (f"; the queue p99 {ms(w.queue_p99)} is within its first bucket)"
+                if w.queue_p99 is not None else ")")
+             if w.queue_share_of == "phases" else
              f"the mean queue time is {pct(w.queue_share)} of the mean request time")
     return (f"{share} (at least {t.queue_share_ratio:.0%}), p99 above the "
             f"{ms(t.p99_latency_s)} objective, while no GPU layer is saturated: SM occupancy "

@@ -21,7 +21,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-SourceKind = Literal["histogram", "gauge", "counter", "microsecond_counter"]
+# histogram_sum: only the _sum of an engine's histogram (the seconds of all its requests), where
+# what a figure needs is the total, not the buckets: two series per model, not two dozen
+SourceKind = Literal["histogram", "gauge", "counter", "microsecond_counter", "histogram_sum"]
 
 # our figures: name -> (kind, unit, what it says); the series are named after them
 FIGURES: dict[str, tuple[str, str, str]] = {
@@ -43,6 +45,14 @@ FIGURES: dict[str, tuple[str, str, str]] = {
     "engine_preemptions_total": (
         "counter", "requests", "Requests preempted (their KV cache freed, recomputed or swapped "
         "later) because the KV cache ran out; SGLang's retracted requests."),
+    "engine_request_prefill_seconds_total": (
+        "counter", "seconds", "Seconds the engine's requests spent in prefill (scheduled to first "
+        "token), all requests together: with the queue's and decode's, the engine's own split of "
+        "its time per request, which the queueing verdict takes where the queue's buckets cannot "
+        "resolve its p99."),
+    "engine_request_decode_seconds_total": (
+        "counter", "seconds", "Seconds the engine's requests spent in decode (first token to "
+        "last), all requests together."),
 }
 
 
@@ -87,8 +97,8 @@ VLLM = Engine(
     name="vllm", title="vLLM", prefix="vllm:", model_label="model_name", replicas=("engine",),
     default_url="http://127.0.0.1:8000/metrics",
     checked="vllm/v1/metrics/loggers.py of 0.8 to 0.33; the captures of 0.x with V0 and V1 names "
-            "mixed and of vllm/vllm-openai:latest of March 2026 (engine=\"0\" on every series, "
-            "*_created samples)",
+            "mixed and of vllm/vllm-openai:latest of March 2026 (`engine=\"0\"` on every series, "
+            "`*_created` samples)",
     figures={
         "engine_request_duration_seconds": (
             _f("vllm:e2e_request_latency_seconds", "histogram", "all"),),
@@ -107,6 +117,11 @@ VLLM = Engine(
         "engine_requests_running": (_f("vllm:num_requests_running", "gauge", "all"),),
         "engine_requests_waiting": (_f("vllm:num_requests_waiting", "gauge", "all"),),
         "engine_preemptions_total": (_f("vllm:num_preemptions", "counter", "all"),),
+        # V1's request phases (queued -> scheduled -> first token -> last token, one clock)
+        "engine_request_prefill_seconds_total": (
+            _f("vllm:request_prefill_time_seconds", "histogram_sum", "V1 (its _sum)"),),
+        "engine_request_decode_seconds_total": (
+            _f("vllm:request_decode_time_seconds", "histogram_sum", "V1 (its _sum)"),),
     },
 )
 
@@ -134,6 +149,11 @@ SGLANG = Engine(
             _f("sglang:num_retracted_requests", "counter",
                "0.5.x (retracted requests; from the first retraction)"),),
     },
+    absent={
+        "engine_request_prefill_seconds_total": "SGLang has no per-request prefill time "
+                                                "(its per-stage histograms are the scheduler's)",
+        "engine_request_decode_seconds_total": "SGLang has no per-request decode time",
+    },
 )
 
 TGI = Engine(
@@ -154,6 +174,10 @@ TGI = Engine(
         "engine_time_to_first_token_seconds": "TGI has no time-to-first-token histogram",
         "engine_kv_cache_usage_ratio": "TGI exposes no KV-cache usage",
         "engine_preemptions_total": "TGI exposes no preemption count",
+        **dict.fromkeys(("engine_request_prefill_seconds_total",
+                         "engine_request_decode_seconds_total"),
+                        "TGI's request phases are not read (its inference histogram is the "
+                        "router's, not the engine's prefill and decode)"),
     },
 )
 
@@ -183,6 +207,10 @@ TRITON = Engine(
                                        "backend's nv_trt_llm_* families are not read)",
         "engine_requests_running": "Triton exposes no count of requests executing",
         "engine_preemptions_total": "Triton exposes no preemption count",
+        **dict.fromkeys(("engine_request_prefill_seconds_total",
+                         "engine_request_decode_seconds_total"),
+                        "Triton has no prefill or decode time (its compute counters are per "
+                        "inference, not per request phase)"),
     },
 )
 
@@ -218,6 +246,12 @@ TRTLLM = Engine(
         "engine_requests_waiting": (
             _f("trtllm_num_requests_waiting", "gauge",
                "2026 releases, not 1.1 (enable_iter_perf_stats)"),),
+        "engine_request_prefill_seconds_total": (
+            _f("trtllm_request_prefill_time_seconds", "histogram_sum",
+               "1.1 and later (its _sum)"),),
+        "engine_request_decode_seconds_total": (
+            _f("trtllm_request_decode_time_seconds", "histogram_sum",
+               "1.1 and later (its _sum)"),),
     },
     absent={
         "engine_preemptions_total": "trtllm-serve counts no preemptions "
@@ -247,6 +281,10 @@ LLAMACPP = Engine(
         "engine_kv_cache_usage_ratio": "current llama.cpp exposes no KV-cache usage: "
                                        "llamacpp:kv_cache_usage_ratio was removed upstream",
         "engine_preemptions_total": "llama.cpp exposes no preemption count",
+        "engine_request_prefill_seconds_total": "llama.cpp has no per-request prefill time (only "
+                                                "cumulative prompt seconds)",
+        "engine_request_decode_seconds_total": "llama.cpp has no per-request decode time (only "
+                                               "cumulative generation seconds)",
     },
 )
 
@@ -285,6 +323,9 @@ DYNAMO = Engine(
         "engine_requests_running": "Dynamo's frontend counts requests in flight with the queued "
                                    "ones (dynamo_frontend_inflight_requests), not those executing",
         "engine_preemptions_total": "Dynamo's frontend counts no preemptions",
+        **dict.fromkeys(("engine_request_prefill_seconds_total",
+                         "engine_request_decode_seconds_total"),
+                        "Dynamo's frontend times no request phase (its workers' engines do)"),
     },
 )
 
@@ -310,7 +351,8 @@ def source_names() -> frozenset[str]:
     for engine in ENGINES:
         for families in engine.figures.values():
             for fam in families:
-                names.add(fam.name)
+                # a histogram's _sum alone: its buckets' lines are dropped unparsed
+                names.add(f"{fam.name}_sum" if fam.kind == "histogram_sum" else fam.name)
                 names.update(fam.count)
         names.update(engine.model_spellings)
     return frozenset(names)

@@ -275,6 +275,8 @@ def recognise(samples: Samples) -> Engine | None:
 
 
 def _present(fam: Family, samples: Samples) -> bool:
+    if fam.kind == "histogram_sum":
+        return f"{fam.name}_sum" in samples
     if fam.kind == "histogram":
         return f"{fam.name}_bucket" in samples or f"{fam.name}_count" in samples
     return fam.name in samples or f"{fam.name}_total" in samples
@@ -311,6 +313,10 @@ def map_engine(engine: Engine, samples: Samples) -> EngineFigures:
                 continue
         elif fam.kind == "microsecond_counter":
             by_model = _sums_and_counts(fam, samples, engine)
+        elif fam.kind == "histogram_sum":  # its _sum: a counter of seconds
+            by_model = _numbers(Family(name=f"{fam.name}_sum", kind="counter", versions="",
+                                       scale=fam.scale), samples, engine, take_max=False,
+                                spell=spell)
         else:
             by_model = _numbers(fam, samples, engine, take_max=ours in _TAKE_MAX, spell=spell)
         models.update(by_model)
