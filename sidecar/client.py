@@ -263,11 +263,14 @@ class Publisher:
                 self._pid, uuid, fig["reserved_bytes"], fig["allocated_bytes"],
                 fig["active_bytes"], fig["inactive_split_bytes"], fig["alloc_retries"],
                 fig["ooms"], snap.get("largest_free_block_bytes"), snap.get("private_pool_bytes")))
+        gpus = gpus[: protocol.MAX_GPUS]
         counts, total = self.histogram.snapshot()
-        latency = (protocol.Latency(self._pid, gpus[0], self.histogram.bounds, counts, total),) \
-            if counts[-1] else ()
-        round_ = protocol.Round(self._pid, tuple(gpus[: protocol.MAX_GPUS]), tuple(allocators),
-                                latency)
+        # the process's requests are the requests of every GPU it uses (a tensor-parallel
+        # server's request runs on all of them): its histogram is sent for each, so each GPU's
+        # latency is judged (an agent of any release takes a latency entry per GPU)
+        latency = tuple(protocol.Latency(self._pid, gpu, self.histogram.bounds, counts, total)
+                        for gpu in gpus) if counts[-1] else ()
+        round_ = protocol.Round(self._pid, tuple(gpus), tuple(allocators), latency)
         for data in protocol.split_round(round_):
             self._sender.send(data, patience=app_shared.SEND_PATIENCE)
 

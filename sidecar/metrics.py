@@ -414,7 +414,9 @@ TABLE: tuple[MetricSpec, ...] = (
        cadence="rare"),
     # app
     _m("inference_request_duration_seconds", "histogram", "seconds", "app", "app: sidecar.client observe()",
-       "Request latency histogram, merged over the processes using the GPU.",
+       "Request latency histogram, merged over the processes using the GPU; a process that uses "
+       "several GPUs (tensor parallelism) counts each request on each of them, so a sum over a "
+       "process's GPUs counts its requests once per GPU.",
        otel="gpu.app.request.duration"),
     # verdict
     _m("gpu_verdict", "gauge", "boolean", "verdict", "agent: the recent window",
@@ -589,6 +591,9 @@ LAYERS = ("compute", "memory", "io", "health")  # the sample's layers NVML fills
 # the shares the sample model computes from two series of the table (``ratio_of``)
 RATIOS: tuple[MetricSpec, ...] = tuple(m for m in TABLE if m.ratio_of)
 DCGM_FIELDS: dict[str, str] = {m.name: m.dcgm for m in TABLE if m.dcgm}
+# the dcgm-exporter release whose default-counters.csv the * marks were checked against
+# (tests/realworld/dcgm_exporter_default_counters_4.5.3-4.8.2.csv)
+DCGM_EXPORTER_CHECKED = "4.5.3-4.8.2"
 # the figures a pushing sink sends when they change and every minute (sidecar/sinks/cadence.py)
 RARE: frozenset[str] = frozenset(m.name for m in TABLE if m.cadence == "rare")
 # the rare figures that NVML gives as field values (error, ECC and remapping counters), and the
@@ -760,7 +765,9 @@ def render_markdown() -> str:
     ]
     lines += ["The dcgm-exporter column names DCGM's field for the same quantity (its unit where it",
               "differs; * marks dcgm-exporter's default set), for dashboards and alerts that move",
-              "over; `-` where DCGM has none.", ""]
+              "over; `-` where DCGM has none. The names and the default set are those of",
+              f"dcgm-exporter {DCGM_EXPORTER_CHECKED} (its `etc/default-counters.csv`, the newest",
+              "release checked; 4.9 and 4.10 report renamed fields and units, not checked here).", ""]
     for layer in ("compute", "memory", "io", "health", "app", "engine", "verdict", "self", "run"):
         lines += [f"## {layer}", "", "| name | type | unit | source | meaning | dcgm-exporter |",
                   "|---|---|---|---|---|---|"]

@@ -23,6 +23,9 @@ format version (``v``), its ``kind`` and the sender's ``pid``. Kinds:
                ``sum``). The kernel queues only ``net.unix.max_dgram_qlen`` (10 by default, and
                a pod cannot raise it) datagrams per socket, so a round of 8 GPUs sent as 17
                messages loses some whenever a few processes publish at once; as one it does not.
+               A process that times requests for several GPUs (a tensor-parallel server) sends
+               its histogram for each GPU it names, the same counts: each GPU served each
+               request (a client before this sent it for its first GPU only; both are valid).
                A round larger than ``MAX_MESSAGE_BYTES`` (about 14 GPUs with their histograms)
                is split by the sender into several rounds, each a whole part of the GPUs and
                naming only those in its ``gpus``.
