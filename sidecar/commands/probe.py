@@ -118,8 +118,10 @@ def _probe_block(source: NvmlSource, ident: GpuIdentity, reading: NvmlReading | 
                      " per direction, all links), not PCIe: the IO verdict reads C2C")
     else:
         lines.append("  host traffic: over PCIe")
-    if caps.get("clock_events"):
-        lines.append(f"  clock-limit reasons from: {caps['clock_events']}")
+    reasons = caps.get("clock_event_reasons")
+    if caps.get("clock_events") or reasons is not None:
+        lines.append(f"  clock-limit reasons from: {caps['clock_events'] or 'none'}"
+                     + ("" if reasons is None else f"; the GPU reports {', '.join(reasons) or 'none'}"))
     if caps.get("pcie_note"):
         lines.append(f"  PCIe: {caps['pcie_note']}")
     if absent:

@@ -16,6 +16,11 @@ the clock-event nanosecond counters arrived in R575 (at 251-253) and moved to 26
 the PCIe error counters and the instant power field in R535, the C2C fields in R525, the C2C GPM
 metrics in R575 (NVML change log and the nvml.h of each CUDA release).
 
+A driver that retired the calls nvml.h 13 marks ``DEPRECATED(13.0)`` is one mode of the stand-in
+(``FakeNvml(deprecated=True)``, or ``FAKE_NVML_DRIVER=deprecated`` in the environment of a
+``--simulate`` run): each such call it has answers ``NVML_ERROR_DEPRECATED`` (26) and its
+successor answers as usual.
+
 Xid events are scheduled on the simulated clock; ``nvmlEventSetWait_v2`` blocks on a condition
 for at most its timeout in real time and wakes early when an event falls due (or when a
 ``ManualClock`` is moved), as the real call sleeps until an event arrives.
@@ -26,6 +31,7 @@ from __future__ import annotations
 import ctypes
 import itertools
 import math
+import os
 import threading
 import time
 import weakref
@@ -69,8 +75,30 @@ OLD_DRIVER_MISSING = frozenset(
         "nvmlDeviceGetCurrentClocksEventReasons",
         "nvmlDeviceGetSupportedClocksEventReasons",
         "nvmlDeviceGetC2cModeInfoV",
+        "nvmlDeviceGetTemperatureV",  # first in the 12.8 header (R570)
     }
 )
+
+# Every call nvml.h 13.3 marks DEPRECATED(13.0): in the deprecated driver mode, those the stand-in
+# has answer NVML_ERROR_DEPRECATED
+DEPRECATED_13 = frozenset({
+    "nvmlDeviceGetHandleBySerial", "nvmlDeviceGetApplicationsClock",
+    "nvmlDeviceGetDefaultApplicationsClock", "nvmlDeviceGetTemperature",
+    "nvmlDeviceGetCurrentClocksThrottleReasons", "nvmlDeviceGetSupportedClocksThrottleReasons",
+    "nvmlDeviceGetPowerState", "nvmlDeviceGetPowerManagementMode", "nvmlDeviceGetDetailedEccErrors",
+    "nvmlDeviceGetViolationStatus", "nvmlDeviceGetGpuFabricInfo", "nvmlDeviceSetApplicationsClocks",
+    "nvmlDeviceResetApplicationsClocks", "nvmlDeviceSetGpcClkVfOffset", "nvmlDeviceSetMemClkVfOffset",
+    "nvmlDeviceSetNvLinkUtilizationControl", "nvmlDeviceGetNvLinkUtilizationControl",
+    "nvmlDeviceGetNvLinkUtilizationCounter", "nvmlDeviceFreezeNvLinkUtilizationCounter",
+    "nvmlDeviceResetNvLinkUtilizationCounter", "nvmlVgpuInstanceGetLicenseStatus",
+    "nvmlGpuInstanceSetVgpuSchedulerState", "nvmlGpuInstanceGetVgpuSchedulerState",
+    "nvmlGpuInstanceGetVgpuSchedulerLog", "nvmlDeviceGetVgpuSchedulerLog",
+    "nvmlDeviceGetVgpuSchedulerState", "nvmlDeviceSetVgpuSchedulerState",
+})
+DEPRECATED = getattr(pynvml, "NVML_ERROR_DEPRECATED", 26)
+DRIVER_MODE_ENV = "FAKE_NVML_DRIVER"  # "deprecated": the mode above, for a --simulate run
+# NVML_STRUCT_VERSION(Temperature, 1): the struct's size, version 1 in the top byte (nvml.h)
+TEMPERATURE_V1 = ctypes.sizeof(pynvml.c_nvmlTemperature_v1_t) | 1 << 24
 
 DEFAULT_DRIVER_VERSION = "590.44.01"  # R590: the clock-event counters at 269-271, as pynvml 13
 
@@ -347,8 +375,12 @@ class FakeNvml:
         throughput_blocking: bool = True,
         record_calls: bool = False,
         account_cpu: bool = False,
+        deprecated: bool | None = None,
     ) -> None:
         self.gpus = list(gpus)
+        # the deprecated driver mode: None takes it from the environment (DRIVER_MODE_ENV)
+        self.deprecated = (os.environ.get(DRIVER_MODE_ENV, "").strip().lower() == "deprecated"
+                           if deprecated is None else deprecated)
         self.clock = clock
         self.t0 = clock()
         self.driver_version = driver_version
@@ -380,6 +412,8 @@ class FakeNvml:
                 # a C function pointer takes attributes (restype); a bound method does not
                 wrap = record_calls or attr == "nvmlErrorString"
                 impl = getattr(self, attr)
+                if self.deprecated and attr in DEPRECATED_13:
+                    impl = self._retired
                 if account_cpu:
                     impl = self._accounted(impl)
                 self._fns[attr] = _Fn(attr, impl, self.calls) if wrap else impl
@@ -410,6 +444,12 @@ class FakeNvml:
         return len(self._spent)
 
     # -- helpers -----------------------------------------------------------------------------
+
+    @staticmethod
+    def _retired(*args: object) -> int:
+        """A call this driver retired (the deprecated mode): the symbol is there, the figure
+        is not."""
+        return DEPRECATED
 
     def now(self) -> float:
         return self.clock() - self.t0
@@ -906,6 +946,22 @@ class FakeNvml:
         if getattr(sensor, "value", sensor) != pynvml.NVML_TEMPERATURE_GPU:
             return INVALID_ARGUMENT  # the only sensor this call knows before R615
         _out(ref).value = round(dev[1].temperature.value(self.now()))  # °C
+        return SUCCESS
+
+    def nvmlDeviceGetTemperatureV(self, handle: object, ref: object) -> int:
+        """The successor of nvmlDeviceGetTemperature: an ``nvmlTemperature_v1_t`` (version,
+        sensorType in, temperature out as a signed int, °C); another struct version is
+        ARGUMENT_VERSION_MISMATCH, another sensor INVALID_ARGUMENT (the GPU's is the one every
+        product has)."""
+        dev = self._physical(handle)
+        if isinstance(dev, int):
+            return dev
+        out = _out(ref)
+        if out.version != TEMPERATURE_V1:
+            return pynvml.NVML_ERROR_ARGUMENT_VERSION_MISMATCH
+        if out.sensorType != pynvml.NVML_TEMPERATURE_GPU:
+            return INVALID_ARGUMENT
+        out.temperature = round(dev[1].temperature.value(self.now()))
         return SUCCESS
 
     # -- ECC and row remapping -------------------------------------------------------------------

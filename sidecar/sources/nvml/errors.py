@@ -1,7 +1,8 @@
 """What an NVML error means for the agent, and how a failing read is logged once.
 
-Three kinds of error matter: *unsupported* (the GPU or driver cannot give the figure: it is absent
-for good, decided once at open), *lost* (the GPU fell off the bus: it is set aside and re-opened
+Three kinds of error matter: *unsupported* (the GPU or driver cannot give the figure, or the driver
+answers ``NVML_ERROR_DEPRECATED`` for a call it retired: it is absent for good, decided and said
+once at open), *lost* (the GPU fell off the bus: it is set aside and re-opened
 later) and everything else (a passing failure: that figure is absent this cycle, logged once until
 it recovers).
 """
@@ -19,11 +20,18 @@ log = structlog.get_logger("sidecar.nvml")
 
 T = TypeVar("T")
 
-_UNSUPPORTED_CODES = frozenset({
+# nvml.h (12.0 and later): "The requested functionality has been deprecated"; a driver that
+# keeps a DEPRECATED(13.0) call's symbol may answer this instead of the figure
+NVML_ERROR_DEPRECATED = getattr(pynvml, "NVML_ERROR_DEPRECATED", 26)
+# a call the driver does not have, in the shape pynvml asks for: where a deprecated call's
+# successor answers one of these, the driver is older than the successor and the old call is
+# tried (the only case it is)
+_LACKING_CODES = frozenset({
     pynvml.NVML_ERROR_NOT_SUPPORTED,
     pynvml.NVML_ERROR_FUNCTION_NOT_FOUND,  # an old driver without the symbol
-    getattr(pynvml, "NVML_ERROR_ARGUMENT_VERSION_MISMATCH", 25),
+    getattr(pynvml, "NVML_ERROR_ARGUMENT_VERSION_MISMATCH", 25),  # an older struct version
 })
+_UNSUPPORTED_CODES = _LACKING_CODES | {NVML_ERROR_DEPRECATED}  # absent for good
 _LOST_CODES = frozenset({pynvml.NVML_ERROR_GPU_IS_LOST, pynvml.NVML_ERROR_GPU_NOT_FOUND})
 
 
@@ -45,6 +53,15 @@ def error_name(exc: pynvml.NVMLError) -> str:
 
 def is_unsupported(exc: pynvml.NVMLError) -> bool:
     return error_code(exc) in _UNSUPPORTED_CODES
+
+
+def lacks(exc: pynvml.NVMLError) -> bool:
+    """The driver lacks this call (or its struct version): an older call may answer instead."""
+    return error_code(exc) in _LACKING_CODES
+
+
+def is_deprecated(exc: pynvml.NVMLError) -> bool:
+    return error_code(exc) == NVML_ERROR_DEPRECATED
 
 
 def is_lost(exc: pynvml.NVMLError) -> bool:

@@ -7,6 +7,13 @@ read asks only for the rest. Most figures are NVML field values, read in the one
 ``nvmlDeviceGetFieldValues`` call a cycle already makes; the rest are one call each (clocks,
 power limit, temperature, the current PCIe link, the clock-event bitmask).
 
+No deprecated call where a successor exists (nvml.h 13 marks ``DEPRECATED(13.0)``
+``nvmlDeviceGetTemperature`` and ``nvmlDeviceGet{Current,Supported}ClocksThrottleReasons``):
+detection asks the successor first (``nvmlDeviceGetTemperatureV`` with its versioned struct,
+``nvmlDeviceGet*ClocksEventReasons``) and the old call only where the driver lacks the successor
+(``FUNCTION_NOT_FOUND``, ``NOT_SUPPORTED``, an older struct version); a driver that answers the
+old call ``NVML_ERROR_DEPRECATED`` leaves the figure absent, said once with the reason.
+
 Clock events: where the driver has the cumulative nanosecond counters (fields 74, 76, 269, 270,
 271), each reason's figure is the share of the interval it held the clocks down; elsewhere it is
 the reason bitmask at the reading, 0 or 1. Hardware slowdown has no counter: always the bit.
@@ -20,7 +27,7 @@ from typing import Any
 import pynvml
 
 from sidecar.samples import LAYER_METRICS, HealthLayer
-from sidecar.sources.nvml.errors import Failures, error_name, is_lost
+from sidecar.sources.nvml.errors import Failures, error_name, is_deprecated, is_lost, lacks
 from sidecar.sources.nvml.timed import nvml
 from sidecar.sources.pcie import link_max_bytes_per_second
 
@@ -71,6 +78,26 @@ CLOCK_EVENTS: tuple[tuple[str, int | None, int], ...] = (
      pynvml.nvmlClocksEventReasonSyncBoost),
 )
 
+# Every clock-event reason bit nvml.h 13.3 defines, by name (the hardware ones still only as
+# nvmlClocksThrottleReason*; 0x200 and up are no reason there): how probe names a GPU's reasons
+CLOCK_EVENT_REASONS: tuple[tuple[int, str], ...] = (
+    (pynvml.nvmlClocksEventReasonGpuIdle, "gpu_idle"),
+    (pynvml.nvmlClocksEventReasonApplicationsClocksSetting, "applications_clocks_setting"),
+    (pynvml.nvmlClocksEventReasonSwPowerCap, "sw_power_cap"),
+    (pynvml.nvmlClocksThrottleReasonHwSlowdown, "hw_slowdown"),
+    (pynvml.nvmlClocksEventReasonSyncBoost, "sync_boost"),
+    (pynvml.nvmlClocksEventReasonSwThermalSlowdown, "sw_thermal_slowdown"),
+    (pynvml.nvmlClocksThrottleReasonHwThermalSlowdown, "hw_thermal_slowdown"),
+    (pynvml.nvmlClocksThrottleReasonHwPowerBrakeSlowdown, "hw_power_brake_slowdown"),
+    (pynvml.nvmlClocksEventReasonDisplayClockSetting, "display_clock_setting"),
+)
+# bits pynvml (13.615) names that no nvml.h defines: named as pynvml names them
+PYNVML_ONLY_REASONS: tuple[tuple[int, str], ...] = (
+    (getattr(pynvml, "nvmlClocksThrottleReasonBoardLimit", 0x200), "board_limit"),
+    (getattr(pynvml, "nvmlClocksThrottleReasonReliability", 0x400), "reliability"),
+)
+_REASON_NAMES = dict(CLOCK_EVENT_REASONS + PYNVML_ONLY_REASONS)
+
 _SERIES = dict(LAYER_METRICS[HealthLayer])  # HealthLayer field -> series
 HEALTH_SERIES = (*_SERIES.values(), "gpu_xid_errors_total")
 CURRENT_LINK_SERIES = ("gpu_pcie_link_current_generation", "gpu_pcie_link_current_width",
@@ -91,10 +118,11 @@ class HealthCaps:
     counters: tuple[tuple[str, int], ...] = ()  # clock events with a ns counter
     bits: tuple[tuple[str, int], ...] = ()  # clock events read from the bitmask
     reasons_call: Any = None  # the call that reads the bitmask (its name changed in R535)
+    supported_reasons: int | None = None  # the bitmask of reasons the GPU reports, at open
     power_field: bool = False  # NVML field 186, else the call
     power_call: bool = False
     power_limit: bool = False
-    temperature: bool = False
+    temperature: Any = None  # the call that reads it: nvmlDeviceGetTemperatureV, else the old one
     clocks: bool = False  # SM and memory clock now
     sm_clock_max_hertz: float | None = None
     memory_clock_max_hertz: float | None = None
@@ -112,6 +140,9 @@ class HealthCaps:
         """What ``probe`` shows of it under "sources"."""
         return {"clock_events": "ns counters" if self.counters else ("bitmask" if self.bits
                                                                       else None),
+                "clock_event_reasons": (None if self.supported_reasons is None
+                                        else reason_names(self.supported_reasons)),
+                "temperature_call": getattr(self.temperature, "__name__", None),
                 "power": "field" if self.power_field else ("call" if self.power_call else None),
                 "health_fields": len(self.fields),
                 "host_link": "c2c" if self.c2c_link_max_bytes_per_second else "pcie",
@@ -131,12 +162,12 @@ def detect_health(handle: Any, absent: dict[str, str], probe: Any) -> HealthCaps
     counters = tuple((attr, fid) for attr, fid, _ in CLOCK_EVENTS
                      if fid is not None and values.get(fid) is not None)
     counted = {attr for attr, _ in counters}
-    bitmask, reasons_call = _supported_reasons(handle)
+    bitmask, reasons_call, reasons_why = _supported_reasons(handle)
     bits = tuple((attr, bit) for attr, _, bit in CLOCK_EVENTS
                  if attr not in counted and bitmask is not None and bitmask & bit)
     for attr, _, _ in CLOCK_EVENTS:
         if attr not in counted and attr not in dict(bits):
-            absent[_SERIES[attr]] = ("clock event reasons not supported" if bitmask is None
+            absent[_SERIES[attr]] = (reasons_why if bitmask is None
                                      else "this reason is not reported by this GPU")
     power_field = values.get(FI_POWER) is not None
     power_call = not power_field and _answers(nvml.nvmlDeviceGetPowerUsage, handle)
@@ -145,9 +176,11 @@ def detect_health(handle: Any, absent: dict[str, str], probe: Any) -> HealthCaps
     power_limit = _answers(nvml.nvmlDeviceGetEnforcedPowerLimit, handle)
     if not power_limit:
         absent["gpu_power_limit_watts"] = "power limit not supported"
-    temperature = _answers(nvml.nvmlDeviceGetTemperature, handle, pynvml.NVML_TEMPERATURE_GPU)
-    if not temperature:
-        absent["gpu_temperature_celsius"] = "temperature not supported"
+    temperature, _, why = _successor_first(
+        (nvml.nvmlDeviceGetTemperatureV, nvml.nvmlDeviceGetTemperature),
+        handle, pynvml.NVML_TEMPERATURE_GPU)
+    if temperature is None:
+        absent["gpu_temperature_celsius"] = f"temperature: {why}"
     clocks = (_answers(nvml.nvmlDeviceGetClockInfo, handle, pynvml.NVML_CLOCK_SM)
               and _answers(nvml.nvmlDeviceGetClockInfo, handle, pynvml.NVML_CLOCK_MEM))
     if not clocks:
@@ -168,7 +201,8 @@ def detect_health(handle: Any, absent: dict[str, str], probe: Any) -> HealthCaps
                       reasons_call=reasons_call if bits else None, power_field=power_field,
                       power_call=power_call, power_limit=power_limit, temperature=temperature,
                       clocks=clocks, sm_clock_max_hertz=sm_max, memory_clock_max_hertz=mem_max,
-                      current_link=current_link, c2c_link_max_bytes_per_second=c2c)
+                      current_link=current_link, c2c_link_max_bytes_per_second=c2c,
+                      supported_reasons=bitmask)
 
 
 def _answers(fn: Any, *args: Any) -> bool:
@@ -184,20 +218,51 @@ def _answers(fn: Any, *args: Any) -> bool:
         return False
 
 
-def _supported_reasons(handle: Any) -> tuple[int | None, Any]:
-    """The reasons the GPU reports, and the call that reads them now: the clocks-event names
-    (R535 and later), else their older "throttle reasons" names, same bits."""
-    for supported, current in (
-            (nvml.nvmlDeviceGetSupportedClocksEventReasons,
-             nvml.nvmlDeviceGetCurrentClocksEventReasons),
-            (nvml.nvmlDeviceGetSupportedClocksThrottleReasons,
-             nvml.nvmlDeviceGetCurrentClocksThrottleReasons)):
+def _successor_first(calls: tuple[Any, ...], *args: Any) -> tuple[Any, Any, str]:
+    """The first of ``calls`` (a successor, then the call it replaces) that answers, its answer
+    and ''; or None, None and why none did. A call is tried only where the driver lacks the one before it
+    (``errors.lacks``); one answered ``NVML_ERROR_DEPRECATED`` is absent, said once at open
+    with the reason. Only a lost GPU propagates (as ``_answers``)."""
+    tried: list[str] = []
+    for fn in calls:
         try:
-            return int(supported(handle)), current
+            return fn, fn(*args), ""
         except pynvml.NVMLError as exc:
             if is_lost(exc):
                 raise
-    return None, None
+            name = getattr(fn, "__name__", "call")
+            tried.append(f"{name} {error_name(exc)}")
+            if is_deprecated(exc):
+                return None, None, (f"{name} is deprecated by this driver (NVML_ERROR_DEPRECATED)"
+                              + (f"; {'; '.join(tried[:-1])}" if len(tried) > 1 else ""))
+            if not lacks(exc):
+                break
+    return None, None, "not supported (" + "; ".join(tried) + ")"
+
+
+def _supported_reasons(handle: Any) -> tuple[int | None, Any, str]:
+    """The reasons the GPU reports, the call that reads them now and, without one, why: the
+    clocks-event names (R535 and later), else, on a driver without them, their older
+    "throttle reasons" names (same bits, ``DEPRECATED(13.0)``)."""
+    supported, mask, why = _successor_first((nvml.nvmlDeviceGetSupportedClocksEventReasons,
+                                       nvml.nvmlDeviceGetSupportedClocksThrottleReasons), handle)
+    if supported is None:
+        return None, None, f"clock event reasons: {why}"
+    current = (nvml.nvmlDeviceGetCurrentClocksEventReasons
+               if supported is nvml.nvmlDeviceGetSupportedClocksEventReasons
+               else nvml.nvmlDeviceGetCurrentClocksThrottleReasons)
+    return int(mask), current, ""
+
+
+def reason_names(mask: int) -> tuple[str, ...]:
+    """The clock-event reasons set in ``mask``, by name; a bit no header names as its hex."""
+    names = [name for bit, name in (*CLOCK_EVENT_REASONS, *PYNVML_ONLY_REASONS) if mask & bit]
+    known = 0
+    for bit in _REASON_NAMES:
+        known |= bit
+    rest = mask & ~known
+    names += [hex(1 << i) for i in range(rest.bit_length()) if rest >> i & 1]
+    return tuple(names)
 
 
 def _max_clock(handle: Any, clock: int, absent: dict[str, str], series: str) -> float | None:
@@ -237,9 +302,9 @@ def read_health(device: Any, caps: HealthCaps, values: dict[tuple[int, int], Any
         figures["power_watts"] = None if mw is None else mw / 1000
     if caps.power_limit:
         figures["power_limit_watts"] = power_limit_watts
-    if caps.temperature:
+    if caps.temperature is not None:
         figures["temperature_celsius"] = failures.call(
-            "temperature", nvml.nvmlDeviceGetTemperature, device, pynvml.NVML_TEMPERATURE_GPU)
+            "temperature", caps.temperature, device, pynvml.NVML_TEMPERATURE_GPU)
     if caps.clocks:
         sm = failures.call("sm_clock", nvml.nvmlDeviceGetClockInfo, device,
                            pynvml.NVML_CLOCK_SM)
