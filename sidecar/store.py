@@ -23,7 +23,7 @@ import math
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from urllib.parse import urlencode
+from urllib.parse import urlencode, urlsplit
 
 from sidecar.config import Config
 from sidecar.sinks.answers import Retryable
@@ -175,17 +175,25 @@ class Store:
                 "--basic-auth-password-file, and the tenant with --header X-Scope-OrgID=TENANT "
                 "(Mimir, a gateway) or in the URL's path (VictoriaMetrics cluster: "
                 "/select/TENANT/prometheus)")
-        if status in (400, 413, 422, 503) or (400 <= status < 500 and status != 404):
+        if status == 404:
+            raise StoreUnreachable(
+                f"{where}/api/v1/query does not exist (404): --query-url is the base of the "
+                f"Prometheus query API{_write_hint(self.url)}, e.g. http://victoria-metrics:8428, "
+                "http://vmselect:8481/select/0/prometheus, http://mimir/prometheus")
+        if status in (400, 405) and not _api_error(content):
+            # no query API's refusal (those are JSON: {"status": "error", ...}): the URL names
+            # something else, such as VictoriaMetrics' "unsupported path" for a write URL
+            raise StoreUnreachable(
+                f"{where}/api/v1/query answered {status} with no query API's error "
+                f"({self._said(content)}): --query-url is not the base of a Prometheus query API"
+                f"{_write_hint(self.url)}; e.g. http://victoria-metrics:8428, "
+                "http://vmselect:8481/select/0/prometheus, http://mimir/prometheus")
+        if status in (400, 413, 422, 503) or 400 <= status < 500:
             raise StoreRefused(
                 f"{where} refused the query ({status}: {self._said(content)}): narrow it with "
                 "--select (fewer GPUs) or a shorter --duration, or raise the store's limits "
                 "(VictoriaMetrics -search.maxUniqueTimeseries, -search.maxSamplesPerQuery; "
                 "Prometheus --query.max-samples, --query.timeout)")
-        if status == 404:
-            raise StoreUnreachable(
-                f"{where}/api/v1/query does not exist (404): --query-url is the base of the "
-                "Prometheus query API, e.g. http://victoria-metrics:8428, "
-                "http://vmselect:8481/select/0/prometheus, http://mimir/prometheus")
         if status != 200:
             raise StoreUnreachable(f"{where} answered {status}: {self._said(content)}")
         if unread is not None and "longer than" in unread:
@@ -202,6 +210,27 @@ class Store:
             raise StoreUnreachable(f"{where} answered 200 with something that is no Prometheus "
                                    f"query API answer ({_brief(exc)}): check --query-url"
                                    ) from None
+
+
+WRITE_PATHS = ("/api/v1/write", "/api/v1/push", "/write", "/insert", "/v1/metrics",
+               "/metrics/job")  # the receivers' write paths, never a query API's base
+
+
+def _write_hint(url: str) -> str:
+    path = urlsplit(url).path.rstrip("/")
+    if any(path.endswith(w) or f"{w}/" in path for w in WRITE_PATHS):
+        return (f" (its path {path} is a write path, where agents push: give the store's base, "
+                "without it)")
+    return ""
+
+
+def _api_error(content: bytes) -> bool:
+    """Whether a refusal is a query API's own: a JSON error document."""
+    try:
+        doc = json.loads(content[:1 << 20])
+    except (ValueError, RecursionError):
+        return False
+    return isinstance(doc, dict) and doc.get("status") == "error"
 
 
 class _Malformed(ValueError):

@@ -577,3 +577,40 @@ def test_any_at_is_a_bad_option_or_a_window_a_store_can_be_asked_for(at, seconds
         return
     assert 0 <= w.start <= w.end <= 1.8e9 + 60, (at, w)
     assert w.shown() and clock(w.start) and clock(w.end)
+
+
+@pytest.mark.parametrize("kind", ("victoria-metrics", "prometheus"))
+def test_the_write_url_given_as_the_query_url_is_exit_6_naming_the_write_path(kind, stores):
+    """VictoriaMetrics answers 400 'unsupported path', Prometheus 404: neither is a refusal of the
+    query (exit 8, with advice to raise a limit) but no query API at that URL (exit 6)."""
+    vm, prom = stores
+    store = prom if kind == "prometheus" else vm
+    proc = run_cli("diagnose", "--query-url", store.write_url)
+    assert proc.returncode == 6, proc.stdout + proc.stderr
+    assert "Traceback" not in proc.stderr and proc.stdout == "", proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+    assert "is a write path" in proc.stderr and "maxUniqueTimeseries" not in proc.stderr, \
+        proc.stderr
+
+
+def _answering(status: int, body: bytes) -> tuple[LocalServer, str]:
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_POST(self) -> None:
+            self.rfile.read(int(self.headers.get("Content-Length", 0)))
+            answer_with(self, status, {"Content-Type": "text/plain"}, body)
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = LocalServer()
+    return server, server.serve(Handler, "")
+
+
+def test_a_503_with_the_store_s_reason_is_a_refusal_exit_8():
+    """Pinned: a store (or its gateway) that answers 503 is refusing the query (overloaded,
+    too many concurrent queries), exit 8 with its reason, not 'unreachable' (6)."""
+    server, url = _answering(503, b"too many concurrent requests: -search.maxConcurrentRequests")
+    with running(server):
+        proc = run_cli("diagnose", "--query-url", url)
+    assert proc.returncode == 8, proc.stdout + proc.stderr
+    assert "refused the query (503: too many concurrent requests" in proc.stderr, proc.stderr
