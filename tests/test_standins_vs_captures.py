@@ -169,3 +169,36 @@ def test_the_parser_reads_nesting_by_indentation_and_only_the_first_gpu() -> Non
     assert capture["PCI/GPU Link Info/Link Width/Max"] == "16x"
     assert capture["Remapped Rows/Bank Remap Availability Histogram/Max"] == "2560 bank(s)"
     assert capture["GPU UUID"] == "GPU-b42dd28e-ffdd-8720-1df0-98bd8cdc05b1"
+
+
+# -- the DCGM-compatible names the agent offers, against dcgm-exporter's own counter list -------
+
+DCGM_CSV = CAPTURES / "dcgm_exporter_default_counters_4.5.3-4.8.2.csv"
+
+
+def dcgm_default_counters(path: Path) -> set[str]:
+    """The fields of a dcgm-exporter ``default-counters.csv`` that it collects: its lines that
+    are not comments (``#``), first column (``DCGM FIELD, Prometheus metric type, help``)."""
+    return {line.split(",", 1)[0].strip() for line in path.read_text().splitlines()
+            if line.strip() and not line.lstrip().startswith("#")}
+
+
+def test_each_dcgm_name_offered_is_in_the_checked_dcgm_exporters_default_set_where_said_so():
+    """Every ``dcgm=`` name of the metric table that docs/metrics.md marks with * (in
+    dcgm-exporter's default set) is one the checked release collects by default, and every name
+    it does not mark is not: the column says which, against the release it names."""
+    from sidecar.metrics import DCGM_EXPORTER_CHECKED, DCGM_FIELDS
+
+    assert f"tag: {DCGM_EXPORTER_CHECKED} " in DCGM_CSV.read_text().splitlines()[0]
+    default = dcgm_default_counters(DCGM_CSV)
+    assert len(default) > 20 and "DCGM_FI_DEV_GPU_UTIL" in default
+    wrong = []
+    for series, text in DCGM_FIELDS.items():
+        names = re.findall(r"DCGM_FI_[A-Z0-9_]+", text)
+        assert names, (series, text)
+        marked = "*" in text
+        if any((name in default) != marked for name in names):
+            wrong.append((series, text, [name in default for name in names]))
+    assert not wrong, wrong
+    docs = (Path(__file__).parent.parent / "docs" / "metrics.md").read_text()
+    assert f"dcgm-exporter {DCGM_EXPORTER_CHECKED}" in docs
