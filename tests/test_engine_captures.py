@@ -20,8 +20,12 @@
 - Dynamo's frontend lower-cases the model on its request series and keeps it as registered on
   its ``model_*`` gauges: its series are forwarded under one model, the registered spelling.
 - The ``queueing`` verdict fires on a served trtllm-serve text whose requests wait (its queue
-  time histogram against its request latency histogram); llama.cpp's server gives deferred
-  requests but no latency and no queue time, so the verdict cannot be judged from its figures:
+  time histogram against its request latency histogram), and on the 2026 vLLM capture's shape
+  whose requests wait; a vLLM queue of milliseconds, whose p99 within the first 0.3 s bucket
+  is an interpolation, is judged by vLLM's own split of its requests' time (queue, prefill,
+  decode) and is no queueing; Dynamo's frontend has no queue time, so it is not judged there;
+  llama.cpp's server gives deferred requests but no latency and no queue time, so the verdict
+  cannot be judged from its figures:
   ``diagnose`` shows the waiting requests and says the queue is absent, and names no queueing.
 """
 
