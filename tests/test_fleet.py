@@ -12,7 +12,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from sidecar.commands.fleet import DECIDING, MAX_QUERIES, fleet_of
+from sidecar.commands.fleet import DECIDING, FIXED_QUERIES, MAX_QUERIES, fleet_of, per_line
 from sidecar.commands.from_store import Window
 from sidecar.config import Config
 from sidecar.store import EXIT_DENIED, EXIT_REFUSED, EXIT_UNREACHABLE, Store
@@ -118,7 +118,13 @@ def test_each_verdict_s_deciding_figure_is_declared_by_its_rule():
     queries counts each."""
     assert [r.kind for r in RULES if r.deciding is None] == []
     assert {r.kind: r.deciding for r in RULES} == DECIDING
-    assert 3 + sum(len(r.deciding.queries) for r in RULES if r.deciding) == MAX_QUERIES
+    assert FIXED_QUERIES + sum(len(r.deciding.queries) for r in RULES if r.deciding) \
+        == MAX_QUERIES
+    # and each per-GPU figure is asked per pod and GPU: its grouping is the one per_line widens
+    for r in RULES:
+        if r.deciding is not None and r.deciding.by == ("gpu_uuid",):
+            for q in r.deciding.queries:
+                assert "by (namespace, pod, node, container, gpu_uuid" in per_line(q), r.kind
 
 
 def store_select(namespace: str) -> tuple[tuple[str, str, str], ...]:

@@ -1,0 +1,168 @@
+"""``gpu-sidecar fleet`` says what it knows about each pod's GPU, from real agents in a real
+VictoriaMetrics and a real Prometheus (issue #44):
+
+- one line per pod and GPU: two pods reporting one GPU UUID in the window (a rollout's old and
+  new pod, a time-sliced GPU) are two lines, each marked as shared with the other;
+- an agent that stopped cleanly, or fell silent, is told apart with the time it was last seen:
+  its last verdict is listed as its last, never as a finding now, and the exit code says so.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from sidecar.commands.fleet import SILENT_FLOOR_S
+from sidecar.recent import CURRENT_S
+from sidecar.simulate.scenarios import simulated_uuid
+from tests.conftest import run_cli
+from tests.receivers import Agent, Prometheus, VictoriaMetrics, running
+from tests.waiting import until
+
+
+@pytest.fixture(scope="module")
+def stores(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, str]]:
+    """A real VictoriaMetrics and a real Prometheus, each taking every agent's pushes."""
+    vm = VictoriaMetrics(tmp_path_factory.mktemp("vm"))
+    prom = Prometheus(tmp_path_factory.mktemp("prom"))
+    with running(vm, prom):
+        vm.start()
+        prom.start()
+        yield {"victoria-metrics": vm.base, "prometheus": prom.base,
+               "vm-write": vm.write_url, "prom-write": prom.write_url}
+
+
+def agent(stores: dict[str, str], spool: Path, scenario: str, namespace: str, pod: str,
+          node: str = "gpu-node-1") -> Agent:
+    return Agent(["--simulate", scenario, "--interval", "0.5", "--push-interval", "1",
+                  "--remote-write-url", stores["vm-write"],
+                  "--remote-write-url", stores["prom-write"], "--spool-dir", str(spool),
+                  "--retry-max-backoff", "0.5", "--shutdown-timeout", "5",
+                  "--pod-namespace", namespace, "--pod-name", pod, "--node-name", node])
+
+
+def fleet(url: str, namespace: str, *extra: str) -> tuple[int, dict, str]:
+    out = run_cli("fleet", "--query-url", url, "--select", f"namespace={namespace}",
+                  "--duration", "300", "--output", "json", *extra)
+    return out.returncode, json.loads(out.stdout) if out.stdout else {}, out.stderr
+
+
+def lines(doc: dict) -> dict[tuple[str, str], dict]:
+    """(pod, GPU UUID) -> its line, with its group."""
+    return {(g["pod"], g["uuid"]): {**g, "group": group["verdict"]}
+            for group in doc.get("groups", []) for g in group["gpus"]}
+
+
+@pytest.mark.parametrize("store", ["victoria-metrics", "prometheus"])
+def test_two_pods_reporting_one_gpu_are_two_lines_each_marked_shared(stores, tmp_path, store):
+    """A rollout: the old pod and the new one run side by side on the same two GPUs (the same
+    simulated UUIDs). Keyed by UUID alone the fleet folded them into two lines named after one
+    pod; each pod's GPU is its own line, saying the other pod has it too."""
+    ns = f"shared-{store}"
+    old = agent(stores, tmp_path / "old", "fragmented", ns, "web-old", "gpu-node-1")
+    new = agent(stores, tmp_path / "new", "fragmented", ns, "web-new", "gpu-node-2")
+    uuids = {simulated_uuid("fragmented", i) for i in range(2)}
+    with running(old, new):
+        old.start()
+        new.start()
+        old.more_cycles(6)
+        new.more_cycles(6)
+        code, doc, err = until(lambda: (r := fleet(stores[store], ns)) and r[1].get("gpus") == 4
+                               and r, 30, interval=0.5, what=f"both pods' GPUs in {store}")
+    assert code == 1, err
+    assert doc["distinct_gpus"] == 2 and doc["found"] == 4
+    seen = lines(doc)
+    assert set(seen) == {(pod, u) for pod in ("web-old", "web-new") for u in uuids}
+    for (pod, _), g in seen.items():
+        assert g["group"] == "fragmentation" and g["state"] == "current"
+        assert g["node"] == ("gpu-node-1" if pod == "web-old" else "gpu-node-2")
+        other = "web-new" if pod == "web-old" else "web-old"
+        assert g["shared_with"] == [f"{ns}/{other}"]
+        assert g["figure"].startswith("fragmentation ") and "absent" not in g["figure"]
+    text = run_cli("fleet", "--query-url", stores[store], "--select", f"namespace={ns}",
+                   "--duration", "300")
+    assert f"{ns}/web-old  node gpu-node-1" in text.stdout
+    assert f"shared: also in pod {ns}/web-new" in text.stdout
+    assert "4 GPU(s) with data" in text.stdout and "(2 distinct, 2 reported by more than one" \
+        in text.stdout
+
+
+@pytest.mark.parametrize("store", ["victoria-metrics", "prometheus"])
+def test_a_stopped_or_silent_agent_s_last_verdict_is_its_last_never_a_finding_now(
+        stores, tmp_path, store):
+    """Three agents in one namespace: one with a finding stops cleanly (SIGTERM), one with a
+    finding is killed (SIGKILL), one healthy runs on. The stopped agent's last gpu_verdict 1 is
+    the store's last value for its whole look-back: the fleet lists it as stopped with the time
+    of its last cycle, the killed one as silent once nothing came for the silence bound, and
+    only the running agent is judged now (exit 0: nothing found on what was seen)."""
+    ns = f"ended-{store}"
+    stopped = agent(stores, tmp_path / "stopped", "fragmented", ns, "batch-0")
+    killed = agent(stores, tmp_path / "killed", "pcie-saturated", ns, "web-0")
+    live = agent(stores, tmp_path / "live", "healthy", ns, "serve-0")
+    with running(stopped, killed, live):
+        for a in (stopped, killed, live):
+            a.start()
+        for a in (stopped, killed, live):
+            a.more_cycles(int(CURRENT_S / 0.5 / 4))
+        # all three current, two findings
+        code, doc, err = until(lambda: (r := fleet(stores[store], ns)) and r[1].get("found") == 4
+                               and r[1].get("current") == 6 and r, 40, interval=0.5,
+                               what=f"the three agents current in {store}")
+        assert code == 1, err
+        assert stopped.stop() == 0, "".join(stopped.err)[-2000:]
+        killed.signal(signal.SIGKILL)
+        killed.wait()
+        last_cycle = max(ts for n, _, ts, _ in stopped.sampled() if n == "gpu_sidecar_up") / 1000
+        assert stopped.last("gpu_sidecar_up") == 0.0
+        killed_last = max(ts for n, _, ts, _ in killed.sampled() if n == "gpu_sidecar_up") / 1000
+
+        def settled() -> tuple[int, dict, str] | None:
+            r = fleet(stores[store], ns)
+            groups = {g["verdict"]: g["count"] for g in r[1].get("groups", [])}
+            return r if groups == {"none": 2, "stopped": 2, "silent": 2} else None
+
+        code, doc, err = until(settled, 30 + SILENT_FLOOR_S, interval=0.5,
+                               what=f"the stopped and the killed agent told apart in {store}")
+        assert code == 0, err  # nothing found on the GPUs seen now; the others not judged
+        assert doc["found"] == 0 and doc["current"] == 2 and doc["gpus"] == 6
+        seen = lines(doc)
+        for (pod, _), g in seen.items():
+            if pod == "batch-0":
+                assert (g["group"], g["state"], g["last_verdict"]) == (
+                    "stopped", "stopped", "fragmentation")
+                # its last cycle, the clean stop's gpu_sidecar_up 0, to the millisecond
+                assert g["last_seen"] == pytest.approx(last_cycle, abs=0.11)
+            elif pod == "web-0":
+                assert (g["group"], g["state"], g["last_verdict"]) == ("silent", "silent", "pcie")
+                assert g["last_seen"] <= killed_last + 0.001
+                assert g["last_seen"] >= killed_last - 2, "not its last stored cycle"
+            else:
+                assert (g["group"], g["state"]) == ("none", "current")
+        text = run_cli("fleet", "--query-url", stores[store], "--select", f"namespace={ns}",
+                       "--duration", "300")
+        assert text.returncode == 0
+        out = text.stdout
+        assert "stopped (2): their agents stopped cleanly" in out
+        assert "last verdict fragmentation: fragmentation " in out and "last seen " in out
+        assert "silent (2): their agents fell silent" in out and "last verdict pcie: PCIe " in out
+        assert out.rstrip().splitlines()[-1] == (
+            "result: nothing found on 2 GPU(s); not judged now: 2 of stopped agents, "
+            "2 of silent agents")
+        assert "pcie (" not in out and "fragmentation (" not in out
+        # the stopped pod alone: no agent seen at the window's end, said, exit 2
+        alone = run_cli("fleet", "--query-url", stores[store], "--select", f"namespace={ns}",
+                        "--select", "pod=batch-0", "--duration", "300")
+        assert alone.returncode == 2, alone.stderr
+        assert "no agent was seen at the window's end" in alone.stderr
+        assert alone.stdout.rstrip().splitlines()[-1].startswith(
+            "result: no agent seen at the window's end")
+        # the window while it ran: its verdict current then, a finding
+        during = run_cli("fleet", "--query-url", stores[store], "--select", f"namespace={ns}",
+                         "--select", "pod=batch-0", f"--at={last_cycle - 1:.3f}", "--duration",
+                         "60", "--output", "json")
+        assert during.returncode == 1, during.stderr
+        assert [g["verdict"] for g in json.loads(during.stdout)["groups"]] == ["fragmentation"]
