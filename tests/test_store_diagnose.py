@@ -614,3 +614,115 @@ def test_a_503_with_the_store_s_reason_is_a_refusal_exit_8():
         proc = run_cli("diagnose", "--query-url", url)
     assert proc.returncode == 8, proc.stdout + proc.stderr
     assert "refused the query (503: too many concurrent requests" in proc.stderr, proc.stderr
+
+
+def test_two_agent_restarts_in_one_window_count_the_histogram_over_all_three_runs(
+        stores, tmp_path):
+    """Pinned: three agents in turn for one pod (two restarts, each after a gap): the
+    histogram's increase is the three runs' together, each later run counted from 0 on top of
+    everything before it (as increase() counts two resets), and both restarts are said."""
+    vm, _ = stores
+    runs: list[Agent] = []
+    for _ in range(3):
+        if runs:  # down for 3 s (six intervals) between runs
+            stopped = max(ts for _, _, ts, _ in runs[-1].sampled()) / 1000
+            until(lambda s=stopped: time.time() >= s + 3, 10, what="3 s without the agent")
+        agent = agent_for("pcie-saturated", stores, tmp_path / "spool", namespace="restart2")
+        with running(agent):
+            agent.start()
+            agent.more_cycles(6)
+        runs.append(agent)
+    cycles = cycles_of(runs)
+    w = window_around(cycles)
+    cfg = store_cfg(vm.base, "pcie-saturated", w, namespace="restart2")
+
+    def requests_of(agent: Agent) -> tuple[float, float]:
+        inf = sorted((ts, v) for n, lab, ts, v in agent.sampled()
+                     if n == "inference_request_duration_seconds_bucket"
+                     and dict(lab).get("le") == "+Inf" and dict(lab).get("gpu_index") == "0")
+        return inf[0][1], inf[-1][1]
+
+    (a0, a1), (_, b1), (_, c1) = (requests_of(a) for a in runs)
+
+    def settled():
+        store = Store(cfg)
+        try:
+            judged = judge_stored(fetch(store, cfg.select, w), w)
+        finally:
+            store.close()
+        return judged if judged.cycles >= len(cycles) else None
+
+    judged = until(settled, 30, interval=0.5, what="the three runs' cycles in VictoriaMetrics")
+    gpu0 = next(v for v in judged.verdicts.values() if v.window.mean.index == "0")
+    assert gpu0.window.requests == pytest.approx((a1 - a0) + b1 + c1)
+    said = next(n for n in gpu0.notes if "the agent restarted inside the window" in n)
+    at = said.split("(at ", 1)[1].split(")", 1)[0]
+    assert len(re.findall(r"\d\d:\d\d:\d\d", at)) == 2, said  # both restarts' times
+
+
+def _backfilled(namespace: str, start_ms: int, seconds: int, figures: dict
+                ) -> tuple[float, list[int], dict, tuple[tuple[str, str], ...]]:
+    """One GPU's series every second for ``seconds`` from ``start_ms``: the window's end, the
+    times, the series and the GPU's labels."""
+    times = list(range(start_ms, start_ms + seconds * 1000, 1000))
+    labels = gpu_labels(f"GPU-{namespace.encode().hex()[:8]}-0000-4000-8000-000000000001", 0,
+                        namespace, "web-1", "n1")
+    series: dict = {}
+    add_gpu(series, labels, times, figures)
+    return (times[-1] + 1) / 1000, times, series, labels
+
+
+def _pushed_and_stored(vm: VictoriaMetrics, namespace: str, series: dict) -> None:
+    """Every sample of ``series`` written and searchable (VictoriaMetrics makes rows searchable
+    up to a second after it acknowledged them): no test judges half a backfill."""
+    sent = push(vm.write_url, series)
+    until(lambda: len(vm.samples(f'{{namespace="{namespace}"}}')) >= sent, 30, interval=0.5,
+          what=f"{sent} samples of {namespace} searchable")
+
+
+def _an_hour_ago_ms() -> int:
+    return (int(time.time()) - 3600) * 1000
+
+
+HEALTHY_FIGURES = {
+    "gpu_sidecar_gpu_available": 1, "gpu_utilization_ratio": 0.9, "gpu_sm_occupancy_ratio": 0.6,
+    "gpu_pcie_tx_bandwidth_util_ratio": 0.1, "gpu_pcie_link_max_bytes_per_second": 63e9,
+    "gpu_memory_fragmentation_ratio": 0.1, "gpu_allocator_reserved_bytes": 40 * 2**30,
+    "latency": (50.0, 0.0)}
+
+
+def test_cycles_fetched_from_before_the_window_are_never_judged(stores):
+    """Pinned: the 60 s before the window (fetched for the rare figures) had PCIe RX at 100 %,
+    the window's 50 s at 70 %: judged on the window's 50 cycles alone, none (70 % < 80 %); the
+    110 cycles together would be pcie (86 %)."""
+    vm, _ = stores
+    start = _an_hour_ago_ms()
+    end, _, series, _ = _backfilled("before", start, 110, {
+        **HEALTHY_FIGURES,
+        "gpu_pcie_rx_bandwidth_util_ratio": lambda ts: 1.0 if ts < start + 60_000 else 0.7})
+    _pushed_and_stored(vm, "before", series)
+    proc = until(lambda: (p := run_cli(
+        "diagnose", "--query-url", vm.base, "--select", "namespace=before", f"--at={end:.3f}",
+        "--duration", "50")) and "samples" in p.stdout and p, 30, interval=0.5,
+        what="the backfilled GPU in VictoriaMetrics")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "50 samples over 50.0 s" in proc.stdout and "PCIe RX 70.0 %" in proc.stdout, \
+        proc.stdout
+    assert "verdict: none" in proc.stdout
+
+
+def test_a_rare_figure_sent_before_the_window_stands_in_its_first_cycles(stores):
+    """Pinned: a failed row remap sent once, 30 s before the window (the rare figures are sent
+    on change and every minute), and never again within it: it stands in the window's cycles as
+    the store's look-back would, and the GPU is a hardware fault, exit 1."""
+    vm, _ = stores
+    end, times, series, labels = _backfilled("rare", _an_hour_ago_ms(), 90, {
+        **HEALTHY_FIGURES, "gpu_pcie_rx_bandwidth_util_ratio": 0.2})
+    series[("gpu_row_remap_failed", labels)] = [(times[30], 1.0)]  # 60 s before the end
+    _pushed_and_stored(vm, "rare", series)
+    proc = until(lambda: (p := run_cli(
+        "diagnose", "--query-url", vm.base, "--select", "namespace=rare", f"--at={end:.3f}",
+        "--duration", "30")) and "samples" in p.stdout and p, 30, interval=0.5,
+        what="the backfilled GPU in VictoriaMetrics")
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert "verdict: hardware-fault" in proc.stdout, proc.stdout
