@@ -424,6 +424,17 @@ def _run(cfg: config.Config, *, temporary_spool: bool = False) -> int:
         if not cfg.once:
             agent.stopping = True  # its gpu_sidecar_up 0 tells a clean stop from a kill
             agent.cycle(last=True)
+            # then every series it sent ends at the receivers that take staleness markers
+            # (remote-write), so a verdict at 1 and its alerts end now, not 5 minutes later
+            for sink in sinks:
+                end_series = getattr(sink, "end_series", None)
+                try:
+                    if end_series is not None:
+                        end_series()
+                except Exception:  # never costs the flush below: the series go stale as before
+                    log.exception("series_end_failed", sink=sink.name,
+                                  effect="its series stay current until the receiver's "
+                                         "look-back runs out (5 minutes in Prometheus)")
         for sink in sinks:
             sink.begin_close(deadline)
         delivered = all([sink.close(deadline) for sink in sinks])

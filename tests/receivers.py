@@ -244,6 +244,8 @@ class VictoriaMetrics(Receiver):
             name = labels.pop("__name__")
             key = tuple(sorted(labels.items()))
             for ts, value in zip(row["timestamps"], row["values"], strict=True):
+                if value is None:  # a staleness marker (a clean stop's): the end, no sample
+                    continue
                 out.append((name, key, ts, float(value)))
         return out
 

@@ -37,6 +37,7 @@ class RemoteWriteCodec:
     headers = CONTENT_HEADERS
     policy = REMOTE_WRITE
     drop_reasons: tuple[str, ...] = ()
+    ends_series = True  # a sample of value STALE_NAN: Prometheus and VictoriaMetrics take it
 
     def __init__(self) -> None:
         self.encoder = Encoder()

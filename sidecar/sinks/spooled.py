@@ -7,6 +7,7 @@ self-telemetry. What an answer means is ``sidecar.sinks.answers``; the wire is
 from __future__ import annotations
 
 import contextlib
+import struct
 import threading
 import time
 from collections import Counter
@@ -25,7 +26,16 @@ from sidecar.sinks import IDLE_WAIT_S
 from sidecar.sinks.answers import BODY_LOGGED, Held, Policy, Refused, Response, Retryable, mask
 from sidecar.sinks.cadence import Cadence
 from sidecar.sinks.http import Http, HttpOptions
+from sidecar.summary import is_summary
 from sidecar.urls import redact_url as redact
+
+# Prometheus' staleness marker (prometheus/model/value.StaleNaN): a NaN that no arithmetic makes,
+# which a receiver that knows it stores as "this series ended here"
+STALE_NAN_BITS = 0x7FF0000000000002
+STALE_NAN: float = struct.unpack("<d", struct.pack("<Q", STALE_NAN_BITS))[0]
+# a series last sent this long before the newest sample is stale at every receiver already
+# (Prometheus' look-back, VictoriaMetrics' longest): a clean stop's markers need not end it
+LOOKBACK_MS = 300_000
 
 
 class OpenBatch(Protocol):
@@ -60,6 +70,9 @@ class Codec(Protocol):
     policy: Policy  # what its receivers' answers mean (sidecar.sinks.answers)
     drop_reasons: tuple[str, ...]  # reasons of its own for gpu_sidecar_samples_dropped_total
     dropped: Mapping[str, int]  # samples the codec itself could not send, by reason
+    # its receivers are told that a series ended (a clean stop's ``SpooledSink.end_series``):
+    # remote-write by a sample whose value is ``STALE_NAN``
+    ends_series: bool
 
     def cycle(self, series: list[Series]) -> bytes:
         """One cycle as a whole uncompressed request: requests joined are one request."""
@@ -154,6 +167,10 @@ class SpooledSink:
         self._failing_since: float | None = None
         self._journal_failures = Episodes()
         self._journal = journal.Journal(spool.dir, spool.reserve())
+        # each series sent in this run, and the time of its newest sample (ms): those sent
+        # within LOOKBACK_MS of the newest are what a clean stop ends (pruned at every seal)
+        self._sent: dict[tuple[str, Labels], int] = {}
+        self._newest_ms = 0
         self._thread = threading.Thread(target=self._run, name=f"sender-{self.name}", daemon=True)
 
     # -- producer side (the sampling thread) -------------------------------------------------
@@ -197,6 +214,44 @@ class SpooledSink:
     def emit(self, series: list[Series]) -> None:
         if self.cadence is not None:
             series = self.cadence.due(series)
+        if self.codec.ends_series:
+            sent, newest = self._sent, self._newest_ms
+            for s in series:
+                ts = sent[(s.name, s.labels)] = s.timestamp_ms
+                if ts > newest:
+                    newest = ts
+            self._newest_ms = newest
+        self._append(series)
+
+    def end_series(self) -> int:
+        """A clean stop, after the last cycle: every series sent in this run that a receiver
+        still holds as current (sent within ``LOOKBACK_MS`` of the newest sample) gets a
+        staleness marker 1 ms after that newest sample, as Prometheus ends the series of a
+        target that vanished, so that instant queries and the alerts built on them (a
+        ``gpu_verdict`` at 1) end now, not when the look-back runs out. The markers are a cycle
+        like any other (journal, spool, in order), so a receiver down at the stop gets them
+        from the next start. Never on a kill: nothing runs then. A batch Job's run summary
+        (``gpu_run_*``, sent with the last cycle to be read after it) is left to go stale with
+        the look-back. The number of markers."""
+        if not self.codec.ends_series:
+            return 0
+        with self._lock:
+            newest, sent = self._newest_ms, self._sent
+            self._sent = {}
+        # a batch Job's run summary is read after the run (GPUJobRunPCIeBound): it goes stale
+        # with the look-back, as it always did
+        ended = [Series(name, labels, STALE_NAN, newest + 1)
+                 for (name, labels), at in sent.items()
+                 if newest - at < LOOKBACK_MS and not is_summary(name)]
+        if ended:
+            self._append(ended)
+            self.log.info("series_ended", sink=self.name, series=len(ended),
+                          timestamp_ms=newest + 1,
+                          note="staleness markers: the receiver ends every series now")
+        return len(ended)
+
+    def _append(self, series: list[Series]) -> None:
+        """One cycle's series into the journal and the open batch; sealed when due."""
         record = self.codec.cycle(series)
         now = self.clock()
         with self._lock:
@@ -239,6 +294,10 @@ class SpooledSink:
                                                                   self.spool.reserve())
             self.last_flush = self.clock() if now is None else now
             self.spool.journal_grew(0)  # the sealed journal becomes the batch put below
+            if self._sent:  # forget what is stale anyway: the set stays what 5 minutes send
+                oldest = self._newest_ms - LOOKBACK_MS
+                if min(self._sent.values()) <= oldest:
+                    self._sent = {k: at for k, at in self._sent.items() if at > oldest}
         if not samples:
             sealed.discard()
             return
