@@ -845,8 +845,12 @@ RULES: tuple[Rule, ...] = (
              (f"sum by (gpu_uuid) (increase({stored('gpu_xid_errors_total', 'CRITICAL')}))",
               f"sum by (gpu_uuid) (increase({stored('gpu_ecc_uncorrected_volatile_total')}))"),
              ("gpu_uuid",),
-             lambda v, t: f"critical Xids {_count(_at(v))}, uncorrected ECC "
-                          f"{_count(_at(v, 1))} in the window"),
+             # no series is no count: no critical Xid's counter was stored (none seen), no
+             # ECC counter was (a GPU without ECC)
+             lambda v, t: ("no critical Xid seen" if _at(v) is None else
+                           f"critical Xids {_at(v):.0f}") + ", " + (
+                 "uncorrected ECC not stored" if _at(v, 1) is None else
+                 f"uncorrected ECC {_at(v, 1):.0f}") + " in the window"),
          alerts="""\
       - alert: GPUHardwareFault
         # the GPU itself failed: a critical Xid (%(critical_xids_list)s; the first
