@@ -15,6 +15,7 @@ import http.server
 import json
 import math
 import re
+import struct
 import subprocess
 import sys
 import time
@@ -726,3 +727,57 @@ def test_a_rare_figure_sent_before_the_window_stands_in_its_first_cycles(stores)
         what="the backfilled GPU in VictoriaMetrics")
     assert proc.returncode == 1, proc.stdout + proc.stderr
     assert "verdict: hardware-fault" in proc.stdout, proc.stdout
+
+
+# Prometheus' staleness marker: the NaN whose bits end a series (as a clean stop sends it)
+STALE_NAN = struct.unpack("<d", struct.pack("<Q", 0x7FF0000000000002))[0]
+
+
+def test_a_clean_stop_s_staleness_markers_inside_the_window_are_no_unreadable_figure(
+        stores, tmp_path):
+    """A real agent's series ended by staleness markers (a clean stop sends one per series;
+    VictoriaMetrics answers them as NaN in a raw range, Prometheus leaves them out), then the
+    agent started again: the markers end the series, never 'not a number' (exit 6); the
+    verdict is the scenario's, exit 1."""
+    vm, prom = stores
+    runs = []
+    for _ in range(2):
+        agent = agent_for("pcie-saturated", stores, tmp_path / "spool", namespace="stale")
+        with running(agent):
+            agent.start()
+            agent.more_cycles(6, "pushing")
+        runs.append(agent)
+        stopped = max(ts for _, _, ts, _ in agent.sampled())
+        if not _ended_in(vm, "stale", stopped):  # an agent that sends no markers: as it would
+            ended = {(n, lab) for n, lab, _, _ in agent.sampled()}
+            for store in (vm, prom):
+                push(store.write_url, {key: [(stopped + 200, STALE_NAN)] for key in ended})
+    w = window_around(cycles_of(runs))
+    w = Window(w.start, w.end + 1)  # the second run's markers too
+    for store in (vm, prom):
+        proc = until(lambda s=store: (p := run_cli(
+            "diagnose", "--query-url", s.base, "--select", "namespace=stale",
+            f"--at={w.end:.3f}", "--duration", f"{w.end - w.start:.3f}"))
+            and f"{len(cycles_of(runs))} samples" in p.stdout and p, 30, interval=0.5,
+            what=f"both runs in {store.base}")
+        assert proc.returncode == 1, proc.stdout + proc.stderr
+        assert "not a number" not in proc.stdout and proc.stderr == "", proc.stdout
+        assert proc.stdout.count("verdict: pcie") == 2
+    assert _ended_in(vm, "stale", max(ts for _, _, ts, _ in runs[0].sampled()))  # as NaN
+
+
+def _ended_in(vm: VictoriaMetrics, namespace: str, after_ms: int, wait_s: float = 5.0) -> bool:
+    """Whether VictoriaMetrics answers a NaN (a staleness marker) after ``after_ms`` for the
+    namespace's GPU utilization, within ``wait_s`` (it makes rows searchable up to a second
+    after their write)."""
+    def found() -> bool:
+        raw = requests.post(f"{vm.base}/api/v1/query", data={
+            "query": f'{{__name__="gpu_utilization_ratio",namespace="{namespace}"}}[1h]'},
+            timeout=10).json()["data"]["result"]
+        return any(v == "NaN" and t * 1000 > after_ms for r in raw for t, v in r["values"])
+    deadline = time.monotonic() + wait_s
+    while not found():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.25)
+    return True

@@ -42,6 +42,7 @@ from sidecar.sinks.cadence import RESEND_S
 from sidecar.store import (
     EXIT_UNREACHABLE,
     GPU_LABELS,
+    Point,
     Row,
     Store,
     StoreError,
@@ -168,9 +169,13 @@ def _rebuild(key: tuple[str, ...], rows: list[Row], start: float) -> Pod:
         name = row.name
         labels = tuple((k, v) for k, v in row.labels if k != "__name__")
         offset, previous = 0.0, None
-        for p in sorted(row.points, key=lambda p: p.t):
+        points = sorted(row.points, key=lambda p: p.t)
+        for i, p in enumerate(points):
             value = p.v
-            if not math.isfinite(value):  # no agent sends one: absent, and said, never judged
+            if not math.isfinite(value):
+                if _series_end(points, i):
+                    continue  # a staleness marker: the agent's clean stop ended the series
+                # no agent sends one: absent, and said, never judged
                 if p.t >= start:
                     per = unreadable.setdefault(row.label("gpu_uuid"), {})
                     per[name] = per.get(name, 0) + 1
@@ -214,6 +219,19 @@ def _rebuild(key: tuple[str, ...], rows: list[Row], start: float) -> Pod:
     cycles = tuple((ms_ / 1000, tuple(by_time[ms_])) for ms_ in times)
     return Pod(key, cycles, tuple(notes), interval, tuple(
         (uuid, tuple(sorted(per.items()))) for uuid, per in sorted(unreadable.items())))
+
+
+def _series_end(points: Sequence[Point], i: int) -> bool:
+    """Whether the NaN at ``points[i]`` is a staleness marker: the agent ends each series it
+    sent when it stops cleanly, and VictoriaMetrics answers the marker as ``NaN`` in a raw range
+    (Prometheus leaves it out). The marker's bits do not survive JSON, so it is told by its
+    place: one NaN after a number, the series' last sample or followed by a number (the agent
+    started again). NaN cycle after cycle is a figure no agent sends, never a marker."""
+    if not math.isnan(points[i].v):
+        return False
+    before = i == 0 or math.isfinite(points[i - 1].v)
+    after = i == len(points) - 1 or math.isfinite(points[i + 1].v)
+    return before and after
 
 
 def unreadable_note(unreadable: Sequence[tuple[str, int]]) -> str:
