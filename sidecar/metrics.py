@@ -154,12 +154,14 @@ TABLE: tuple[MetricSpec, ...] = (
        otel="gpu.app.process.fragmentation"),
     # io
     _m("gpu_pcie_tx_bytes_per_second", "gauge", "bytes/s", "io",
-       "NVML field 197 deltas, else GPM PCIE_TX, else nvmlDeviceGetPcieThroughput(TX)",
+       "NVML field 197 deltas, else GPM PCIE_TX, else nvmlDeviceGetPcieThroughput(TX): a 20 ms "
+       "sample every 20 s (one call per GPU every 10 s, RX and TX in turn), carried between",
        "PCIe traffic from the device to the host.",
        otel="gpu.pcie.throughput", otel_attributes=_TX, dcgm="DCGM_FI_PROF_PCIE_TX_BYTES*",
        field="pcie_tx_bytes_per_second", figure="pcie_tx"),
     _m("gpu_pcie_rx_bytes_per_second", "gauge", "bytes/s", "io",
-       "NVML field 198 deltas, else GPM PCIE_RX, else nvmlDeviceGetPcieThroughput(RX)",
+       "NVML field 198 deltas, else GPM PCIE_RX, else nvmlDeviceGetPcieThroughput(RX): a 20 ms "
+       "sample every 20 s (one call per GPU every 10 s, RX and TX in turn), carried between",
        "PCIe traffic from the host to the device.",
        otel="gpu.pcie.throughput", otel_attributes=_RX, dcgm="DCGM_FI_PROF_PCIE_RX_BYTES*",
        field="pcie_rx_bytes_per_second", figure="pcie_rx"),
@@ -420,10 +422,10 @@ TABLE: tuple[MetricSpec, ...] = (
        otel="gpu.app.request.duration"),
     # verdict
     _m("gpu_verdict", "gauge", "boolean", "verdict", "agent: the recent window",
-       "Per GPU, label `verdict`: the kind that explains latency over the last minute (one of the kinds "
-       "of docs/diagnose.md's precedence, or `none`), value 1; a kind that was the verdict in the last 5"
-       " minutes and is no longer is sent at 0, so `gpu_verdict == 1` ends when the cause does. What "
-       "`gpu-sidecar status`, the live table and `diagnose` beside the agent say.",
+       "Per GPU, label `verdict`: the kind that explains latency over the agent's last 30 s (one of "
+       "the kinds of docs/diagnose.md's precedence, or `none`), value 1; a kind that was the verdict "
+       "in the last 5 minutes and is no longer is sent at 0, so `gpu_verdict == 1` ends when the "
+       "cause does. What `gpu-sidecar status`, the live table and `diagnose` beside the agent say.",
        otel="gpu.verdict"),
     # self
     _m("gpu_sidecar_up", "gauge", "boolean", "self", "agent",
@@ -841,7 +843,7 @@ def _render_otel() -> list[str]:
         "series' previous point. That is the NVML byte counters' delta when the rate came from",
         "them (fields 197/198) over the same interval, as close when it came from GPM (an",
         "average between two GPM samples), and an estimate from `nvmlDeviceGetPcieThroughput`",
-        "(a 20 ms window per cycle). The first point is 0 and starts the",
+        "(a 20 ms window every 20 s per direction, carried between). The first point is 0 and starts the",
         "total (its start time). A gap adds nothing and restarts nothing: a rate absent from a",
         "cycle, or not a finite non-negative number, adds nothing for its interval, nor does a",
         "point that comes more than 3 times the series' previous interval after its last point",

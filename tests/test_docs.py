@@ -246,3 +246,72 @@ def test_the_development_page_names_every_benchmark():
     text = (DOCS / "development.md").read_text()
     missing = [p.name for p in sorted((ROOT / "bench").glob("*.py")) if f"`{p.name}`" not in text]
     assert missing == [], f"docs/development.md does not name {missing}"
+
+
+# -- the window, its buckets and the current verdict: the code's constants -------------------------
+
+def gpu_verdict_row() -> str:
+    return next(line for line in (DOCS / "metrics.md").read_text().splitlines()
+                if line.startswith("| `gpu_verdict` |"))
+
+
+def test_the_window_its_buckets_and_the_current_verdict_are_said_as_the_code_has_them():
+    """The agent's window (``recent.WINDOW_S``), its bucket (``recent.BUCKET_S``), what
+    ``gpu_verdict`` covers (``recent.CURRENT_S``) and how long an ended kind is sent at 0
+    (``agent.VERDICT_GONE_S``), wherever docs/diagnose.md, docs/metrics.md and the map say them
+    (the docs once said 10-second buckets and "the last minute")."""
+    from sidecar.agent import VERDICT_GONE_S
+    from sidecar.recent import BUCKET_S, CURRENT_S, WINDOW_S
+
+    diagnose = prose((DOCS / "diagnose.md").read_text())
+    architecture = prose((DOCS / "architecture.md").read_text())
+    assert re.findall(r"keeps the last \*\*(\d+) minutes\*\*", diagnose) == [f"{WINDOW_S / 60:g}"]
+    assert f"the last {WINDOW_S / 60:g} minutes as {BUCKET_S:g}-second buckets" in architecture
+    for text in (diagnose, architecture, prose((DOCS / "metrics.md").read_text())):
+        for said in re.findall(r"(\d+)[- ]s(?:econd)?\s+buckets?", text):
+            assert float(said) == BUCKET_S, said
+    assert re.findall(r"each GPU's verdict over the agent's last (\d+) s", diagnose) == [
+        f"{CURRENT_S:g}"]
+    row = gpu_verdict_row()
+    assert re.findall(r"over the agent's last (\d+) s", row) == [f"{CURRENT_S:g}"], row
+    assert re.findall(r"the verdict in the last (\d+) minutes", row) == [
+        f"{VERDICT_GONE_S / 60:g}"], row
+    assert "last minute" not in row
+
+
+def test_the_throttled_rows_power_cap_share_is_the_scenarios():
+    """The share the throttled scenario's power cap holds the clocks (its counters measure it
+    over every whole period); a short `diagnose` reads it within test_scenario_figures'
+    rounding."""
+    from sidecar.simulate.scenarios import POWER_CAP_SHARE
+
+    row = next(line for line in (DOCS / "configuration.md").read_text().splitlines()
+               if line.startswith("| `throttled` |"))
+    assert re.findall(r"the power cap (\d+) % of the time", row) == [f"{100 * POWER_CAP_SHARE:g}"]
+
+
+def test_the_hardware_fault_rows_findings_are_diagnoses_at_the_default_interval_and_a_short_one(
+        tmp_path):
+    """docs/configuration.md: GPU 1 `gpu-lost` with its Xid 79 as the second finding
+    (`hardware-fault`), GPU 2 `hardware-fault`, exit 1, at the default interval as at 0.5 s."""
+    import subprocess
+    import sys
+
+    row = next(line for line in (DOCS / "configuration.md").read_text().splitlines()
+               if line.startswith("| `hardware-fault` |"))
+    assert "`gpu-lost` on GPU 1, its Xid 79 x2 the second finding (`hardware-fault`), at any " \
+           "interval; `hardware-fault` on GPU 2 (1)" in row
+    runs = {args: subprocess.Popen(
+        [sys.executable, "-m", "sidecar", "diagnose", "--simulate", "hardware-fault", *args,
+         "--socket", str(tmp_path / f"{i}.sock")], stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE, text=True, cwd=ROOT)
+        for i, args in enumerate([("--duration", "10"),  # the default interval, 5 s
+                                  ("--duration", "5", "--interval", "0.5")])}
+    for args, proc in runs.items():
+        out, err = proc.communicate(timeout=120)
+        assert proc.returncode == 1, (args, out, err[-2000:])
+        gpus = {int(m[1]): m[2] for m in re.finditer(r"^GPU (\d+) (.*?)(?=^GPU |\Z)", out,
+                                                     re.M | re.S)}
+        assert re.search(r"verdict: gpu-lost", gpus[1]), (args, out)
+        assert re.search(r"2\. health: Xid 79 \(fallen off the bus\) x2", gpus[1]), (args, out)
+        assert re.search(r"verdict: hardware-fault", gpus[2]), (args, out)

@@ -221,7 +221,7 @@ def _gh200(scenario: str, index: int, **load: object) -> FakeGpu:
     PCIe link is Gen4 x1 (as the real one reports), carrying almost nothing."""
     base = standin(GH200, scenario, index,
                    pci_bus_id=f"00000009:{0x01 + index:02X}:00.0",
-                   memory_used=Signal(60 * GiB, 0.02, 45),
+                   memory_used=Signal(64 * GiB, 0.02, 45),  # above the app's 60 GiB cache
                    pcie_tx=Signal(1.0e6, 0.1, 23),  # host traffic goes over C2C, not PCIe
                    pcie_rx=Signal(2.0e6, 0.1, 19),
                    nvlink_tx=Signal(0.0),
@@ -241,6 +241,7 @@ SCENARIOS = tuple(DEFAULT_GPUS)  # the names --simulate takes
 GPU_LOST_AT_S = 1.0
 GPU_LOST_INDEX = 2
 POWER_CAP_SHARE = 0.8  # throttled: the SW power cap holds the clocks 80 % of the time
+FRAGMENTED_CACHE = 120 * GiB  # fragmented: the allocator's cache, 65 % of it empty
 FAULT_XIDS = ((1.0, 79), (1.2, 79))  # hardware-fault: GPU 1 reports it fell off the bus ...
 FAULT_LOST_AT_S = 1.5  # ... and is lost from here on
 FAULT_XID_INDEX = 1
@@ -263,8 +264,12 @@ def build(name: str, gpus: int | None = None) -> Scenario:
     if name == "fragmented":
         return Scenario(
             name, "Allocator cache 65 % empty and split into slivers; alloc retries climb.",
-            tuple(_h200(name, i, utilization=Signal(90, 0.03, 29)) for i in range(n)),
-            AppProfile(reserved_bytes=120 * GiB, fragmentation=0.65, nonreleasable=0.40,
+            # the device memory holds the allocator's cache (the app's 120 GiB) and the CUDA
+            # context beside it: a cache cannot be larger than the memory in use
+            tuple(_h200(name, i, utilization=Signal(90, 0.03, 29),
+                        memory_used=Signal(FRAGMENTED_CACHE + 4 * GiB, 0.01, 45))
+                  for i in range(n)),
+            AppProfile(reserved_bytes=FRAGMENTED_CACHE, fragmentation=0.65, nonreleasable=0.40,
                        largest_free_fraction=0.02, retries_per_minute=3.0,
                        latency_median_s=0.15, latency_p99_s=0.26),
         )
