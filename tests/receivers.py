@@ -614,6 +614,8 @@ def otlp_io(requests: list) -> dict[tuple[str, str], list[tuple[int, int, float]
                         assert {k: attrs.pop(k) for k, _ in GPU_ATTRIBUTES} == dict(GPU_ATTRIBUTES)
                         assert attrs.keys() == {"hw.id", "hw.model", "gpu.index",
                                                 "network.io.direction"}, attrs
+                        if p.flags & 1:  # NO_RECORDED_VALUE: a clean stop ended it, no sample
+                            continue
                         assert p.WhichOneof("value") == "as_double"
                         key = (attrs["hw.id"], attrs["network.io.direction"])
                         out.setdefault(key, []).append(
@@ -675,6 +677,8 @@ def otlp_rows(requests: list) -> list[tuple[str, tuple, int, float]]:
                                                         for k, v in attrs.items())])
                         ts = p.time_unix_nano // 1_000_000
                         assert p.time_unix_nano == ts * 1_000_000
+                        if p.flags & 1:  # NO_RECORDED_VALUE: a clean stop ended it, no sample
+                            continue
                         if kind != "histogram":
                             rows.append((prom, tuple(labels), ts, p.as_double))
                             continue

@@ -21,7 +21,8 @@ from sidecar.samples import Series
 from sidecar.sinks.spooled import STALE_NAN, STALE_NAN_BITS
 from sidecar.wire.remote_write import Encoder
 from tests.prompb import WriteRequest
-from tests.receivers import VM_REL, Agent, Prometheus, VictoriaMetrics, running
+from tests.receivers import VM_REL, Agent, OtlpReceiver, Prometheus, VictoriaMetrics, running
+from tests.test_otlp import otlp_args
 from tests.test_push import as_map, assert_same, push_args
 from tests.waiting import until
 
@@ -184,3 +185,45 @@ def test_a_batch_jobs_run_summary_outlives_the_stop_for_the_look_back(tmp_path):
                  (k, v) for k, v in r["metric"].items() if k != "__name__")))
                  for r in instant(prom, '{__name__=~"gpu_run_.+"}', last + 240_000)}
         assert after == summary
+
+
+def otlp_points(requests: list) -> list[tuple[tuple, int, object, str]]:
+    """Every decoded OTLP point as (its series: metric, resource and point attributes; its time
+    in ms; the point; its kind)."""
+    out = []
+    for request in requests:
+        for rm in request.resource_metrics:
+            resource = tuple(sorted((kv.key, str(kv.value)) for kv in rm.resource.attributes))
+            for sm in rm.scope_metrics:
+                for metric in sm.metrics:
+                    kind = metric.WhichOneof("data")
+                    for p in getattr(metric, kind).data_points:
+                        attrs = tuple(sorted((kv.key, str(kv.value)) for kv in p.attributes))
+                        out.append(((metric.name, resource, attrs), p.time_unix_nano // 1_000_000,
+                                    p, kind))
+    return out
+
+
+def test_otlp_a_clean_stop_flags_every_series_no_recorded_value(tmp_path):
+    receiver = OtlpReceiver()
+    with running(receiver):
+        agent = Agent(otlp_args(receiver.url, tmp_path / "spool", "--app-process-series")).start()
+        until(lambda: agent.cycles() >= 5 and agent.total("gpu_sidecar_samples_pushed_total"),
+              interval=0.1, what="5 cycles and a push")
+        assert agent.stop() == 0, "".join(agent.err)[-3000:]
+    last = max(ts for _, _, ts, _ in agent.sampled())
+    points = otlp_points(receiver.stored)
+    flagged = [(series, ts, p, kind) for series, ts, p, kind in points if p.flags & 1]
+    # every series sent (hw.gpu.io and each histogram included) ends once, 1 ms after the stop
+    assert {series for series, *_ in points} == {series for series, *_ in flagged}
+    assert len(flagged) == len({series for series, *_ in flagged})
+    assert {ts for _, ts, _, _ in flagged} == {last + 1}
+    assert max(ts for _, ts, p, _ in points if not p.flags & 1) == last
+    for series, _, p, kind in flagged:
+        if kind == "histogram":  # counts zero, buckets kept: VictoriaMetrics needs them
+            assert p.count == 0 and sum(p.bucket_counts) == 0
+            assert len(p.bucket_counts) == len(p.explicit_bounds) + 1 > 1, series
+        else:
+            assert p.WhichOneof("value") is None, series  # no value recorded
+        if kind != "gauge":  # the series' own start, not the marker's time
+            assert 0 < p.start_time_unix_nano <= last * 1_000_000, series

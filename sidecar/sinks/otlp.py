@@ -43,6 +43,7 @@ class OtlpCodec:
     headers = otlp.CONTENT_HEADERS
     policy = OTLP
     drop_reasons = ("partial_success", otlp.UNENCODABLE)
+    ends_series = True  # points flagged NO_RECORDED_VALUE (Prometheus 3, VictoriaMetrics)
 
     def __init__(self, resource: Mapping[str, str], extra_labels: tuple[str, ...] = (),
                  start_ms: int | None = None) -> None:
@@ -57,6 +58,9 @@ class OtlpCodec:
 
     def cycle(self, series: list[Series]) -> bytes:
         return self.encoder.cycle(series)
+
+    def ended(self, series: list[Series]) -> bytes:
+        return self.encoder.cycle(series, ended=True)
 
     def compress(self, payload: bytes) -> bytes:
         return otlp.compress(payload)

@@ -46,6 +46,9 @@ class RemoteWriteCodec:
     def cycle(self, series: list[Series]) -> bytes:
         return self.encoder.cycle(series)
 
+    def ended(self, series: list[Series]) -> bytes:
+        return self.encoder.cycle(series)  # the value is the marker
+
     def compress(self, payload: bytes) -> bytes:
         return compress(payload)
 

@@ -70,12 +70,16 @@ class Codec(Protocol):
     policy: Policy  # what its receivers' answers mean (sidecar.sinks.answers)
     drop_reasons: tuple[str, ...]  # reasons of its own for gpu_sidecar_samples_dropped_total
     dropped: Mapping[str, int]  # samples the codec itself could not send, by reason
-    # its receivers are told that a series ended (a clean stop's ``SpooledSink.end_series``):
-    # remote-write by a sample whose value is ``STALE_NAN``
+    # its receivers are told that a series ended (a clean stop's ``SpooledSink.end_series``)
     ends_series: bool
 
     def cycle(self, series: list[Series]) -> bytes:
         """One cycle as a whole uncompressed request: requests joined are one request."""
+        ...
+
+    def ended(self, series: list[Series]) -> bytes:
+        """A cycle that ends these series (their values are ``STALE_NAN``): remote-write sends
+        the marker as the value, OTLP flags each point NO_RECORDED_VALUE."""
         ...
 
     def compress(self, payload: bytes) -> bytes: ...
@@ -221,7 +225,7 @@ class SpooledSink:
                 if ts > newest:
                     newest = ts
             self._newest_ms = newest
-        self._append(series)
+        self._append(self.codec.cycle(series), len(series))
 
     def end_series(self) -> int:
         """A clean stop, after the last cycle: every series sent in this run that a receiver
@@ -244,20 +248,19 @@ class SpooledSink:
                  for (name, labels), at in sent.items()
                  if newest - at < LOOKBACK_MS and not is_summary(name)]
         if ended:
-            self._append(ended)
+            self._append(self.codec.ended(ended), len(ended))
             self.log.info("series_ended", sink=self.name, series=len(ended),
                           timestamp_ms=newest + 1,
                           note="staleness markers: the receiver ends every series now")
         return len(ended)
 
-    def _append(self, series: list[Series]) -> None:
-        """One cycle's series into the journal and the open batch; sealed when due."""
-        record = self.codec.cycle(series)
+    def _append(self, record: bytes, samples: int) -> None:
+        """One encoded cycle into the journal and the open batch; sealed when due."""
         now = self.clock()
         with self._lock:
-            self._append_journal(record, len(series))
+            self._append_journal(record, samples)
             self._batch.add(record)
-            self._open_samples += len(series)
+            self._open_samples += samples
             # sealed at the cycle nearest to the push interval: one whose interval equals the
             # push interval seals every cycle, though its clock reads a hair early each time
             cycle_gap = now - self._last_emit if self._last_emit is not None else 0.0

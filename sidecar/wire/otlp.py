@@ -101,6 +101,7 @@ NUMBER_POINT_ATTRIBUTES = tag(7, _LEN)  # repeated KeyValue attributes = 7
 NUMBER_POINT_START_TIME_UNIX_NANO = tag(2, _I64)  # fixed64 start_time_unix_nano = 2
 NUMBER_POINT_TIME_UNIX_NANO = tag(3, _I64)  # fixed64 time_unix_nano = 3
 NUMBER_POINT_AS_DOUBLE = tag(4, _I64)  # double as_double = 4 (oneof value)
+NUMBER_POINT_FLAGS = tag(8, _VARINT)  # uint32 flags = 8 (DataPointFlags)
 # HistogramDataPoint
 HISTOGRAM_POINT_ATTRIBUTES = tag(9, _LEN)  # repeated KeyValue attributes = 9
 HISTOGRAM_POINT_START_TIME_UNIX_NANO = tag(2, _I64)  # fixed64 start_time_unix_nano = 2
@@ -109,6 +110,7 @@ HISTOGRAM_POINT_COUNT = tag(4, _I64)  # fixed64 count = 4
 HISTOGRAM_POINT_SUM = tag(5, _I64)  # optional double sum = 5
 HISTOGRAM_POINT_BUCKET_COUNTS = tag(6, _LEN)  # repeated fixed64 bucket_counts = 6 (packed)
 HISTOGRAM_POINT_EXPLICIT_BOUNDS = tag(7, _LEN)  # repeated double explicit_bounds = 7 (packed)
+HISTOGRAM_POINT_FLAGS = tag(10, _VARINT)  # uint32 flags = 10 (DataPointFlags)
 # KeyValue, AnyValue
 KEY_VALUE_KEY = tag(1, _LEN)  # string key = 1
 KEY_VALUE_VALUE = tag(2, _LEN)  # AnyValue value = 2
@@ -116,6 +118,9 @@ ANY_VALUE_STRING_VALUE = tag(1, _LEN)  # string string_value = 1 (oneof value)
 ANY_VALUE_INT_VALUE = tag(3, _VARINT)  # int64 int_value = 3 (oneof value)
 
 CUMULATIVE = 2  # AggregationTemporality.AGGREGATION_TEMPORALITY_CUMULATIVE
+# DataPointFlags.DATA_POINT_FLAGS_NO_RECORDED_VALUE_MASK: "the point has no value": the series
+# ended (Prometheus' staleness marker, which its OTLP receiver and VictoriaMetrics' store as one)
+NO_RECORDED_VALUE = varint(1)
 _TRUE, _FALSE = varint(1), varint(0)  # a bool's value
 
 # Field numbers of the answers read (the reader gives numbers, not tags)
@@ -233,8 +238,10 @@ class Encoder:
                 state[1] = value
         return state[0]
 
-    def _io_point(self, p: _Point, rate: float, ts_ms: int) -> tuple[_Point, bytes]:
-        """The ``hw.gpu.io`` point of a PCIe rate point (see the module)."""
+    def _io_point(self, p: _Point, rate: float, ts_ms: int, *, ended: bool = False
+                  ) -> tuple[_Point, bytes]:
+        """The ``hw.gpu.io`` point of a PCIe rate point (see the module); ``ended``: its
+        series ends here (``cycle``)."""
         key = (p.resource, p.attributes)
         io = self._io.get(key)
         if io is None:
@@ -245,7 +252,7 @@ class Encoder:
             step = ts_ms - io.ts_ms
             after_last = io.cycle == self._cycles - 1  # not absent from the last cycle
             in_time = step > 0 and (not io.step_ms or step <= _GAP * io.step_ms)
-            if after_last and in_time:
+            if after_last and in_time and not ended:
                 io.step_ms = step
                 if math.isfinite(rate) and rate >= 0:
                     io.total += rate * step / 1000
@@ -253,7 +260,8 @@ class Encoder:
         point = length_delimited(SUM_DATA_POINTS, p.attributes
                                  + NUMBER_POINT_START_TIME_UNIX_NANO + io.start
                                  + NUMBER_POINT_TIME_UNIX_NANO + FIXED64.pack(ts_ms * 1_000_000)
-                                 + NUMBER_POINT_AS_DOUBLE + DOUBLE.pack(io.total))
+                                 + (NUMBER_POINT_FLAGS + NO_RECORDED_VALUE if ended
+                                    else NUMBER_POINT_AS_DOUBLE + DOUBLE.pack(io.total)))
         return _Point(p.resource, metrics.GPU_IO.name, p.source, p.attributes, True, True), point
 
     def _drop(self, samples: int) -> None:
@@ -298,8 +306,11 @@ class Encoder:
             head = self._headers[p.metric] = head
         return head
 
-    def cycle(self, series: Iterable[Series]) -> bytes:
-        """One cycle as a whole ExportMetricsServiceRequest."""
+    def cycle(self, series: Iterable[Series], *, ended: bool = False) -> bytes:
+        """One cycle as a whole ExportMetricsServiceRequest. ``ended``: the series end here (a
+        clean stop): each point flagged ``NO_RECORDED_VALUE``, its value left out (a histogram's
+        counts zero, its bounds kept: VictoriaMetrics skips a histogram point without buckets),
+        its start time the series' own."""
         # resource -> OTel metric -> (its first point's placing, encoded points or histograms)
         grouped: dict[Labels, dict[str, tuple[_Point, list[bytes | _Histogram]]]] = {}
         histograms: dict[tuple[Labels, str, bytes], _Histogram] = {}
@@ -313,26 +324,28 @@ class Encoder:
                     if h is None:
                         h = histograms[key] = _Histogram(p.attributes, s.timestamp_ms)
                         grouped.setdefault(p.resource, {}).setdefault(p.metric, (p, []))[1].append(h)
-                    h.add(p, s.value)
+                    h.add(p, 0.0 if ended else s.value)
                     continue
                 body = p.attributes
                 if p.cumulative:
-                    body += NUMBER_POINT_START_TIME_UNIX_NANO + self._start(p, s.value, s.timestamp_ms)
+                    body += NUMBER_POINT_START_TIME_UNIX_NANO + self._start(
+                        p, math.nan if ended else s.value, s.timestamp_ms)
+                value = (NUMBER_POINT_FLAGS + NO_RECORDED_VALUE if ended
+                         else NUMBER_POINT_AS_DOUBLE + DOUBLE.pack(s.value))
                 point = length_delimited(NUMBER_DATA_POINTS, body + NUMBER_POINT_TIME_UNIX_NANO
-                                         + FIXED64.pack(s.timestamp_ms * 1_000_000)
-                                         + NUMBER_POINT_AS_DOUBLE + DOUBLE.pack(s.value))
+                                         + FIXED64.pack(s.timestamp_ms * 1_000_000) + value)
             except _ENCODING_ERRORS:
                 self._drop(1)
                 continue
             grouped.setdefault(p.resource, {}).setdefault(p.metric, (p, []))[1].append(point)
             if p.source in metrics.GPU_IO_SOURCES:
-                io, point = self._io_point(p, s.value, s.timestamp_ms)
+                io, point = self._io_point(p, s.value, s.timestamp_ms, ended=ended)
                 grouped[p.resource].setdefault(io.metric, (io, []))[1].append(point)
         for (resource, metric, _), h in histograms.items():
             by_metric = grouped[resource]
             points = by_metric[metric][1]
             at = next(i for i, x in enumerate(points) if x is h)
-            encoded = self._histogram(resource, metric, h)
+            encoded = self._histogram(resource, metric, h, ended=ended)
             if encoded is not None:
                 points[at] = encoded
                 continue
@@ -345,7 +358,8 @@ class Encoder:
         return b"".join(self._resource_metrics(resource, by_metric)
                         for resource, by_metric in grouped.items())
 
-    def _histogram(self, resource: Labels, metric: str, h: _Histogram) -> bytes | None:
+    def _histogram(self, resource: Labels, metric: str, h: _Histogram, *,
+                   ended: bool = False) -> bytes | None:
         """A HistogramDataPoint, or None when it cannot be encoded: every count must be a
         non-negative integer within 64 bits (not NaN, infinite, negative or huge)."""
         counts = [h.count, *(c for _, c in h.buckets)]
@@ -354,8 +368,9 @@ class Encoder:
             return None
         try:
             h.start = self._start(_Point(resource, metric, "", h.attributes, True, True),
-                                  h.count, h.ts)
-            return length_delimited(HISTOGRAM_DATA_POINTS, h.encode())
+                                  math.nan if ended else h.count, h.ts)
+            return length_delimited(HISTOGRAM_DATA_POINTS, h.encode()
+                                    + (HISTOGRAM_POINT_FLAGS + NO_RECORDED_VALUE if ended else b""))
         except _ENCODING_ERRORS:  # a timestamp or sum the wire cannot carry
             return None
 
