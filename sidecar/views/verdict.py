@@ -43,9 +43,11 @@ findings are listed, and the table shows the first, in this order):
 - ``queueing`` (engine): p99 above ``p99_latency_s`` with the engine's queue time at least
   ``queue_share_ratio`` of it (p99 over p99; where the queue's p99 is within its first bucket,
   an interpolation, the engine's own split of its requests' time into queue, prefill and
-  decode, vLLM V1's and trtllm-serve's; mean over mean for an engine without buckets), and
-  nothing above found: the GPU layers are unsaturated, so the engine's admission is the limit.
-  Last because any other finding explains why requests wait;
+  decode, vLLM V1's and trtllm-serve's, where it has one; mean over mean for an engine without
+  buckets; the alert GPUEngineQueueing and fleet's figure take the share the same way, in
+  PromQL: ``queue_share_promql``), and nothing above found: the GPU layers are unsaturated, so
+  the engine's admission is the limit. Last because any other finding explains why requests
+  wait;
 - ``none``: nothing crossed a threshold. A layer that could not be judged (no GPM before Hopper
   or on an old driver, no app figures) is said in a note, never passed off as healthy; it does
   not change the exit code, which says whether a bottleneck was found.
@@ -814,6 +816,73 @@ class Rule:
     alone: bool = False
 
 
+# the queueing rule's series: the engine's queue time and request latency (histograms), and its
+# requests' prefill and decode seconds (the _sum of vLLM V1's and trtllm-serve's histograms)
+_QUEUE, _REQUEST = "engine_request_queue_duration_seconds", "engine_request_duration_seconds"
+_PREFILL, _DECODE = "engine_request_prefill_seconds_total", "engine_request_decode_seconds_total"
+# which way queue_share_promql took the share, as its ``arm=True`` form answers
+_SHARE_ARMS = {1: "p99", 2: "phases", 3: "p99", 4: "mean"}
+
+
+def queue_share_promql(over: Callable[[str], str], by: str, *, arm: bool = False) -> str:
+    """The queueing rule's queue share in PromQL, taken as ``_window`` takes it (the module's
+    docstring): the queue's p99 over the request's where the queue's p99 lies above the queue
+    histogram's first finite bound; else the engine's own split of its requests' time, queue
+    sum over queue, prefill and decode sums, where it exports the phases; else p99 over p99
+    all the same; else, without buckets, mean over mean. Each way holds only where ``_window``
+    takes it (a denominator above 0), so an ``or`` keeps the first that holds.
+
+    The first bound is the 1-quantile of the queue's buckets each set to 1: histogram_quantile
+    interpolates from 0 within the first bucket, so that answers its upper bound, in Prometheus
+    and in VictoriaMetrics alike (a bound is a label, which PromQL cannot compare). ``over``
+    gives a series' rate or increase over the window (the alert's ``rate(...[5m])``, the fleet's
+    ``increase`` over its window); ``by`` the labels the share is kept per. ``arm``: the number
+    of the way taken instead of the share (``_SHARE_ARMS``)."""
+    def hist(name: str) -> str:
+        return f"sum by ({by}, le) ({over(name + '_bucket')})"
+
+    def total(name: str) -> str:
+        return f"sum by ({by}) ({over(name)})"
+
+    on = f"on ({by})"
+    queue_p99 = f"histogram_quantile(0.99, {hist(_QUEUE)})"
+    request_p99 = f"histogram_quantile(0.99, {hist(_REQUEST)})"
+    first_bound = f"histogram_quantile(1, {hist(_QUEUE)} * 0 + 1)"
+    ratio = f"{queue_p99}\n  / {on} ({request_p99} > 0)"
+    ways = (
+        f"{ratio}\n  and {on} {queue_p99}\n  > {on} {first_bound}",
+        f"{total(_QUEUE + '_sum')}\n  / {on} ({total(_QUEUE + '_sum')}\n"
+        f"    + {on} {total(_PREFILL)}\n    + {on} {total(_DECODE)} > 0)",
+        ratio,
+        f"{total(_QUEUE + '_sum')}\n  / {on} ({total(_REQUEST + '_sum')} > 0)")
+    return f"\nor {on}\n".join(f"({way}) * 0 + {n}" if arm else f"({way})"
+                               for n, way in enumerate(ways, 1))
+
+
+def _indented(text: str, spaces: int) -> str:
+    return "".join(" " * spaces + line + "\n" for line in text.splitlines())
+
+
+_QUEUEING_BY = "namespace, pod, engine, endpoint, model"
+
+
+def _queueing_deciding(v: Sequence[float | None], t: Thresholds) -> str:
+    """Fleet's figure for queueing: the share as the rule took it, and the way it took it."""
+    share, way, queue_p99, request_p99 = (_at(v, i) for i in range(4))
+    if share is None:
+        return (f"queue share not stored (queue p99 {ms(queue_p99)}, request p99 "
+                f"{ms(request_p99)})")
+    of = _SHARE_ARMS.get(round(way) if way is not None else 0)
+    if of == "phases":
+        return (f"queue {pct(share)} of the engine's time per request (its split into queue, "
+                "prefill and decode" + ("" if queue_p99 is None else
+                                        f"; queue p99 {ms(queue_p99)} within its first bucket")
+                + ")")
+    if of == "mean":
+        return f"mean queue time {pct(share)} of the mean request time"
+    return f"queue p99 {ms(queue_p99)} is {pct(share)} of request p99 {ms(request_p99)}"
+
+
 RULES: tuple[Rule, ...] = (
     Rule("gpu-lost", "GPU", "LOST", "the GPU stopped answering NVML",
          "check `nvidia-smi` and the kernel log (`dmesg | grep -i xid`: Xid 79 is a GPU fallen "
@@ -1289,26 +1358,28 @@ RULES: tuple[Rule, ...] = (
          evidence=lambda w, t: _queueing(w, t),
          threshold=lambda t: f"an engine's queue time at {t.queue_share_ratio:.0%} of p99 above "
                              f"{ms(t.p99_latency_s)}",
+         # fleet's figure: the share as the rule takes it, the way it took it, the two p99s
          deciding=Deciding(
-             ("histogram_quantile(0.99, sum by (namespace, pod, le) (increase("
-              f"{stored('engine_request_queue_duration_seconds_bucket', pod=True)})))",
-              "histogram_quantile(0.99, sum by (namespace, pod, le) (increase("
-              f"{stored('engine_request_duration_seconds_bucket', pod=True)})))"),
+             (*(queue_share_promql(lambda name: f"increase({stored(name, pod=True)})",
+                                   "namespace, pod", arm=arm) for arm in (False, True)),
+              *(f"histogram_quantile(0.99, sum by (namespace, pod, le) (increase("
+                f"{stored(name + '_bucket', pod=True)})))" for name in (_QUEUE, _REQUEST))),
              ("namespace", "pod"),
-             lambda v, t: f"queue p99 {ms(_at(v))} of request p99 {ms(_at(v, 1))}"),
+             _queueing_deciding),
          alerts="""\
       - alert: GPUEngineQueueing
-        # requests spend at least %(queue_share_percent)s %% of the p99 latency waiting in the
-        # engine's queue, p99 above the %(p99_latency_s)s s objective, and the KV cache is not
-        # the reason (GPUEngineKVCacheFull). diagnose also checks that no GPU layer explains it;
-        # an engine without queue buckets (Triton: cumulative durations only) is not judged here
+        # requests spend at least %(queue_share_percent)s %% of their time waiting in the engine's
+        # queue, p99 above the %(p99_latency_s)s s objective, and the KV cache is not the reason
+        # (GPUEngineKVCacheFull); diagnose also checks that no GPU layer explains it. The
+        # queue's share is taken as diagnose takes it: its p99 over the request p99 where the
+        # queue's p99 lies above its first bucket's bound (the 1-quantile of its buckets set
+        # to 1); within it, an interpolation (vLLM's first bound is 0.3 s), the engine's own
+        # split of its requests' time (queue, prefill, decode sums) where it has one; mean
+        # over mean without queue buckets. An engine without request buckets (Triton) has no
+        # p99 here: it is not judged
         expr: |
           (
-            histogram_quantile(0.99, sum by (namespace, pod, engine, endpoint, model, le) (
-              rate(engine_request_queue_duration_seconds_bucket[5m])))
-            / on (namespace, pod, engine, endpoint, model)
-            histogram_quantile(0.99, sum by (namespace, pod, engine, endpoint, model, le) (
-              rate(engine_request_duration_seconds_bucket[5m])))
+""" + _indented(queue_share_promql(lambda name: f"rate({name}[5m])", _QUEUEING_BY), 12) + """\
           ) >= %(queue_share_ratio)s
           and on (namespace, pod, engine, endpoint, model)
           histogram_quantile(0.99, sum by (namespace, pod, engine, endpoint, model, le) (
@@ -1319,7 +1390,7 @@ RULES: tuple[Rule, ...] = (
         labels:
           severity: warning
         annotations:
-          summary: "{{ $labels.model }} on {{ $labels.pod }}: {{ $value | humanizePercentage }} of p99 queued"
+          summary: "{{ $labels.model }} on {{ $labels.pod }}: {{ $value | humanizePercentage }} queued"
           description: >-
             The {{ $labels.engine }} engine of {{ $labels.pod }} admits requests too slowly for
             the traffic: raise the batch budget (max_num_seqs, max_num_batched_tokens) if the
