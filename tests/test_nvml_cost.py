@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import re
 from collections import defaultdict
+from itertools import pairwise
 
 import pynvml
 import pytest
@@ -107,7 +108,7 @@ def test_a_real_agent_stores_its_nvml_time_per_call_in_victoriametrics(tmp_path)
     for call in PER_CYCLE_CALLS:  # made every cycle: both counters climb at every sample
         for name in ("gpu_sidecar_nvml_calls_total", "gpu_sidecar_nvml_call_seconds_total"):
             values = [v for _, v in sorted(got[name, call])]
-            assert values[0] > 0 and all(b > a for a, b in zip(values, values[1:])), (call, values)
+            assert values[0] > 0 and all(b > a for a, b in pairwise(values)), (call, values)
     # made once, at open: stored, and flat
     init = {v for _, v in got["gpu_sidecar_nvml_calls_total", "nvmlInit"]}
     assert init == {1.0}

@@ -88,10 +88,18 @@ class ReadState:
     rare: dict[FieldId, CounterValue | None] = field(default_factory=dict)  # the last answer
     rare_t: float | None = None  # when the rare figures were last asked for
     power_limit_watts: float | None = None  # the last answer, asked for with the rare ones
+    # the PCIe throughput fallback (source.py): when its last call was made, which direction
+    # the next one samples (RX first: host-to-device copies), each direction's last rate (B/s)
+    throughput_t: float | None = None
+    throughput_next: int = pynvml.NVML_PCIE_UTIL_RX_BYTES
+    throughput_tx: float | None = None
+    throughput_rx: float | None = None
 
     def forget(self) -> None:
         """The GPU was lost: counters and samples from before are no base for a rate."""
         self.pcie = self.nvlink = None
+        self.throughput_t, self.throughput_tx, self.throughput_rx = None, None, None
+        self.throughput_next = pynvml.NVML_PCIE_UTIL_RX_BYTES
         self.rare, self.rare_t, self.power_limit_watts = {}, None, None
         self.clock_events = None
         self.gpm_prev_t = None

@@ -1,9 +1,12 @@
 """The NVML source: one reading per selected GPU per cycle, and the GPUs' life cycle.
 
-Capabilities are detected once per GPU when it is opened (``capabilities.py``). At run time only
-two things can go wrong: the GPU is lost (it is set aside and re-opened later by UUID, the others
-carry on) or a call fails for a passing reason (that figure is absent this cycle, logged once
-until it recovers).
+Capabilities are detected once per GPU when it is opened (``capabilities.py``). A GPU whose PCIe
+rates only ``nvmlDeviceGetPcieThroughput`` gives (no byte counters, no GPM) makes one such call
+every ``THROUGHPUT_CALL_S``, RX and TX in turn, each rate carried until its direction is sampled
+again: the call blocks in the driver for its 20 ms window, the time the model server's own NVML
+calls may wait. At run time only two things can go wrong: the GPU is lost (it is set aside and
+re-opened later by UUID, the others carry on) or a call fails for a passing reason (that figure
+is absent this cycle, logged once until it recovers).
 """
 
 from __future__ import annotations
@@ -35,6 +38,11 @@ from sidecar.sources.nvml.xid import XidWatcher
 
 log = structlog.get_logger("sidecar.nvml")
 
+# at most one nvmlDeviceGetPcieThroughput call (a 20 ms sample) per GPU this often, the two
+# directions in turn: each rate is at most twice this old, and an 8-GPU node spends 8 x 20 ms
+# of driver time every 10 s on it rather than 16 x 20 ms every cycle
+THROUGHPUT_CALL_S = 10.0
+
 
 class NvmlSource:
     def __init__(
@@ -44,6 +52,7 @@ class NvmlSource:
         lost_retry_s: float = Config.gpu_retry_interval,
         interval_s: float = Config.interval,
         rare_read_s: float = RARE_READ_S,
+        throughput_call_s: float | None = None,
         clock: Callable[[], float] = time.monotonic,
         sleep: Callable[[float], None] = time.sleep,
     ) -> None:
@@ -51,6 +60,10 @@ class NvmlSource:
         self.lost_retry_s = lost_retry_s
         self.interval_s = interval_s
         self.rare_read_s = rare_read_s
+        # None: THROUGHPUT_CALL_S, or less in a sampling session that asks for the rare figures
+        # more often (diagnose's own few seconds ask every cycle: rare_read_s=0)
+        self.throughput_call_s = (min(THROUGHPUT_CALL_S, rare_read_s) if throughput_call_s is None
+                                  else throughput_call_s)
         self.clock = clock
         self.sleep = sleep
         self.driver_version = ""
@@ -145,7 +158,8 @@ class NvmlSource:
         live = [dev for u in uuids if (dev := self._live(u, now)) is not None]
         meters = {dev.identity.uuid: Meter() for dev in live}
         slow = [d for d in live if d.caps.pcie == "throughput"]
-        pending = self._throughput.start(slow, meters)
+        pending = self._throughput.start([d for d in slow if self._throughput_due(d, now)],
+                                         meters)
         result: dict[str, NvmlReading | None] = dict.fromkeys(uuids)
         for dev in live:
             try:
@@ -158,7 +172,7 @@ class NvmlSource:
                 self._mark_lost(dev, now, str(exc.__cause__ or exc))
         for dev in slow:
             result[dev.identity.uuid] = self._add_throughput(
-                dev, result[dev.identity.uuid], pending[dev.identity.uuid], now)
+                dev, result[dev.identity.uuid], pending.get(dev.identity.uuid), now)
         self.last_read_nvml = meters
         return result
 
@@ -180,23 +194,41 @@ class NvmlSource:
             return None
         return dev
 
+    def _throughput_due(self, dev: Device, now: float) -> bool:
+        last = dev.state.throughput_t
+        return last is None or not 0 <= now - last < self.throughput_call_s
+
     def _add_throughput(self, dev: Device, reading: NvmlReading | None,
-                        calls: tuple[Future[int], Future[int]], now: float) -> NvmlReading | None:
-        """``reading`` with the PCIe rates of its throughput calls (KB/s over 20 ms)."""
-        try:
-            tx, rx = calls[0].result(), calls[1].result()
-        except pynvml.NVMLError as exc:
-            if not is_lost(exc):
+                        call: Future[int] | None, now: float) -> NvmlReading | None:
+        """``reading`` with the PCIe rates of the throughput fallback: this cycle's call (KB/s
+        over 20 ms) for its direction, if one was due, and each direction's last rate carried.
+        A failed call leaves its direction absent until it is sampled again."""
+        state = dev.state
+        if call is not None:
+            counter = state.throughput_next
+            state.throughput_t = now
+            rx = counter == pynvml.NVML_PCIE_UTIL_RX_BYTES
+            state.throughput_next = (pynvml.NVML_PCIE_UTIL_TX_BYTES if rx
+                                     else pynvml.NVML_PCIE_UTIL_RX_BYTES)
+            try:
+                rate: float | None = float(call.result() * KIB)
+            except pynvml.NVMLError as exc:
+                if is_lost(exc):
+                    if reading is not None:
+                        self._mark_lost(dev, now, error_name(exc))
+                    return None
                 dev.failures.failed("pcie_throughput", exc)
-                return reading
-            if reading is not None:
-                self._mark_lost(dev, now, error_name(exc))
-            return None
-        dev.failures.recovered("pcie_throughput")
+                rate = None
+            else:
+                dev.failures.recovered("pcie_throughput")
+            if rx:
+                state.throughput_rx = rate
+            else:
+                state.throughput_tx = rate
         if reading is None:
             return None
-        io = dataclasses.replace(reading.io, pcie_tx_bytes_per_second=float(tx * KIB),
-                                 pcie_rx_bytes_per_second=float(rx * KIB))
+        io = dataclasses.replace(reading.io, pcie_tx_bytes_per_second=state.throughput_tx,
+                                 pcie_rx_bytes_per_second=state.throughput_rx)
         return dataclasses.replace(reading, io=io)
 
     # -- lost GPUs -----------------------------------------------------------------------------
@@ -230,30 +262,28 @@ class NvmlSource:
 
 class ThroughputCalls:
     """``nvmlDeviceGetPcieThroughput`` for GPUs without byte counters or GPM (before Hopper),
-    run concurrently on a small thread pool.
+    the calls due in a cycle (one per GPU at most, ``THROUGHPUT_CALL_S``) run concurrently on a
+    small thread pool.
 
-    The pool is there because the call blocks for its 20 ms sampling window: two calls (TX, RX)
-    per GPU, one after the other, would cost 40 ms per GPU per cycle, 320 ms on an 8-GPU node,
-    while all of them at once cost one window, overlapped with the other GPUs' reads. pynvml
-    releases the GIL during the C call, so the threads wait in parallel. No pool exists on a GPU
-    with counters or GPM (Hopper and newer), where no such call is made."""
+    The pool is there because the call blocks for its 20 ms sampling window: the due GPUs'
+    calls one after the other would cost 20 ms each, 160 ms on an 8-GPU node, while all of them
+    at once cost one window, overlapped with the other GPUs' reads. pynvml releases the GIL
+    during the C call, so the threads wait in parallel. No pool exists on a GPU with counters or
+    GPM (Hopper and newer), where no such call is made."""
 
     def __init__(self) -> None:
         self._pool: ThreadPoolExecutor | None = None
         self._size = 0
 
-    def start(self, devices: list[Device], meters: dict[str, Meter]
-              ) -> dict[str, tuple[Future[int], Future[int]]]:
-        """uuid -> the (TX, RX) calls of each of ``devices``, running; each GPU's time in them
-        goes to its meter."""
+    def start(self, devices: list[Device], meters: dict[str, Meter]) -> dict[str, Future[int]]:
+        """uuid -> the call of each of ``devices``, running, for the direction its state says
+        is next; each GPU's time in it goes to its meter."""
         if not devices:
             return {}
-        pool = self._executor(2 * len(devices))
-        return {dev.identity.uuid: tuple(  # type: ignore[misc]
-            pool.submit(_metered_call, meters[dev.identity.uuid],
-                        nvml.nvmlDeviceGetPcieThroughput, dev.handles.device, counter)
-            for counter in (pynvml.NVML_PCIE_UTIL_TX_BYTES, pynvml.NVML_PCIE_UTIL_RX_BYTES))
-            for dev in devices}
+        pool = self._executor(len(devices))
+        return {dev.identity.uuid: pool.submit(
+            _metered_call, meters[dev.identity.uuid], nvml.nvmlDeviceGetPcieThroughput,
+            dev.handles.device, dev.state.throughput_next) for dev in devices}
 
     def _executor(self, calls: int) -> ThreadPoolExecutor:
         """A pool wide enough for every throughput call of a cycle to run at once."""
