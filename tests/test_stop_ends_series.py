@@ -21,7 +21,15 @@ from sidecar.samples import Series
 from sidecar.sinks.spooled import STALE_NAN, STALE_NAN_BITS
 from sidecar.wire.remote_write import Encoder
 from tests.prompb import WriteRequest
-from tests.receivers import VM_REL, Agent, OtlpReceiver, Prometheus, VictoriaMetrics, running
+from tests.receivers import (
+    VM_REL,
+    Agent,
+    OtlpReceiver,
+    Prometheus,
+    Pushgateway,
+    VictoriaMetrics,
+    running,
+)
 from tests.test_otlp import otlp_args
 from tests.test_push import as_map, assert_same, push_args
 from tests.waiting import until
@@ -227,3 +235,24 @@ def test_otlp_a_clean_stop_flags_every_series_no_recorded_value(tmp_path):
             assert p.WhichOneof("value") is None, series  # no value recorded
         if kind != "gauge":  # the series' own start, not the marker's time
             assert 0 < p.start_time_unix_nano <= last * 1_000_000, series
+
+
+def test_pushgateway_a_group_deleted_at_the_stop_ends_its_series_at_prometheus_next_scrape(
+        tmp_path):
+    pgw = Pushgateway(tmp_path).start()
+    prom = Prometheus(tmp_path, scrape=pgw.base.removeprefix("http://")).start()
+    with running(pgw, prom):
+        agent = Agent(["--simulate", SCENARIO, "--interval", "0.2", "--push-interval", "0.2",
+                       "--pushgateway-url", pgw.base, "--pod-namespace", "ml",
+                       "--pod-name", "llm-0", "--shutdown-timeout", "5",
+                       "--pushgateway-delete-on-exit"]).start()
+        until(lambda: prom.query('gpu_verdict{verdict="pcie"} == 1')
+              or agent.proc.poll() is not None, interval=0.2,
+              what="Prometheus scraping the verdict from the Pushgateway")
+        assert agent.stop() == 0, "".join(agent.err)[-3000:]
+        assert pgw.groups() == []
+        stopped = time.time()
+        # the group gone, Prometheus' next scrape (every second) ends what it had scraped
+        until(lambda: not prom.query('{__name__=~"gpu_.+"}'), timeout=20, interval=0.5,
+              what="the scraped series ended once the group was deleted")
+        assert time.time() - stopped < 10
