@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import math
 import os
 import selectors
 import socket
@@ -59,17 +58,28 @@ class Refused(Exception):
         self.reason = reason
 
 
+def _number(value: object) -> bool:
+    """A JSON number, not ``true``/``false`` (a bool is an int in Python: ``True == 1``)."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
 def parse_question(data: bytes) -> float:
-    """The seconds asked for, from one question line; Refused for anything else."""
+    """The seconds asked for, from one question line; Refused for anything else, whatever its
+    shape: nothing of a question reaches ``float()`` or ``math`` before its range is checked
+    (an integer of 400 digits overflows a float), and nesting too deep for the decoder
+    (``[[[...``, a RecursionError) is malformed like any other line that is not the question."""
     try:
         question = json.loads(data.decode("utf-8"))
-    except (UnicodeDecodeError, ValueError) as exc:
-        raise Refused("malformed", f"the question is not one JSON line ({exc})") from None
-    if not isinstance(question, dict) or question.get("v") != VERSION:
+    except (UnicodeDecodeError, ValueError, RecursionError) as exc:
+        why = "nested too deep" if isinstance(exc, RecursionError) else str(exc)
+        raise Refused("malformed", f"the question is not one JSON line ({why})") from None
+    version = question.get("v") if isinstance(question, dict) else None
+    if not (_number(version) and version == VERSION):
         raise Refused("malformed", f"the question must be a JSON object with \"v\": {VERSION}")
     seconds = question.get("duration")
-    if (isinstance(seconds, bool) or not isinstance(seconds, (int, float))
-            or not math.isfinite(seconds) or not 1 <= seconds <= 3600):
+    # compared as it came (ints of any size compare exactly; NaN compares false), converted
+    # only once it is within range
+    if not (_number(seconds) and 1 <= seconds <= 3600):
         raise Refused("malformed", "\"duration\" must be a number of seconds from 1 to 3600")
     return float(seconds)
 
@@ -101,6 +111,7 @@ class WindowSocket:
         self.clock = clock
         self.answered = 0
         self.refused: Counter[str] = Counter()
+        self.failed: Counter[str] = Counter()  # faults no refusal foresaw, by exception type
         self._sock: socket.socket | None = None
         self._inode: int | None = None
         self._stop = threading.Event()
@@ -141,22 +152,40 @@ class WindowSocket:
             sel.register(self._sock, selectors.EVENT_READ)
             sel.register(self._wake[0], selectors.EVENT_READ)
             while not self._stop.is_set():
-                # idle, the thread sleeps until a connection or stop(); with askers it wakes
-                # every half second to hold them to their deadlines
-                for key, _ in sel.select(timeout=0.5 if askers else None):
-                    if key.fileobj is self._wake[0]:
-                        continue  # stop(): the loop's condition ends it
-                    if key.fileobj is self._sock:
-                        self._accept(sel, askers)
-                    else:
-                        self._step(sel, askers, askers[key.fileobj])  # type: ignore[index]
-                now = self.clock()
-                for asker in [a for a in askers.values() if now > a.deadline]:
-                    self._refuse("too_slow" if asker.answer is None else "answer_not_taken",
-                                 f"the exchange did not end within {DEADLINE_S:g} s")
-                    self._close(sel, askers, asker)
+                try:
+                    self._round(sel, askers)
+                except Exception as exc:  # the socket must outlive any fault
+                    self._failed(exc)
+                    time.sleep(0.1)  # never a busy loop
             for asker in list(askers.values()):
                 self._close(sel, askers, asker)
+
+    def _round(self, sel: selectors.BaseSelector, askers: dict[socket.socket, _Asker]) -> None:
+        """One wait and what came of it. A fault in one asker's exchange (whatever it is: the
+        known ones are refusals) drops that asker alone and the thread serves on."""
+        assert self._sock is not None and self._wake is not None
+        # idle, the thread sleeps until a connection or stop(); with askers it wakes every
+        # half second to hold them to their deadlines
+        for key, _ in sel.select(timeout=0.5 if askers else None):
+            if key.fileobj is self._wake[0]:
+                continue  # stop(): the loop's condition ends it
+            if key.fileobj is self._sock:
+                self._accept(sel, askers)
+                continue
+            # None when a newcomer already closed it in this round (the oldest of too many)
+            asker = askers.get(key.fileobj)  # type: ignore[call-overload]
+            if asker is None:
+                continue
+            try:
+                self._step(sel, askers, asker)
+            except Exception as exc:  # one asker's fault is that asker's
+                self._failed(exc)
+                self._close(sel, askers, asker)
+        now = self.clock()
+        for asker in [a for a in askers.values() if now > a.deadline]:
+            self._refuse("too_slow" if asker.answer is None else "answer_not_taken",
+                         f"the exchange did not end within {DEADLINE_S:g} s")
+            self._close(sel, askers, asker)
 
     def _accept(self, sel: selectors.BaseSelector, askers: dict[socket.socket, _Asker]) -> None:
         assert self._sock is not None
@@ -240,6 +269,15 @@ class WindowSocket:
         code = 1 if any(v.findings for v in verdicts.values()) else 0
         return {"v": VERSION, "code": code, "report": text, "document": doc,
                 "cycles": span.cycles, "covered_s": span.covered_s}
+
+    def _failed(self, exc: Exception) -> None:
+        """A fault no refusal foresaw: counted and logged once per kind (1st, 10th, ...),
+        its text and no traceback; the connection it came from is dropped, the thread goes on."""
+        kind = type(exc).__name__
+        self.failed[kind] += 1
+        log_count("diagnose_socket_failed", self.failed[kind], level="error", error=kind,
+                  detail=str(exc)[:200], socket=str(self.path),
+                  effect="that asker's connection was dropped; the socket goes on answering")
 
     def _refuse(self, reason: str, text: str) -> None:
         self.refused[reason] += 1
