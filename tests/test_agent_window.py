@@ -210,6 +210,72 @@ def test_the_window_is_bounded_in_time_and_in_memory():
     assert span.oldest_s <= 900 + BUCKET_S and span.cycles <= 900 + BUCKET_S + 1
 
 
+# -- the window's buckets: bounds computed from BUCKET_S, the agent's own Recent() ------------
+
+
+PER_BUCKET = 5  # cycles per bucket in these tests: one every BUCKET_S / 5 (exact in floats)
+
+
+def _one_gpu(n: int) -> dict[str, Figures]:
+    return {"GPU-0": Figures(uuid="GPU-0", index="0", utilization=0.5, occupancy=n / 1000)}
+
+
+def _filled(buckets: int) -> tuple[Recent, list[float]]:
+    """The agent's window (its default bucket) fed ``buckets`` buckets of cycles from 0 s."""
+    recent = Recent()
+    assert recent.bucket_s == BUCKET_S  # what the agent builds (wiring: Recent())
+    times = [k * BUCKET_S / PER_BUCKET for k in range(buckets * PER_BUCKET)]
+    began = [t for n, t in enumerate(times) if recent.add(_one_gpu(n), now=t)]
+    assert began == [b * BUCKET_S for b in range(buckets)], began  # a bucket every BUCKET_S
+    return recent, times
+
+
+@pytest.mark.parametrize("asked", [1.0, BUCKET_S / 2, BUCKET_S, BUCKET_S + 1, 2 * BUCKET_S,
+                                   3.5 * BUCKET_S, 100 * BUCKET_S])
+def test_a_question_takes_the_whole_buckets_its_duration_reaches_into(asked):
+    buckets = 6
+    recent, times = _filled(buckets)
+    now = times[-1]
+    # the buckets whose last cycle lies within the duration, each whole
+    last_of = [b * BUCKET_S + (PER_BUCKET - 1) * BUCKET_S / PER_BUCKET for b in range(buckets)]
+    taken = [b for b in range(buckets) if now - last_of[b] <= asked]
+    merged, span = recent.summary(asked, now)
+    assert span.cycles == merged.cycles == len(taken) * PER_BUCKET, (asked, span)
+    assert span.covered_s == pytest.approx(now - taken[0] * BUCKET_S), (asked, span)
+    assert span.oldest_s == pytest.approx(now)
+    # said when the window holds less than asked (by more than a bucket)
+    assert ("the window holds only" in span.short()) == (span.covered_s + BUCKET_S < asked)
+
+
+def test_a_cycle_one_bucket_after_a_buckets_first_begins_the_next_and_one_before_does_not():
+    recent = Recent()
+    assert recent.add(_one_gpu(0), now=100.0)
+    assert not recent.add(_one_gpu(1), now=100.0 + BUCKET_S / 2)
+    assert not recent.add(_one_gpu(2), now=100.0 + BUCKET_S - 0.01)
+    assert recent.add(_one_gpu(3), now=100.0 + BUCKET_S)
+    now = 100.0 + BUCKET_S
+    # a question that stops short of the first bucket's last cycle takes the newest alone...
+    assert recent.summary(0.005, now)[1].cycles == 1
+    # ...one that reaches its last cycle takes that bucket whole, from its first
+    _, span = recent.summary(0.02, now)
+    assert span.cycles == 4 and span.covered_s == pytest.approx(BUCKET_S)
+
+
+def test_the_agents_buckets_are_the_15_seconds_docs_diagnose_md_says():
+    """The bucket is the window's resolution and its memory (WINDOW_S / BUCKET_S buckets per
+    GPU: 3.15 MiB for 8 GPUs at 15 s, bench/RESULTS.md): a 10-s bucket is 1.5 times the memory
+    and a different rounding from the one the docs promise."""
+    from tests.conftest import ROOT
+
+    said = re.findall(r"as (\d+)-second buckets", " ".join(
+        (ROOT / "docs" / "diagnose.md").read_text().split()))
+    assert said == ["15"], said
+    assert BUCKET_S == float(said[0]) == 15.0
+    from sidecar.recent import WINDOW_S
+
+    assert WINDOW_S / BUCKET_S == 60  # buckets held per GPU
+
+
 # -- hostile askers ----------------------------------------------------------------------------
 
 
