@@ -49,6 +49,21 @@ def test_a_changed_counter_is_sent_in_the_same_cycle_and_an_unchanged_one_within
     assert sent(Cadence(RARE), RESEND_S + 3, **{ECC: 3, MAX: 2e9}) == {ECC, MAX}
 
 
+def test_a_rare_figure_is_sent_again_when_the_wall_clock_steps_back():
+    """Samples carry the wall clock's time. Stepped back (an NTP correction, a VM restored),
+    the next cycle's time is before the last send: the rare figures go out again at once and
+    count their period from there, rather than wait until the clock is past the last send
+    again (a stepped-back hour would leave them unsent, stale in every receiver, for an hour)."""
+    cadence = Cadence(RARE)
+    at = 10_000.0
+    assert sent(cadence, at, **{ECC: 3, MAX: 2e9}) == {ECC, MAX}
+    assert sent(cadence, at + 1, **{ECC: 3, MAX: 2e9}) == set()
+    back = at - 3600  # the clock steps back an hour
+    assert sent(cadence, back, **{ECC: 3, MAX: 2e9}) == {ECC, MAX}
+    assert sent(cadence, back + 1, **{ECC: 3, MAX: 2e9}) == set()
+    assert sent(cadence, back + RESEND_S, **{ECC: 3, MAX: 2e9}) == {ECC, MAX}
+
+
 def ecc_readings(rare_read_s: float, steps: list[float]) -> tuple[list[float], list[float]]:
     """The fault GPU's uncorrected ECC count as the source read it, and as the stand-in held it,
     at each step of a simulated clock (``hardware-fault``: it climbs 0.5 a second)."""
