@@ -781,3 +781,25 @@ def _ended_in(vm: VictoriaMetrics, namespace: str, after_ms: int, wait_s: float 
             return False
         time.sleep(0.25)
     return True
+
+
+def test_a_window_ending_long_after_the_data_says_so_and_a_push_s_lag_does_not(stores):
+    """30 s of cycles an hour ago: a window ending 100 s after them says both ends; one ending
+    30 s after (a push interval and ingestion behind, as any --at now is) says only its start."""
+    vm, _ = stores
+    end, _, series, _ = _backfilled("lateend", _an_hour_ago_ms(), 30, {
+        **HEALTHY_FIGURES, "gpu_pcie_rx_bandwidth_util_ratio": 0.2})
+    _pushed_and_stored(vm, "lateend", series)
+
+    def said(after: float, seconds: float) -> str:
+        proc = run_cli("diagnose", "--query-url", vm.base, "--select", "namespace=lateend",
+                       f"--at={end + after:.3f}", "--duration", f"{seconds:g}")
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        return " ".join(proc.stdout.split())
+
+    both = said(100, 200)
+    assert "the window holds only 30 s of stored cycles" in both, both
+    assert "(the agents' first cycle came after its start and their last before its end)" in \
+        both, both
+    lag = said(30, 100)
+    assert "(the agents' first cycle came after its start)" in lag, lag

@@ -65,6 +65,9 @@ GAP_INTERVALS = 3.0  # cycles missing for longer than this many intervals are a 
 ONSET_MAX_S = 30.0  # the trailing window an onset is judged on (at least 3 cycles)
 LOOKED_BACK_S = 7 * 86400  # how far back an empty window looks for the selector's GPUs
 NOT_FUTURE_S = 60.0  # --at may be this far past the local clock (clock skew), no further
+# a window's end this far past the last stored cycle is said: less is the agents' push interval
+# (15 s by default) and the store's ingestion, behind any --at now
+PUSH_LAG_S = 60.0
 
 
 class Refused(ValueError):
@@ -403,8 +406,8 @@ def held_note(stored: Stored, w: Window, interval_s: float) -> str:
     if not times:
         return ""
     first, last = min(times), max(times)
-    late, early = late_start(first, w, interval_s), w.end - last > max(
-        GAP_INTERVALS * interval_s, 1.0)
+    late = late_start(first, w, interval_s)
+    early = w.end - last > max(GAP_INTERVALS * interval_s, PUSH_LAG_S)
     if not late and not early:
         return ""
     held = last - first + interval_s
