@@ -243,7 +243,8 @@ def unreadable_note(unreadable: Sequence[tuple[str, int]]) -> str:
     said = [f"{name} ({n} cycle(s))" for name, n in unreadable]
     return ("not judged where these figures feed it (stored as not a number: NaN or an "
             "infinity, which no agent sends; left out): " + ", ".join(said[:8])
-            + (f" and {len(said) - 8} more" if len(said) > 8 else ""))
+            + (f" and {len(said) - 8} more" if len(said) > 8 else "")
+            + "; what the other notes say of this GPU's layers is of the figures read only")
 
 
 def _carry_rare(by_time: dict[int, list[Series]], times: list[int]) -> None:
