@@ -318,7 +318,7 @@ def judge_stored(stored: Stored, w: Window, t: Thresholds | None = None) -> Judg
 
 
 def pod_gpu(key: tuple[str, ...], uuid: str) -> str:
-    """A GPU's key where two pods report its UUID: the UUID and the pod (namespace/pod)."""
+    """A GPU's key where two pods report its UUID: the UUID, the pod and its node."""
     labels = dict(zip(POD_KEY, key, strict=True))
     return f"{uuid} (pod {labels['namespace']}/{labels['pod']}, node {labels['node']})"
 
@@ -440,7 +440,9 @@ def explain_empty(store: Store, select: Sequence[tuple[str, str, str]], w: Windo
 
 def from_store(cfg: Config, *, t: Thresholds | None = None) -> int:
     """The command with --query-url: 0 nothing found, 1 a finding, 2 no GPU matched (or a bad
-    --at), 6/7/8 the store unreachable / refusing the credentials / refusing the query."""
+    --at), 6/7/8 the store unreachable or not a query API / refusing the credentials / refusing
+    the query; 6 also where a GPU without a finding had figures stored as not a number (it was
+    not seen healthy)."""
     try:
         w = window_of(cfg)
     except Refused as exc:
