@@ -482,12 +482,13 @@ TABLE: tuple[MetricSpec, ...] = (
     _m("gpu_sidecar_nvml_call_seconds_total", "counter", "seconds", "self", "agent: pynvml calls",
        "Wall time the agent spent inside NVML since it started, per pynvml function (label `call`, "
        "e.g. nvmlDeviceGetFieldValues): NVML calls serialise in the driver, so this is the time the "
-       "agent held it. The Xid watcher's nvmlEventSetWait_v2, a wait for an event, is not counted.",
-       otel="gpu.sidecar.nvml.call.duration"),
+       "agent held it. The Xid watcher's nvmlEventSetWait_v2, a wait for an event, is not counted. "
+       "A call made only at open (identity, capabilities) is sent when it changes and every minute.",
+       otel="gpu.sidecar.nvml.call.duration", cadence="rare"),
     _m("gpu_sidecar_nvml_calls_total", "counter", "calls", "self", "agent: pynvml calls",
        "NVML calls the agent made since it started, per pynvml function (label `call`), failed "
-       "ones included.",
-       otel="gpu.sidecar.nvml.calls"),
+       "ones included; sent like the seconds.",
+       otel="gpu.sidecar.nvml.calls", cadence="rare"),
     _m("gpu_sidecar_app_messages_accepted_total", "counter", "messages", "self", "agent",
        "App socket messages accepted.",
        otel="gpu.sidecar.app.messages.accepted"),
