@@ -406,3 +406,23 @@ def test_refused_rounds_leave_no_state_behind():
     assert state.rejected == {"too_many_processes": 200}
     assert state.announced() == [GPU]
     assert set(state._pids) == {GPU}  # the table did not grow with the refused GPUs
+
+
+def test_a_process_is_listed_on_every_gpu_it_names_not_only_those_it_sent_figures_for():
+    """status lists a process on each GPU it uses: a tensor-parallel server that named two GPUs
+    and has timed no request yet, and one whose allocator figures are for one GPU of the two."""
+    clock = ManualClock()
+    state = AppState(clock=clock)
+    state.feed(raw({"v": 1, "kind": "hello", "pid": 7, "gpus": [GPU, OTHER]}))
+    part = {k: v for k, v in alloc().items() if k not in ("v", "kind", "pid")}
+    state.feed(raw({"v": 1, "kind": "round", "pid": 8, "gpus": [OTHER, GPU],
+                    "allocators": [part], "latency": []}))
+    clock.advance(2.0)
+    assert not state.rejected
+    assert sorted((p["pid"], tuple(p["gpus"])) for p in state.processes()) == [
+        (7, tuple(sorted((GPU, OTHER)))), (8, tuple(sorted((GPU, OTHER))))]
+    # a process that only names a GPU takes one of its slots, as one that sends figures does
+    full = AppState(max_processes=1)
+    full.feed(raw(alloc(pid=1)))
+    assert full.feed(raw({"v": 1, "kind": "hello", "pid": 2, "gpus": [GPU]})) is None
+    assert full.rejected == {"too_many_processes": 1}

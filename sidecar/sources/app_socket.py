@@ -139,18 +139,20 @@ class AppState:
         else:
             named, parts = set(), (message,)
         with_figures = {part.gpu for part in parts}
+        # a process is on every GPU it names or sends figures for (status lists it on each,
+        # a tensor-parallel server on all of its GPUs), and takes a slot there
+        used = named | with_figures
         pid = message.pid
         # validation: nothing is kept until every check passed
-        self._check_gpus(named | with_figures)
-        for uuid in with_figures:
+        self._check_gpus(used)
+        for uuid in used:
             self._check_room(uuid, pid, now)
         for part in parts:
             if isinstance(part, protocol.Latency):
                 self._check_layout(part)
         # storing
-        for uuid in named | with_figures:
+        for uuid in used:
             self._announced[uuid] = now
-        for uuid in with_figures:
             self._take_slot(uuid, pid, now)
         for part in parts:
             key = (part.gpu, pid)
