@@ -442,6 +442,12 @@ def test_pcie_figures_stored_as_not_a_number_are_not_judged_never_healthy(kind, 
         "whole" in text, text
     assert "verdict: none" in text and "nothing found" not in text, text
     assert "not a number" in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
+    as_json = run_cli("diagnose", "--query-url", store.base, "--select", "namespace=nan",
+                      f"--at={w.end:.3f}", "--duration", f"{w.end - w.start:.3f}",
+                      "--output", "json")
+    doc = json.loads(as_json.stdout, parse_constant=pytest.fail)  # strict JSON: no NaN in it
+    assert as_json.returncode == 6 == doc["result"]["code"], as_json.stdout
+    assert "not judged whole" in doc["note"], doc["note"]
 
 
 @pytest.mark.parametrize("kind", ("victoria-metrics", "prometheus"))
@@ -803,3 +809,16 @@ def test_a_window_ending_long_after_the_data_says_so_and_a_push_s_lag_does_not(s
         both, both
     lag = said(30, 100)
     assert "(the agents' first cycle came after its start)" in lag, lag
+
+
+def test_output_json_from_the_store_is_the_report_as_one_document(stores, stored_agent):
+    """--output json with --query-url: one document (origin 'store') with the text's verdicts
+    and window line, its result code the exit code."""
+    text = diagnose_at(stores[0].base, stored_agent)
+    proc = diagnose_at(stores[0].base, stored_agent, "--output", "json")
+    assert proc.returncode == 1 == text.returncode, proc.stdout + proc.stderr
+    doc = json.loads(proc.stdout)
+    assert doc["schema"] == "gpu-sidecar/diagnose/v1" and doc["origin"] == "store"
+    assert [g["verdict"] for g in doc["gpus"]] == ["pcie", "pcie"]
+    assert doc["result"]["code"] == 1 and "long-term storage" in doc["source"]
+    assert " ".join(doc["source"].split()) in " ".join(text.stdout.split())

@@ -50,6 +50,7 @@ from sidecar.store import (
     selector,
 )
 from sidecar.thresholds import Thresholds
+from sidecar.views.document import document, dumps
 from sidecar.views.report import report
 from sidecar.views.verdict import ALL_KINDS, Figures, Summary, Verdict, figures_of, judge, ms
 
@@ -474,19 +475,24 @@ def from_store(cfg: Config, *, t: Thresholds | None = None) -> int:
               f"{store.queries} queries{held_note(stored, w, judged.interval_s)}")
     unjudged = sorted(judged.verdicts[u].window.mean.index for u in judged.unreadable
                       if not judged.verdicts[u].findings)
-    sys.stdout.write(report(
-        judged.verdicts, seconds=w.end - w.start, samples=judged.cycles,
-        label="  [from long-term storage]", t=t, source=source,
-        unjudged=(f"GPU {', '.join(unjudged)} not judged whole: figures stored as not a number "
-                  "(see its notes)") if unjudged else ""))
-    if any(v.findings for v in judged.verdicts.values()):
-        return 1
-    if unjudged:  # not seen healthy: what the store held was no agent's figure
+    said = (f"GPU {', '.join(unjudged)} not judged whole: figures stored as not a number (see "
+            "its notes)") if unjudged else ""
+    code = (1 if any(v.findings for v in judged.verdicts.values())
+            else EXIT_UNREACHABLE if unjudged else 0)
+    if cfg.output == "json":
+        doc = document(judged.verdicts, seconds=w.end - w.start, samples=judged.cycles,
+                       source=source, origin="store", t=t, held=said)
+        doc["result"] = {**doc["result"], "code": code}  # type: ignore[dict-item]
+        sys.stdout.write(dumps(doc))
+    else:
+        sys.stdout.write(report(
+            judged.verdicts, seconds=w.end - w.start, samples=judged.cycles,
+            label="  [from long-term storage]", t=t, source=source, unjudged=said))
+    if code == EXIT_UNREACHABLE:  # not seen healthy: what the store held was no agent's figure
         print(f"gpu-sidecar diagnose: {store.shown} holds figures that are not a number (NaN "
               f"or an infinity) for GPU {', '.join(unjudged)}: left out, so nothing is said "
               "healthy (exit 6)", file=sys.stderr)
-        return EXIT_UNREACHABLE
-    return 0
+    return code
 
 
 def by_uuid(judged: Judged) -> Mapping[str, str]:
