@@ -30,7 +30,7 @@ from tests.receivers import (
     need,
     running,
 )
-from tests.stored import fleet_series, push
+from tests.stored import add_gpu, fleet_series, gpu_labels, push
 from tests.waiting import until
 
 TOKEN = "s3cret-query-token"
@@ -323,3 +323,55 @@ def test_store_options_without_a_store_are_refused():
     assert out.returncode == 2 and "--select" in out.stderr and "--query-url" in out.stderr
     out = run_cli("fleet")
     assert out.returncode == 2 and "--query-url" in out.stderr
+
+
+# -- pinned orders -----------------------------------------------------------------------------
+
+
+def test_a_gpu_with_two_kinds_at_1_is_listed_under_the_worse_whichever_the_store_gives_first(vm):
+    """Two kinds at 1 in one GPU's last samples (a restart between two verdicts): the GPU is
+    listed once, under the kind earlier in the precedence, the other named as also in the
+    window. One GPU's worse kind sorts after its other by name, the other's before it, so
+    neither 'the first row wins' nor 'the last row wins' passes."""
+    end_ms = (int(time.time()) - 3000) * 1000
+    times = range(end_ms - 300_000, end_ms, 15_000)
+    series: dict = {}
+    pairs = {"GPU-two-kinds-0": ("pcie", "fragmentation"),
+             "GPU-two-kinds-1": ("hardware-fault", "pcie")}
+    for i, (uuid, kinds) in enumerate(pairs.items()):
+        labels = gpu_labels(uuid, i, "twokinds", f"twokinds-{i}", "node-0")
+        add_gpu(series, labels, times, {"gpu_sidecar_gpu_available": 1})
+        for kind in kinds:
+            series[("gpu_verdict", tuple(sorted((*labels, ("verdict", kind)))))] = [
+                (ts, 1.0) for ts in times]
+    push(vm.write_url, series)
+    end = end_ms / 1000
+    code, doc = until(lambda: (r := fleet_json(vm.base, "twokinds", end)) and r[1].get(
+        "gpus") == 2 and r, 30, interval=0.5, what="the two GPUs stored")
+    assert code == 1
+    listed = {g["uuid"]: (group["verdict"], g["during"])
+              for group in doc["groups"] for g in group["gpus"]}
+    assert listed == {"GPU-two-kinds-0": ("pcie", ["fragmentation"]),
+                      "GPU-two-kinds-1": ("hardware-fault", ["pcie"])}
+
+
+def test_older_agents_are_listed_after_the_findings_and_before_the_healthy(vm):
+    """The groups' order: findings worst first, then the GPUs not judged (agents of an older
+    release), then those with nothing found: a GPU nobody judged never sits among the
+    healthy ones nor after them."""
+    end_ms = (int(time.time()) - 2400) * 1000
+    judged, _ = fleet_series(4, end_ms - 600_000, end_ms, 15_000, namespace="order")
+    older, _ = fleet_series(2, end_ms - 600_000, end_ms, 15_000, namespace="order",
+                            verdicts=False, first=10)
+    push(vm.write_url, {**judged, **older})
+    end = end_ms / 1000
+    code, doc = until(lambda: (r := fleet_json(vm.base, "order", end)) and r[1].get(
+        "gpus") == 6 and r, 30, interval=0.5, what="the six GPUs stored")
+    assert code == 1
+    assert [(g["verdict"], g["count"]) for g in doc["groups"]] == [
+        ("pcie", 1), ("older-agent", 2), ("none", 3)]
+    text = run_cli("fleet", "--query-url", vm.base, "--select", "namespace=order",
+                   f"--at={end}", "--duration", "600").stdout
+    heads = [line.split(" (")[0] for line in text.splitlines() if line and line[0] != " "
+             and "(" in line and not line.startswith(("gpu-sidecar", "verdicts", "result"))]
+    assert heads == ["pcie", "older-agent", "none"]

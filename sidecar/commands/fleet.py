@@ -137,7 +137,10 @@ def seen_query(select: Sequence[tuple[str, str, str]], w: Window) -> str:
 
     - last, first: the newest and oldest stored cycle of the line (``timestamp()`` of
       ``gpu_sidecar_gpu_available``, sent every cycle: a sample's own time, exact at the
-      window's end, within a step of the subquery before it);
+      window's end, within a step of the subquery before it; after a clean stop's staleness
+      markers, 1 ms after its last cycle, Prometheus' ``timestamp()`` answers nothing from the
+      marker on, so a stopped agent's last seen is the newest cycle a step saw: within a step
+      and a cycle of its last);
     - count: its cycles in the window (with first and last, its interval);
     - up: its pod's last ``gpu_sidecar_up`` (0: the last cycle of a clean stop);
     - push: its pod's mean time between accepted pushes (the values of
