@@ -541,6 +541,10 @@ def test_two_pods_reporting_one_gpu_uuid_get_a_verdict_each(stores, tmp_path):
         f"GPU {i}  Simulated NVIDIA H200  {u} (pod twopods/{pod}, node node-a)"
         for pod in ("web-old", "web-new") for i, u in gpus), heads
     assert "a bottleneck on 4 of 4 GPU(s)" in proc.stdout, proc.stdout
+    result = proc.stdout.strip().splitlines()[-1]
+    for pod in ("web-old", "web-new"):
+        for i, _ in gpus:
+            assert f"GPU {i} (pod twopods/{pod}, node node-a) pcie" in result, result
 
 
 @pytest.mark.parametrize("at", ("0001-01-01T00:00:00Z", "0001-01-01T00:00:00+14:00",

@@ -44,7 +44,9 @@ def report(verdicts: Mapping[str, Verdict], *, seconds: float, samples: int, lab
                100, subsequent_indent="  ")]
     for uuid, v in verdicts.items():
         out += ["", *_block(uuid, v)]
-    bad = [f"GPU {v.window.mean.index} {v.key}" for v in verdicts.values() if v.findings]
+    # a GPU keyed by more than its UUID (two pods report it: "UUID (pod ...)") says which
+    bad = [f"GPU {v.window.mean.index}{_shared(key, v)} {v.key}"
+           for key, v in verdicts.items() if v.findings]
     if bad:
         result = f"a bottleneck on {len(bad)} of {len(verdicts)} GPU(s): {', '.join(bad)}"
     elif unjudged:
@@ -53,6 +55,11 @@ def report(verdicts: Mapping[str, Verdict], *, seconds: float, samples: int, lab
         result = f"nothing found on {len(verdicts)} GPU(s)"
     out += ["", f"result: {result}" + (f"; {unjudged}" if bad and unjudged else "")]
     return "\n".join(out) + "\n"
+
+
+def _shared(key: str, v: Verdict) -> str:
+    uuid = v.window.mean.uuid
+    return key[len(uuid):] if uuid and key != uuid and key.startswith(uuid) else ""
 
 
 def _block(uuid: str, v: Verdict) -> list[str]:
