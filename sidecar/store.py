@@ -278,6 +278,8 @@ def _read_answer(doc: object) -> list[Row]:
                              f"({_quoted(dict(labels))}): the same series twice, as a proxy "
                              "merging two stores answers; ask one store")
         seen[labels] = i
+        if "value" not in r and "values" not in r and ("histogram" in r or "histograms" in r):
+            continue  # a native histogram's samples only (Prometheus): no float figure here
         if kind == "vector":
             points: tuple[Point, ...] = (_point(r.get("value"), f"{where}.value"),)
         else:

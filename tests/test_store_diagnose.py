@@ -826,3 +826,17 @@ def test_output_json_from_the_store_is_the_report_as_one_document(stores, stored
     assert [g["verdict"] for g in doc["gpus"]] == ["pcie", "pcie"]
     assert doc["result"]["code"] == 1 and "long-term storage" in doc["source"]
     assert " ".join(doc["source"].split()) in " ".join(text.stdout.split())
+
+
+def test_a_native_histogram_s_series_is_passed_over_not_a_wrong_shape(stores, stored_agent):
+    """Prometheus answers a native histogram's samples as 'histograms', no 'values': no float
+    figure of ours, passed over (the rest judged), not exit 6."""
+    def native(r: dict) -> None:
+        if r["metric"].get("__name__") == "gpu_utilization_ratio":
+            r["histograms"] = [[t, {"count": "1", "sum": v, "buckets": []}]
+                               for t, v in r.pop("values")]
+    proxy = QueryProxy(stores[0].base, _each_series(native))
+    with running(proxy):
+        proc = diagnose_at(proxy.base, stored_agent)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert "verdict: pcie" in proc.stdout and "utilization absent" in proc.stdout, proc.stdout
