@@ -332,9 +332,13 @@ def _shares(previous: ClockEventTotals | None,
             current: ClockEventTotals | None) -> dict[str, float | None]:
     """Each counted reason's share of the interval: its nanoseconds over the interval's, at
     most 1 (NVML's clock and ours are not the same). None without two readings, or when a
-    counter went backwards (a driver reload)."""
-    if previous is None or current is None or current.t <= previous.t:
+    counter went backwards (a driver reload). Without a previous reading a counted reason has
+    no share yet: its current bit (held at this instant or not, 0 or 1) is no share of an
+    interval, and a window's mean of shares that began with it was off by up to 1/cycles."""
+    if current is None:
         return {}
+    if previous is None or current.t <= previous.t:
+        return dict.fromkeys(current.ns)
     span_ns = (current.t - previous.t) * 1e9
     out: dict[str, float | None] = {}
     for attr, ns in current.ns.items():
