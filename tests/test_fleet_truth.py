@@ -9,10 +9,15 @@ VictoriaMetrics and a real Prometheus (issue #44):
 
 from __future__ import annotations
 
+import http.server
 import json
+import re
 import signal
-from collections.abc import Iterator
+import subprocess
+import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from urllib.parse import parse_qs
 
 import pytest
 import requests
@@ -22,7 +27,15 @@ from sidecar.recent import CURRENT_S
 from sidecar.simulate.scenarios import simulated_uuid
 from sidecar.views.verdict import pct
 from tests.conftest import run_cli
-from tests.receivers import Agent, Prometheus, VictoriaMetrics, running
+from tests.receivers import (
+    Agent,
+    LocalServer,
+    Prometheus,
+    VictoriaMetrics,
+    answer_with,
+    running,
+)
+from tests.stored import fleet_series, push
 from tests.waiting import until
 
 
@@ -230,3 +243,135 @@ def test_the_deciding_figure_printed_is_the_stored_one_on_nvlink_c2c_and_a_hardw
     assert "absent" not in fault["figure"] and "not stored" not in fault["figure"]
     assert f"gpu_verdict, its judgement over its last {CURRENT_S:g} s" in text.stdout
     assert "minute" not in text.stdout
+
+
+# -- a store's answers of the wrong shape, and odd but valid ones ------------------------------
+
+
+class Mangler(LocalServer):
+    """A proxy in front of a real store's query API that rewrites each 200 JSON answer with
+    ``mangle(query, answer)``: a broken gateway, a merging proxy, a store of another kind."""
+
+    def __init__(self, target: str, mangle: Callable[[str, dict], object]) -> None:
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_POST(self) -> None:
+                body = self.rfile.read(int(self.headers.get("Content-Length", 0)))
+                r = requests.post(target + self.path, data=body, timeout=30, headers={
+                    "Content-Type": self.headers.get("Content-Type", "")})
+                out = r.content
+                if r.status_code == 200:
+                    query = parse_qs(body.decode()).get("query", [""])[0]
+                    out = json.dumps(mangle(query, r.json())).encode()
+                answer_with(self, r.status_code, {"Content-Type": "application/json"}, out)
+
+            def log_message(self, *args: object) -> None:
+                pass
+
+        self.base = self.serve(Handler, "")
+
+
+def _rows(change: Callable[[dict], object]) -> Callable[[str, dict], object]:
+    def apply(query: str, doc: dict) -> object:
+        for r in doc["data"]["result"]:
+            change(r)
+        return doc
+    return apply
+
+
+def _twice(query: str, doc: dict) -> dict:
+    doc["data"]["result"] += [{**r, "value": [r["value"][0], "0.5"]}
+                              for r in doc["data"]["result"]]
+    return doc
+
+
+# each wrong shape of a vector answer, and the words of its exit-6 message
+WRONG = {
+    "a value that is a word": (_rows(lambda r: r.update(value=[r["value"][0], "fast"])),
+                               'the value "fast", not a number'),
+    "a value that is an object": (_rows(lambda r: r.update(value=[r["value"][0], {"v": 1}])),
+                                  "not a number"),
+    "a time as a string": (_rows(lambda r: r.update(value=[str(r["value"][0]), "1"])),
+                           "not a number of seconds"),
+    "metric: null": (_rows(lambda r: r.update(metric=None)), "not an object of label strings"),
+    "result: null": (lambda q, d: {**d, "data": {**d["data"], "result": None}},
+                     "result is null, not a list"),
+    "the answer a bare list": (lambda q, d: [d], "no 'data' object"),
+    "every series twice, different values": (_twice, "the same series twice"),
+}
+
+
+@pytest.fixture(scope="module")
+def backfilled(stores) -> float:
+    """A synthetic fleet of 10 GPUs (a pcie one among them) in the real VictoriaMetrics,
+    ending an hour ago; the window's end, once stored."""
+    end_ms = (int(time.time()) - 3600) * 1000
+    series, _ = fleet_series(10, end_ms - 600_000, end_ms, 15_000, namespace="garbage")
+    push(stores["vm-write"], series)
+    end = end_ms / 1000
+    until(lambda: garbage_fleet(stores["victoria-metrics"], end).returncode == 1, 30,
+          interval=0.5, what="the synthetic fleet stored")
+    return end
+
+
+def garbage_fleet(url: str, end: float, *extra: str) -> subprocess.CompletedProcess:
+    return run_cli("fleet", "--query-url", url, "--select", "namespace=garbage", f"--at={end}",
+                   "--duration", "600", *extra)
+
+
+@pytest.mark.parametrize("how", WRONG)
+def test_a_store_answer_of_the_wrong_shape_is_exit_6_never_a_traceback(how, stores, backfilled):
+    mangle, said = WRONG[how]
+    proxy = Mangler(stores["victoria-metrics"], mangle)
+    with running(proxy):
+        out = garbage_fleet(proxy.base, backfilled)
+    assert out.returncode == 6, (how, out.returncode, out.stdout, out.stderr)
+    assert "Traceback" not in out.stderr and out.stdout == ""
+    assert said in out.stderr and "no Prometheus query API answer" in out.stderr, out.stderr
+
+
+def _nan_aggregates(query: str, doc: dict) -> dict:
+    """Every aggregate over the window (the deciding figures, the last-seen query) answered
+    NaN; the agents' verdicts as stored."""
+    if "_over_time(" in query and "gpu_verdict" not in query:
+        for r in doc["data"]["result"]:
+            r["value"] = [r["value"][0], "NaN"]
+    return doc
+
+
+def test_nan_in_the_aggregates_is_never_printed_as_a_figure_nor_makes_a_gpu_healthy(
+        stores, backfilled):
+    proxy = Mangler(stores["victoria-metrics"], _nan_aggregates)
+    with running(proxy):
+        text = garbage_fleet(proxy.base, backfilled)
+        doc = garbage_fleet(proxy.base, backfilled, "--output", "json")
+    assert text.returncode == doc.returncode == 1, text.stderr  # the agents' own findings stand
+    assert "Traceback" not in text.stderr + doc.stderr
+    said = "not a number in the store's answer (NaN or an infinity)"
+    assert said in text.stdout
+    assert not re.search(r"nan\b", text.stdout.replace(said, ""), re.IGNORECASE), text.stdout
+    parsed = json.loads(doc.stdout)  # strict JSON: no NaN in it
+    groups = {g["verdict"]: g for g in parsed["groups"]}
+    assert groups["pcie"]["count"] == 1 and parsed["found"] == 5
+    [pcie] = groups["pcie"]["gpus"]
+    assert pcie["figure"].startswith("its deciding figure is not a number")
+    assert pcie["state"] == "current" and pcie["last_seen"] is None
+
+
+def _labels_dropped(query: str, doc: dict) -> dict:
+    """Answers whose series lack the pod's and the GPU's labels (a store or a relabelling that
+    drops them): valid, if odd."""
+    for r in doc["data"]["result"]:
+        for k in ("pod", "node", "gpu_index", "gpu_name"):
+            r["metric"].pop(k, None)
+    return doc
+
+
+def test_series_without_the_pod_s_labels_are_listed_as_such_never_a_traceback(
+        stores, backfilled):
+    proxy = Mangler(stores["victoria-metrics"], _labels_dropped)
+    with running(proxy):
+        out = garbage_fleet(proxy.base, backfilled)
+    assert "Traceback" not in out.stderr
+    assert out.returncode in (1, 6), (out.returncode, out.stderr)
+    if out.returncode == 1:
+        assert "garbage/-  node -  GPU ?" in out.stdout

@@ -229,6 +229,8 @@ def fleet_of(store: Store, select: Sequence[tuple[str, str, str]], w: Window,
     states, _ = state_of(store.query(seen_query(select, w), w.end), w)
     gpus: dict[tuple[str, ...], dict[str, str]] = {}
     for row in current:
+        if row.value != 1:  # the answer to "== 1": anything else (NaN from a proxy) is no verdict
+            continue
         key = _key(row)
         known = gpus.get(key)
         kind = row.label("verdict")
@@ -292,8 +294,8 @@ def _figures(store: Store, select: Sequence[tuple[str, str, str]], rng: str, t: 
             values = [k.get(wanted) for k in keyed]
             if any(v is not None and not math.isfinite(v) for v in values):
                 # NaN (or an infinity) is no figure: never printed, never read as one
-                out[key] = ("its deciding figure is stored as NaN or an infinity: not read "
-                            "(diagnose --query-url says which series)")
+                out[key] = ("its deciding figure is not a number in the store's answer (NaN "
+                            "or an infinity): not read; diagnose --query-url says which series")
             else:
                 out[key] = spec.text(values, t)
     return out
