@@ -140,6 +140,72 @@ def test_a_full_socket_volume_never_fails_the_probe_of_a_cycling_agent_but_fails
         stopped_agents(live, frozen, late)
 
 
+# -- the heartbeat never follows a symbolic link (issue #44) -----------------------------------
+
+
+def _victim(tmp_path: Path) -> tuple[Path, float]:
+    """A file outside the socket's volume, with an old time, that a link planted at the status's
+    path points at: what another container would have the agent touch."""
+    victim = tmp_path / "outside" / "victim"
+    victim.parent.mkdir()
+    victim.write_text("not the agent's")
+    old = time.time() - 86400
+    os.utime(victim, (old, old))
+    return victim, old
+
+
+def test_the_heartbeat_sets_a_planted_links_own_time_never_its_targets(tmp_path):
+    from sidecar.status_file import _beat
+
+    victim, old = _victim(tmp_path)
+    link = tmp_path / FILE_NAME
+    link.symlink_to(victim)
+    before = time.time()
+    assert _beat(link)
+    assert os.lstat(link).st_mtime >= before - 1  # the link's own time beat
+    assert victim.stat().st_mtime == old and victim.read_text() == "not the agent's"
+    # a link to nothing: the beat makes nothing where it points
+    link.unlink()
+    link.symlink_to(tmp_path / "outside" / "made")
+    _beat(link)
+    assert not (tmp_path / "outside" / "made").exists()
+
+
+def test_an_agent_on_a_full_volume_beats_on_a_planted_link_without_touching_its_target(
+        small_volume, tmp_path):
+    """A real agent whose status cannot be rewritten (a full tmpfs) keeps its heartbeat with
+    ``utime``; a symbolic link planted at the status's path then has its own time set, never
+    its target's, and the status and --alive refuse it as a link."""
+    from sidecar.status_file import WRITE_EVERY_S
+
+    volume = small_volume("vol")
+    victim, old = _victim(tmp_path)
+    agent = agent_on(volume / "app.sock", "--inject", "false")
+    path = volume / FILE_NAME
+    try:
+        agent.start()
+        until(lambda: path.exists(), what="the agent's first status")
+        with kept_full(volume):
+            until(lambda: agent.logged("status_write_failed"),
+                  what="the agent saying its status cannot be written")
+            path.unlink()
+            path.symlink_to(victim)
+            planted_at = os.lstat(path).st_mtime
+            until(lambda: os.lstat(path).st_mtime > planted_at, timeout=3 * WRITE_EVERY_S + 30,
+                  what="the agent's heartbeat on the planted link")
+            assert path.is_symlink()
+            assert victim.stat().st_mtime == old, "the heartbeat followed the link"
+            assert victim.read_text() == "not the agent's"
+            alive = status(volume / "app.sock", "--alive")
+            assert alive.returncode == 1 and "is a symbolic link" in alive.stderr, alive.stderr
+        # room again: the next status replaces the link itself (one rename), the target as it was
+        until(lambda: not path.is_symlink() and path.is_file(), timeout=3 * WRITE_EVERY_S + 30,
+              what="the status written over the link")
+        assert victim.stat().st_mtime == old and victim.read_text() == "not the agent's"
+    finally:
+        stopped_agents(agent)
+
+
 # -- a status file planted in the shared volume (item 8) ---------------------------------------
 
 
