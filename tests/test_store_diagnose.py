@@ -545,6 +545,14 @@ def test_two_pods_reporting_one_gpu_uuid_get_a_verdict_each(stores, tmp_path):
     for pod in ("web-old", "web-new"):
         for i, _ in gpus:
             assert f"GPU {i} (pod twopods/{pod}, node node-a) pcie" in result, result
+    # the document for scripts names them as the text does
+    doc = json.loads(run_cli("diagnose", "--query-url", vm.base, "--select", "namespace=twopods",
+                             f"--at={w.end:.3f}", "--duration", f"{w.end - w.start:.3f}",
+                             "--output", "json").stdout)
+    assert sorted(doc["result"]["findings"]) == sorted(
+        f"GPU {i} (pod twopods/{pod}, node node-a) pcie"
+        for pod in ("web-old", "web-new") for i, _ in gpus)
+    assert len({g["key"] for g in doc["gpus"]}) == 4
 
 
 @pytest.mark.parametrize("at", ("0001-01-01T00:00:00Z", "0001-01-01T00:00:00+14:00",

@@ -17,6 +17,7 @@ from collections.abc import Mapping
 
 from sidecar import thresholds
 from sidecar.thresholds import Thresholds
+from sidecar.views.report import shared_of
 from sidecar.views.verdict import Figures, Verdict, Window
 
 SCHEMA = "gpu-sidecar/diagnose/v1"
@@ -33,6 +34,9 @@ def document(verdicts: Mapping[str, Verdict], *, seconds: float, samples: int, s
     t = t or thresholds.THRESHOLDS
     gpus = [_gpu(key, v) for key, v in verdicts.items()]
     found = [g for g in gpus if g["findings"]]
+    # a GPU two pods report is keyed "UUID (pod ...)": its finding says which pod's it is
+    named = {id(g): f"GPU {g['index']}{shared_of(key, v)} {g['verdict']}"
+             for g, (key, v) in zip(gpus, verdicts.items(), strict=True)}
     return {
         "schema": SCHEMA,
         "origin": origin,
@@ -44,7 +48,7 @@ def document(verdicts: Mapping[str, Verdict], *, seconds: float, samples: int, s
         "thresholds": {f.name: getattr(t, f.name) for f in dataclasses.fields(t)},
         "gpus": gpus,
         "result": {"code": 1 if found else 0,
-                   "findings": [f"GPU {g['index']} {g['verdict']}" for g in found]},
+                   "findings": [named[id(g)] for g in found]},
     }
 
 

@@ -45,7 +45,7 @@ def report(verdicts: Mapping[str, Verdict], *, seconds: float, samples: int, lab
     for uuid, v in verdicts.items():
         out += ["", *_block(uuid, v)]
     # a GPU keyed by more than its UUID (two pods report it: "UUID (pod ...)") says which
-    bad = [f"GPU {v.window.mean.index}{_shared(key, v)} {v.key}"
+    bad = [f"GPU {v.window.mean.index}{shared_of(key, v)} {v.key}"
            for key, v in verdicts.items() if v.findings]
     if bad:
         result = f"a bottleneck on {len(bad)} of {len(verdicts)} GPU(s): {', '.join(bad)}"
@@ -57,7 +57,9 @@ def report(verdicts: Mapping[str, Verdict], *, seconds: float, samples: int, lab
     return "\n".join(out) + "\n"
 
 
-def _shared(key: str, v: Verdict) -> str:
+def shared_of(key: str, v: Verdict) -> str:
+    """What a key says beyond the GPU's UUID: ' (pod NS/POD, node N)' where two pods report
+    the GPU, else nothing."""
     uuid = v.window.mean.uuid
     return key[len(uuid):] if uuid and key != uuid and key.startswith(uuid) else ""
 
