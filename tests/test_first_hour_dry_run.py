@@ -69,3 +69,34 @@ def test_batches_set_aside_in_a_temporary_spool_are_said_lost_at_exit(tmp_path):
     [aside] = agent.logged("shutdown_with_batches_set_aside")
     assert not os.path.exists(aside["directory"]), "the temporary spool went with the run"
     assert "LOST" in aside["effect"] and "--spool-dir" in aside["hint"], aside
+
+
+def test_dry_run_beside_a_running_agent_fails_where_the_real_run_would_exit_4(tmp_path):
+    """Item 11 of issue #44: a second agent's dry run said the socket and the spool were
+    writable, and the real second run then stopped with exit 4."""
+    vm = VictoriaMetrics(tmp_path).start()
+    sock, spool = tmp_path / "run" / "app.sock", tmp_path / "spool"
+    same = ["--socket", str(sock), "--spool-dir", str(spool), "--remote-write-url", vm.write_url]
+    with running(vm):
+        agent = Agent(["--simulate", "healthy", "--interval", "0.5", *same]).start()
+        try:
+            until(lambda: agent.logged("app_socket_listening") and any(
+                (d / ".lock").exists() for d in spool.glob("*")), what="the agent running")
+            got = run_cli("run", "--dry-run", "--simulate", "healthy", *same)
+            second = run_cli("run", "--simulate", "healthy", *same)
+        finally:
+            assert agent.stop() == 0
+        after = run_cli("run", "--dry-run", "--simulate", "healthy", *same)
+    assert second.returncode == 4, second.stderr  # what the dry run must foresee
+    assert got.returncode == 1, got.stdout
+    line = check_line(got.stdout, "app socket")
+    assert line.startswith("FAILED") and f"another process is listening on {sock}" in line \
+        and "exit 4" in line, line
+    line = check_line(got.stdout, "spool")
+    assert line.startswith("FAILED") and f"in use by another gpu-sidecar (pid {agent.proc.pid})" \
+        in line and "exit 5" in line, line
+    assert "failed: app socket, spool" in got.stdout, got.stdout
+    # the agent gone (its socket removed, its lock let go), the same dry run passes
+    assert after.returncode == 0, after.stdout
+    assert check_line(after.stdout, "app socket").startswith("ok")
+    assert check_line(after.stdout, "spool").startswith("ok")

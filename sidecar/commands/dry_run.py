@@ -1,12 +1,13 @@
 """``gpu-sidecar run --dry-run``: check what a start would need, say what was found, exit.
 
 Nothing is sampled, spooled or stored: NVML is opened and closed, the socket's and the spool's
-directories are checked for writing with a file created and removed (the socket is not bound:
-a running agent may hold it), each receiver gets one request that stores nothing (an empty
-remote-write or OTLP request, which the spooled sinks also use to tell a wrong URL from bad
-data; the Pushgateway's status page), and each engine endpoint one read. Exit 0 when every check
-passed, 1 when one failed (each said with what to do), 2 for a configuration error (before any
-check, like ``run``).
+directories are checked for writing with a file created and removed (the socket is not bound,
+but a live process listening on it fails the check, and so does another agent holding a
+receiver's spool: the tests by which ``run`` stops with exit 4 and 5), each receiver gets one
+request that stores nothing (an empty remote-write or OTLP request, which the spooled sinks also
+use to tell a wrong URL from bad data; the Pushgateway's status page), and each engine endpoint
+one read. Exit 0 when every check passed, 1 when one failed (each said with what to do), 2 for a
+configuration error (before any check, like ``run``).
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ def _dry_run(cfg: Config, out: Callable[[str], object]) -> int:
     checks: list[tuple[str, Check]] = [
         ("configuration", (True, _configuration(cfg))),
         ("NVML", _nvml(cfg)),
-        ("app socket", _writable_dir(Path(cfg.socket).parent, "the socket's directory")),
+        ("app socket", _app_socket(cfg)),
         ("spool", _spool(cfg)),
     ]
     if cfg.metrics_listen:
@@ -117,9 +118,75 @@ def _writable_dir(path: Path, what: str) -> Check:
     return True, f"{what} {path} is writable"
 
 
+def _app_socket(cfg: Config) -> Check:
+    """The socket's directory writable, and no live process listening on the socket: the test
+    ``run`` makes before it binds (``app_socket.bind_unix``: a connect that is answered), where
+    it stops with exit 4 (a second agent beside the first)."""
+    import errno
+    import socket
+
+    path = cfg.socket
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    probe.settimeout(1.0)
+    try:
+        probe.connect(path)
+    except OSError as exc:
+        # ENOENT: no socket; ECONNREFUSED: a stale one, which run replaces; anything else
+        # (not a socket, no permission) is run's to say, as it binds
+        if exc.errno not in (errno.ENOENT, errno.ECONNREFUSED, errno.ENOTSOCK):
+            return False, f"cannot probe {path}: {exc.strerror}"
+    else:
+        return False, (f"another process is listening on {path} (a gpu-sidecar already running "
+                       "with this socket?): `run` would stop with exit 4; stop it or choose "
+                       "another --socket path")
+    finally:
+        probe.close()
+    return _writable_dir(Path(path).parent, "the socket's directory")
+
+
+def _spool_holder(directory: Path) -> str | None:
+    """The pid (as written) of another agent holding ``directory``'s lock, or None: the lock
+    ``run`` takes (``Spool``: flock on ``.lock``), tried without blocking and let go at once;
+    a spool never used has no ``.lock`` and none is made."""
+    import fcntl
+    import os
+
+    try:
+        fd = os.open(directory / ".lock", os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError:
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return os.read(fd, 32).decode(errors="replace").strip() or "unknown"
+    except OSError:
+        return None
+    finally:
+        os.close(fd)  # the lock, if taken, goes with it
+    return None
+
+
+def _spool_dirs(cfg: Config) -> list[Path]:
+    """The directories ``run`` would lock, one per URL, named as its sinks are."""
+    from sidecar import wiring
+    from sidecar.durability.spool import spool_dir_name
+    from sidecar.sinks.otlp import sink_name as otlp_name
+    from sidecar.sinks.remote_write import sink_name
+
+    named = (wiring._named(cfg.remote_write_url, sink_name)
+             + wiring._named(cfg.otlp_url, otlp_name))
+    return [Path(cfg.spool_dir) / spool_dir_name(name, url) for url, name in named]
+
+
 def _spool(cfg: Config) -> Check:
     if not (cfg.remote_write_url or cfg.otlp_url):
         return True, "not used (no remote-write or OTLP receiver)"
+    for directory in _spool_dirs(cfg):
+        holder = _spool_holder(directory)
+        if holder is not None:
+            return False, (f"spool directory {directory} is in use by another gpu-sidecar (pid "
+                           f"{holder}): `run` would stop with exit 5; give each agent its own "
+                           "--spool-dir / GPU_SIDECAR_SPOOL_DIR")
     ok, found = _writable_dir(Path(cfg.spool_dir), "the spool directory")
     if not ok:
         return ok, found
