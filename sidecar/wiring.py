@@ -85,7 +85,8 @@ def build_sinks(cfg: config.Config, spool_root: str) -> list[Sink]:
         except ListenError as exc:
             raise config.ConfigError(str(exc.strerror)) from None
     if not cfg.has_receivers:
-        return sinks if sinks and not cfg.stdout else [*sinks, StdoutSink(cfg.output)]
+        return sinks if sinks and not cfg.stdout else [*sinks, StdoutSink(cfg.output,
+                                                                          socket=cfg.socket)]
     http = http_options(cfg)
     if cfg.remote_write_url:
         from sidecar.sinks.remote_write import RemoteWriteSink, sink_name
@@ -120,7 +121,7 @@ def build_sinks(cfg: config.Config, spool_root: str) -> list[Sink]:
                                      delete_on_exit=cfg.pushgateway_delete_on_exit,
                                      summary_at_exit=bool(cfg.batch_job)))
     if cfg.stdout:
-        sinks.append(StdoutSink(cfg.output))
+        sinks.append(StdoutSink(cfg.output, socket=cfg.socket))
     return sinks
 
 

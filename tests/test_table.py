@@ -322,8 +322,8 @@ def structure(lines: list[str]) -> list[object]:
         if ROW.match(line):
             out.append((line.split("|")[0].strip(), [i for i, c in enumerate(line) if c == "|"],
                         line.rsplit("|", 1)[1].strip()))
-        else:
-            out.append(line)
+        else:  # a simulated agent's private socket, named in the legend, differs each run
+            out.append(re.sub(r"/\S*?gpu-sidecar-\w+/app\.sock", "PRIVATE/app.sock", line))
     return out
 
 
@@ -337,3 +337,75 @@ def test_readme_first_command_shows_the_table_captured_by_the_script():
     assert len(shown) == len(fresh) and sum(1 for line in shown if ROW.match(line)) == 2
     assert structure(shown) == structure(fresh), (
         "README.md's table is stale: run `.venv/bin/python scripts/readme_table.py`")
+
+
+# -- the README's demo can be asked why from a second terminal (issue #44, item 13) ---------------
+
+
+def test_the_demos_legend_names_the_command_that_asks_it_why_and_it_answers():
+    """``run --simulate healthy`` on a terminal binds a private socket (two demos never collide),
+    which a second terminal's plain ``diagnose`` cannot find, and its start-up line naming it is
+    hidden behind the table: the legend's ``why:`` is the exact command, socket included, and a
+    second process running it as printed gets the agent's own answer while the table draws."""
+    import contextlib
+    import fcntl
+    import pty
+    import select
+    import signal
+    import struct
+    import termios
+    import time
+
+    from tests.test_simulated_agent_is_found import as_printed
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith("GPU_SIDECAR_")}
+    env.update(PYTHONUNBUFFERED="1", TERM="xterm")
+    pid, fd = pty.fork()
+    if pid == 0:  # the child: the README's first command on a 120 x 40 terminal
+        fcntl.ioctl(0, termios.TIOCSWINSZ, struct.pack("HHHH", 40, 120, 0, 0))
+        os.chdir(ROOT)
+        os.execve(sys.executable, [sys.executable, "-m", "sidecar",
+                                   *readme_table.COMMAND, "--interval", "0.5"], env)
+    out, asked = b"", None
+    try:
+        deadline = time.monotonic() + 60
+        while asked is None and time.monotonic() < deadline:
+            if select.select([fd], [], [], 0.1)[0]:
+                out += os.read(fd, 65536)
+            frames = out.decode(errors="replace").split(HOME)
+            if len(frames) < 4:  # a few cycles in the agent's window first
+                continue
+            screen = [line.strip() for line in ESCAPE.sub("", frames[-2]).replace("\r", "")
+                      .split("\n")]
+            start = next((i for i, line in enumerate(screen) if line.startswith("legend: ")), None)
+            if start is None:
+                continue
+            said = " ".join(screen[start:start + 4])
+            found = re.search(r"why: (gpu-sidecar diagnose[^;]*?)\s*$", said.split(" GPU |")[0])
+            asked = found[1] if found else None
+        assert asked, ESCAPE.sub("", out.decode(errors="replace"))[-3000:]
+        assert "--socket" in asked and "gpu-sidecar-" in asked, asked  # its private socket
+        answer = as_printed(asked)  # a second terminal, the command as the legend says it
+        assert answer.returncode == 0, answer.stdout + answer.stderr  # healthy: exit 0
+        assert "window: the agent's window:" in answer.stdout, answer.stdout
+        status = as_printed(asked.replace("diagnose", "status", 1))
+        assert status.returncode == 0 and "simulated" in status.stdout, status.stdout
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGINT)
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:  # drain its terminal until it is gone
+            if select.select([fd], [], [], 0.1)[0]:
+                try:
+                    if not os.read(fd, 65536):
+                        break
+                except OSError:
+                    break
+        while time.monotonic() < deadline and not os.waitpid(pid, os.WNOHANG)[0]:
+            time.sleep(0.05)
+        else:
+            if time.monotonic() >= deadline:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+                os.waitpid(pid, 0)
+        os.close(fd)

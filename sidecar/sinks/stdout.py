@@ -68,17 +68,32 @@ def resolve(fmt: str, stream: TextIO, environ: Mapping[str, str] | None = None) 
     return "table" if capable_terminal(stream, environ) else "prometheus"
 
 
+def ask_command(socket: str | None) -> str:
+    """The command a second terminal runs to ask the agent on ``socket`` why."""
+    import shlex
+
+    from sidecar.protocol import DEFAULT_SOCKET_PATH
+    from sidecar.views.table import ASK  # the table's, loaded with it
+
+    if socket is None or socket == DEFAULT_SOCKET_PATH:
+        return ASK
+    return f"{ASK} --socket {shlex.quote(socket)}"
+
+
 class StdoutSink:
     name = "stdout"
 
-    def __init__(self, fmt: str = "auto", stream: TextIO | None = None) -> None:
+    def __init__(self, fmt: str = "auto", stream: TextIO | None = None, *,
+                 socket: str | None = None) -> None:
+        """``socket``: the agent's app socket, named in the table's legend with the command
+        that asks this agent why (``diagnose --socket PATH`` where it is not the default)."""
         self.stream = stream or sys.stdout
         self.format = resolve(fmt, self.stream)
         self._table = None
         if self.format == "table":
             from sidecar.views.table import Table  # only here: the push path never loads it
 
-            self._table = Table(self.stream)
+            self._table = Table(self.stream, ask=ask_command(socket))
             self.render = self._table.frame
         else:
             self.render = prometheus_text if self.format == "prometheus" else json_lines

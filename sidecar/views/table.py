@@ -50,6 +50,7 @@ ALT_SCREEN, MAIN_SCREEN = "\x1b[?1049h", "\x1b[?1049l"
 HOME, CLEAR_LINE_END, CLEAR_BELOW = "\x1b[H", "\x1b[K", "\x1b[J"
 HISTORY = 5  # cycles the verdict, the quantiles and the retries are taken over
 LEGEND_START = "legend: "
+ASK = "gpu-sidecar diagnose"  # the verdict's why, asked of an agent on the default socket
 MORE = "… {n} more GPUs not shown (enlarge the terminal or use --output prometheus)"
 GiB = 1024**3
 
@@ -83,7 +84,7 @@ _LEADING = (
 _TRAILING = (
     Column("p50", "p50", 5, "app"),
     Column("p99", "p99", 5, "app"),
-    Column("verdict", "verdict", 16, "", left=True, legend="why: gpu-sidecar diagnose"),
+    Column("verdict", "verdict", 16, "", left=True, legend="why: " + ASK),
 )
 # dropped in this order until the table fits the terminal; GPU, p99 and verdict always stay. The
 # other links' rates go first, their shares after PCIe's rates (the share is what the verdict
@@ -180,8 +181,12 @@ def header(cols: Sequence[Column]) -> list[str]:
     return [_GROUP_SEP.join(layer).rstrip(), titles, "-" * len(titles)]
 
 
-def legend(cols: Sequence[Column]) -> str:
-    return LEGEND_START + "; ".join(c.legend for c in cols if c.legend)
+def legend(cols: Sequence[Column], ask: str = ASK) -> str:
+    """The columns' legend; ``ask``: the exact command that asks this agent why (with its
+    ``--socket`` when it is not the default one, as a simulated agent's private socket is not:
+    a second terminal's plain ``diagnose`` would not find it)."""
+    return LEGEND_START + "; ".join(("why: " + ask) if c.key == "verdict" else c.legend
+                                    for c in cols if c.legend)
 
 
 def _pct(value: float | None) -> str:
@@ -262,7 +267,7 @@ def row(v: Verdict, cols: Sequence[Column], exported: str | None = None) -> str:
 
 def render(cycles: Sequence[Mapping[str, Figures]], title: str, t: Thresholds | None = None, *,
            width: int | None = None, height: int | None = None,
-           exported: Mapping[str, str] | None = None) -> str:
+           exported: Mapping[str, str] | None = None, ask: str = ASK) -> str:
     """One frame, plain text: the title, the header and a row per GPU, judged on ``cycles``.
 
     With ``width``, only the columns that fit it (``layout``) and prose wrapped to it; with
@@ -285,7 +290,7 @@ def render(cycles: Sequence[Mapping[str, Figures]], title: str, t: Thresholds | 
     rows = [row(verdicts[uuid], cols, exported.get(uuid)) for uuid in order]
     if not order:
         rows = wrap("no GPU selected yet: waiting for the app to announce its GPUs (--gpus)")
-    tail = [*_engine_line(verdicts, wrap), *wrap(legend(cols))]
+    tail = [*_engine_line(verdicts, wrap), *wrap(legend(cols, ask))]
     if height is None or len(head) + len(rows) + len(tail) <= height:
         return "\n".join(head + rows + tail)
     # short of lines: the legend goes, the title and the note of GPUs left out take one line
@@ -344,8 +349,9 @@ class Table:
     place; elsewhere (``--output table`` into a file or pipe) frames follow each other, plain."""
 
     def __init__(self, stream: TextIO, *, live: bool | None = None, history: int = HISTORY,
-                 thresholds: Thresholds | None = None) -> None:
+                 thresholds: Thresholds | None = None, ask: str = ASK) -> None:
         self.stream = stream
+        self.ask = ask
         self.live = capable_terminal(stream) if live is None else live
         self.thresholds = thresholds
         self._cycles: deque[dict[str, Figures]] = deque(maxlen=history)
@@ -362,11 +368,11 @@ class Table:
         if not self.live:  # a file, a pipe or a dumb terminal: whole frames, one after another
             width = _size(self.stream)[0] if isatty(self.stream) else None
             return render(self._cycles, title, self.thresholds, width=width,
-                          exported=self._exported) + "\n\n"
+                          exported=self._exported, ask=self.ask) + "\n\n"
         columns, rows = _size(self.stream)
         self._title, self._width = title, columns
         drawn = render(self._cycles, title, self.thresholds, width=columns,
-                       height=max(rows - 1, 1), exported=self._exported)
+                       height=max(rows - 1, 1), exported=self._exported, ask=self.ask)
         lines = [line[:columns] for line in drawn.splitlines()][:max(rows - 1, 1)]
         start = ""
         if not self._on_screen:
@@ -384,7 +390,7 @@ class Table:
         atexit.unregister(self._restore_at_exit)
         # what stays on the main screen at exit: every GPU, at the terminal's width
         last = render(self._cycles, self._title, self.thresholds, width=self._width,
-                      exported=self._exported)
+                      exported=self._exported, ask=self.ask)
         return MAIN_SCREEN + SHOW_CURSOR + last + "\n"
 
     def _restore_at_exit(self) -> None:
