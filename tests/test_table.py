@@ -390,6 +390,10 @@ def test_the_demos_legend_names_the_command_that_asks_it_why_and_it_answers():
         assert "window: the agent's window:" in answer.stdout, answer.stdout
         status = as_printed(asked.replace("diagnose", "status", 1))
         assert status.returncode == 0 and "simulated" in status.stdout, status.stdout
+        # status on another socket finds no agent, and says where a demo's socket is named
+        elsewhere = run_cli("status", "--socket", str(ROOT / "no-such-dir" / "app.sock"))
+        assert elsewhere.returncode == 2 and "the `why:` of its table's legend" in " ".join(
+            elsewhere.stderr.split()), elsewhere.stderr
     finally:
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGINT)

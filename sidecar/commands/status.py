@@ -145,8 +145,9 @@ def status(cfg: Config, *, alive: bool) -> int:
         reading = read_status(path)
     except FileNotFoundError:
         print(f"gpu-sidecar status: no {path}: no agent runs with --socket {cfg.socket} (give "
-              "the socket path the agent uses; in a pod, run this in its container)",
-              file=sys.stderr)
+              "the socket path the agent uses; in a pod, run this in its container; a "
+              "simulated agent's socket is private: the `why:` of its table's legend names the "
+              "--socket that reaches it)", file=sys.stderr)
         return 1 if alive else 2
     except Refused as exc:
         print(f"gpu-sidecar status: {exc}", file=sys.stderr)
