@@ -6,18 +6,17 @@ dcgm-exporter counterpart, and, for a figure NVML gives per GPU, the field it fi
 sample's layer (``field``), the field the verdict reads it as (``figure``) or, for a share, the
 two series it divides (``ratio_of``). Everything else that names a figure is built from here:
 the sample layers (``sidecar.samples``), the verdict's ``Figures`` (``sidecar.views.verdict``),
-the OTLP names (``OTEL``), ``DCGM_FIELDS`` and ``docs/metrics.md``
-(``python -m sidecar.metrics > docs/metrics.md``; a test fails when the committed file differs).
+the OTLP names (``OTEL``), ``DCGM_FIELDS`` and ``docs/metrics.md`` (rendered by
+``sidecar.views.reference``; a test fails when the committed file differs).
 
-The serving engine's series are declared by the engine's families
-(``sidecar.sources.engine.families``); ``METRICS``, ``BY_NAME`` and ``OTEL`` include them. They
-are joined on first use, not at import: the engine source imports the sample model, which is
-built from ``TABLE``, so this module imports nothing of the sources while it loads.
+The serving engine's series are declared here too (``ENGINE_SERIES``; which of each engine's own
+families become them is ``sidecar.sources.engine.families``'s); ``METRICS``, ``BY_NAME`` and
+``OTEL`` include them. This module imports nothing of the package: it is the foundation every
+part that names a figure stands on.
 """
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -627,40 +626,51 @@ _ENGINE_OTEL: dict[str, dict[str, Any]] = {
 }
 
 
-@functools.cache
-def _metrics() -> tuple[MetricSpec, ...]:
+# the serving engine's series (--engine-metrics-url): name -> (type, unit, meaning); which of each
+# engine's own families become them is sources/engine/families.py's
+ENGINE_SERIES: dict[str, tuple[str, str, str]] = {
+    "engine_request_duration_seconds": (
+        "histogram", "seconds", "End-to-end request latency, arrival to last token, as the engine "
+        "measured it: the latency the verdict joins when the app publishes none."),
+    "engine_time_to_first_token_seconds": (
+        "histogram", "seconds", "Time to the first output token (queue and prefill)."),
+    "engine_inter_token_latency_seconds": (
+        "histogram", "seconds", "Time between two output tokens of a request (decode)."),
+    "engine_request_queue_duration_seconds": (
+        "histogram", "seconds", "Time a request waited in the engine's queue before it was "
+        "scheduled."),
+    "engine_kv_cache_usage_ratio": (
+        "gauge", "ratio", "Share of the KV cache's blocks in use (1 is full); the fullest engine "
+        "core's where the engine runs several."),
+    "engine_requests_running": ("gauge", "requests", "Requests being executed now."),
+    "engine_requests_waiting": ("gauge", "requests", "Requests waiting to be scheduled."),
+    "engine_preemptions_total": (
+        "counter", "requests", "Requests preempted (their KV cache freed, recomputed or swapped "
+        "later) because the KV cache ran out; SGLang's retracted requests."),
+    "engine_request_prefill_seconds_total": (
+        "counter", "seconds", "Seconds the engine's requests spent in prefill (scheduled to first "
+        "token), all requests together: with the queue's and decode's, the engine's own split of "
+        "its time per request, which the queueing verdict takes where the queue's buckets cannot "
+        "resolve its p99."),
+    "engine_request_decode_seconds_total": (
+        "counter", "seconds", "Seconds the engine's requests spent in decode (first token to "
+        "last), all requests together."),
+}
+
+
+def _joined() -> tuple[MetricSpec, ...]:
     """The table with the engine's series after the app's (see the module's docstring)."""
-    from sidecar.sources.engine.families import FIGURES
     engine = tuple(
         _m(name, kind, unit, "engine", "engine endpoint: see *Engine families* below",  # type: ignore[arg-type]
            f"{help} Labels engine, endpoint and, where the engine names it, model.",
            **_ENGINE_OTEL.get(name, {"otel": name.removesuffix("_total").replace("_", ".")}))
-        for name, (kind, unit, help) in FIGURES.items())
+        for name, (kind, unit, help) in ENGINE_SERIES.items())
     at = max(i for i, m in enumerate(TABLE) if m.layer == "app") + 1
     return (*TABLE[:at], *engine, *TABLE[at:])
 
 
-@functools.cache
-def _by_name() -> dict[str, MetricSpec]:
-    return {m.name: m for m in _metrics()}
-
-
-@functools.cache
-def _otel_specs() -> dict[str, OtelSpec]:
-    return {m.name: OtelSpec(m.otel, _UCUM.get(m.unit, f"{{{m.unit}}}"), m.instrument or m.kind,
-                             m.otel_attributes) for m in _metrics()}
-
-
-_JOINED = {"METRICS": _metrics, "BY_NAME": _by_name, "OTEL": _otel_specs}
-
-
-def __getattr__(name: str) -> Any:
-    """``METRICS``, ``BY_NAME`` (name -> spec) and ``OTEL`` (name -> ``OtelSpec``): the table
-    with the engine's series, joined on first use and kept as module attributes from then on."""
-    if name in _JOINED:
-        value = globals()[name] = _JOINED[name]()
-        return value
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+METRICS: tuple[MetricSpec, ...] = _joined()  # every series: the table and the engine's
+BY_NAME: dict[str, MetricSpec] = {m.name: m for m in METRICS}
 
 
 def histogram_of(name: str) -> tuple[str, str] | None:
@@ -668,7 +678,7 @@ def histogram_of(name: str) -> tuple[str, str] | None:
     histogram of the table: each exposition format regroups the three under their histogram."""
     for part in ("_bucket", "_sum", "_count"):
         stem = name.removesuffix(part)
-        spec = _by_name().get(stem)
+        spec = BY_NAME.get(stem)
         if stem != name and spec is not None and spec.kind == "histogram":
             return stem, part
     return None
@@ -697,6 +707,11 @@ _UCUM = {"ratio": "1", "bytes": "By", "bytes/s": "By/s", "seconds": "s", "boolea
          "celsius": "Cel", "events": "{event}", "rows": "{row}", "code": "1", "joules": "J"}
 
 
+
+OTEL: dict[str, OtelSpec] = {  # name -> how it is sent over OTLP
+    m.name: OtelSpec(m.otel, _UCUM.get(m.unit, f"{{{m.unit}}}"), m.instrument or m.kind,
+                     m.otel_attributes) for m in METRICS}
+
 # hw.gpu.io has no Prometheus series of its own: the OTLP encoder integrates the PCIe rates
 # (each direction's attribute is its source's, above) into a byte total per GPU and direction
 GPU_IO = OtelSpec("hw.gpu.io", "By", "counter")
@@ -719,160 +734,3 @@ POINT_LABELS: dict[str, str] = {"gpu_uuid": "hw.id", "gpu_name": "hw.model", "gp
 # added to every point of a GPU (one with a gpu_uuid label): the hardware conventions require
 # hw.type, and every GPU the agent reads is NVIDIA's (NVML)
 GPU_ATTRIBUTES: tuple[tuple[str, str], ...] = (("hw.type", "gpu"), ("hw.vendor", "NVIDIA"))
-
-
-def _nvml_series() -> int:
-    """How many series NVML can give one GPU in a cycle: every figure of the compute, memory,
-    IO and health layers, and the ratios derived from them (Xid counts aside)."""
-    return sum(1 for m in TABLE if m.layer in ("compute", "memory", "io", "health")
-               and not m.source.startswith("app") and m.name != "gpu_xid_errors_total")
-
-
-def render_markdown() -> str:
-    """The text of ``docs/metrics.md``."""
-    lines = [
-        "# Metrics reference",
-        "",
-        "Generated from `sidecar/metrics.py` by `python -m sidecar.metrics > docs/metrics.md`;",
-        "a test fails when this file is out of date.",
-        "",
-        "Every GPU series carries `gpu_uuid`, `gpu_name`, `gpu_index` and, when configured, `namespace`,",
-        "`pod`, `container`, `node` (see docs/configuration.md, *Pod identity*). Series from the app",
-        "are one set per GPU whatever the number of processes on it: bytes summed over the GPU's",
-        "live processes, ratios computed from those sums, the largest free block of any one",
-        "process, retries and OOMs as counters that survive process restarts, and",
-        "`gpu_app_processes`; no `pid` label.",
-        "Only `--app-process-series` adds the `gpu_app_process_*` series, one set per live process",
-        "labelled `pid` (at most `--app-max-processes` per GPU; a restarted worker is a new series).",
-        f"Series per cycle with app figures, per GPU: {_nvml_series()} NVML series at most (one",
-        "more per Xid code seen), 9 allocator series,",
-        "and the latency histogram's buckets + 3 (18 with the client's default buckets), plus 3 per",
-        "live process with `--app-process-series`.",
-        "A figure a GPU cannot give is absent, never zero.",
-        "Histograms are sent as `_bucket{le=...}`, `_sum` and `_count` series.",
-        "",
-        "**Cadence.** Every figure is judged every cycle, and read every cycle but the rare",
-        "counters that NVML gives as field values (PCIe error and replay counters, ECC, row",
-        "remapping) and the power limit: the running agent asks for those every",
-        f"{RARE_READ_S:g} s and carries their last answer between two asks, so an increase (or a",
-        f"new limit) reaches its series and its verdict within {RARE_READ_S:g} s (`diagnose`'s own",
-        "sampling asks every cycle). Remote-write and OTLP",
-        "receivers get every figure every cycle but those marked *rare* below (maxima, the link's trained",
-        "maximum, error and ECC counters, row remapping, Xid counts: they change a few times a",
-        "year): a rare figure is sent in the cycle it changes, and again every minute when it",
-        "does not, well within Prometheus' 5-minute look-back, so that nothing goes stale and a",
-        "counter's increase arrives at once; an agent's first cycle sends them all. `/metrics`,",
-        "the Pushgateway (which replaces its group at each push), stdout and the agent's own",
-        "window take every figure every cycle.",
-        "",
-    ]
-    lines += ["The dcgm-exporter column names DCGM's field for the same quantity (its unit where it",
-              "differs; * marks dcgm-exporter's default set), for dashboards and alerts that move",
-              "over; `-` where DCGM has none. The names and the default set are those of",
-              f"dcgm-exporter {DCGM_EXPORTER_CHECKED} (its `etc/default-counters.csv`, the newest",
-              "release checked; 4.9 and 4.10 report renamed fields and units, not checked here).", ""]
-    for layer in ("compute", "memory", "io", "health", "app", "engine", "verdict", "self", "run"):
-        lines += [f"## {layer}", "", "| name | type | unit | source | meaning | dcgm-exporter |",
-                  "|---|---|---|---|---|---|"]
-        for m in _metrics():
-            if m.layer == layer:
-                dcgm = f"`{DCGM_FIELDS[m.name]}`" if m.name in DCGM_FIELDS else "-"
-                rare = " *rare*" if m.cadence == "rare" else ""
-                lines.append(f"| `{m.name}`{rare} | {m.kind} | {m.unit} | {m.source} | {m.help} "
-                             f"| {dcgm} |")
-        lines.append("")
-        if layer == "engine":
-            lines += _render_engines()
-    lines += _render_otel()
-    return "\n".join(lines)
-
-
-def _render_engines() -> list[str]:
-    """The engine families each engine series is read from, per engine and release."""
-    from sidecar.sources.engine.families import ENGINES, FIGURES
-
-    lines = [
-        "### Engine families",
-        "",
-        "With `--engine-metrics-url` the agent reads the engine's own Prometheus endpoint once",
-        "per interval, recognises the engine by its families, and forwards only these, mapped to",
-        "the series above (every other family is dropped before parsing, so the series stay",
-        "these few whatever the engine adds). Labels the engine adds beyond the model are summed",
-        "over: histograms and Triton's figures over all of them; gauges and counters over the",
-        "labels that tell replicas apart (vLLM's `engine` core index, SGLang's `dp_rank`), taking",
-        "the largest over the others (SGLang's tensor-parallel ranks report the same requests);",
-        "the KV-cache usage takes the fullest core. At most 16 models per endpoint (a model name",
-        "cut to 128 characters), 64 buckets per histogram; a histogram whose buckets are no",
-        "cumulative count (a bound not a number, a count falling) and a KV-cache share outside",
-        "0..1 are left out. Where the engine has two names for a figure (vLLM renamed two), the first",
-        "present is read. Triton's durations are cumulative microsecond counters: they become",
-        "histograms with the `+Inf` bucket only, whose `_sum` over `_count` is the mean (no",
-        "quantile). Engine series carry the pod's labels, not a GPU's: the verdict applies them",
-        "to every GPU of the pod.",
-        "",
-        "| series | engine | family | its type | releases | scale |",
-        "|---|---|---|---|---|---|",
-    ]
-    for name in FIGURES:
-        for engine in ENGINES:
-            for fam in engine.figures.get(name, ()):
-                count = f" over {' + '.join(f'`{c}`' for c in fam.count)}" if fam.count else ""
-                lines.append(f"| `{name}` | {engine.name} | `{fam.name}`{count} | "
-                             f"{fam.kind.replace('_', ' ')} | {fam.versions} | "
-                             f"{'-' if fam.scale == 1 else f'x {fam.scale:g}'} |")
-    lines += ["", "Checked against (each engine's names, in its source and real captures):", ""]
-    lines += [f"- {e.name} ({e.title or e.name}): {e.checked}" for e in ENGINES if e.checked]
-    lines += ["", "Default endpoints: " + ", ".join(f"{e.name} `{e.default_url}`" for e in ENGINES)
-              + ".", ""]
-    return lines
-
-
-def _render_otel() -> list[str]:
-    lines = [
-        "## OpenTelemetry (OTLP) names",
-        "",
-        "With `--otlp-url` the same figures are sent as OTLP metrics, cumulative temporality:",
-        "gauges as Gauge, counters as monotonic Sum, the semantic conventions' UpDownCounters as",
-        "non-monotonic Sum, the latency histogram as an explicit-bucket Histogram (its `le`",
-        "buckets become bounds and per-bucket counts). Names and units (UCUM) follow the OpenTelemetry",
-        "semantic conventions where they define the figure, ours under `gpu.` otherwise.",
-        "The PCIe and NVLink rates go as `gpu.pcie.throughput` and `gpu.nvlink.throughput` with",
-        "the conventions' `network.io.direction`. The conventions' `hw.gpu.io` (the GPU's I/O, a",
-        "byte counter) has no Prometheus series: the OTLP sink sends it as a monotonic Sum in `By`",
-        "per GPU and direction, the integral of `gpu_pcie_tx_bytes_per_second` and",
-        "`gpu_pcie_rx_bytes_per_second`: each point adds its rate times the time since the",
-        "series' previous point. That is the NVML byte counters' delta when the rate came from",
-        "them (fields 197/198) over the same interval, as close when it came from GPM (an",
-        "average between two GPM samples), and an estimate from `nvmlDeviceGetPcieThroughput`",
-        "(a 20 ms window every 20 s per direction, carried between). The first point is 0 and starts the",
-        "total (its start time). A gap adds nothing and restarts nothing: a rate absent from a",
-        "cycle, or not a finite non-negative number, adds nothing for its interval, nor does a",
-        "point that comes more than 3 times the series' previous interval after its last point",
-        "(a stalled agent). PCIe only: NVLink traffic is between GPUs, not the GPU's I/O. A",
-        "restarted agent starts again from 0 with a new start time.",
-        "",
-        "Resource attributes: `service.name` (gpu-sidecar), `service.version`, `host.name`, and "
-        + ", ".join(f"`{o}` (from `{p}`)" for p, o in RESOURCE_LABELS.items())
-        + "; every `--extra-label` goes on the resource under its own name.",
-        "Point attributes: " + ", ".join(f"`{p}` becomes `{o}`" for p, o in POINT_LABELS.items())
-        + "; every point of a GPU also has " + ", ".join(f"`{k}={v}`" for k, v in GPU_ATTRIBUTES)
-        + ".",
-        "",
-        "| Prometheus name | OTel name | OTLP type | unit | fixed attributes |",
-        "|---|---|---|---|---|",
-    ]
-    kinds = {"gauge": "Gauge", "counter": "Sum (monotonic)", "updowncounter": "Sum (non-monotonic)",
-             "histogram": "Histogram"}
-    otel = _otel_specs()
-    for m in _metrics():
-        o = otel[m.name]
-        fixed = ", ".join(f"`{k}={v}`" for k, v in o.attributes) or "-"
-        lines.append(f"| `{m.name}` | `{o.name}` | {kinds[o.instrument]} | `{o.unit}` | {fixed} |")
-    directions = ", ".join(f"`{k}={v}`" for s in GPU_IO_SOURCES for k, v in otel[s].attributes)
-    lines += [f"| (integral of {' and '.join(f'`{s}`' for s in GPU_IO_SOURCES)}) | "
-              f"`{GPU_IO.name}` | {kinds[GPU_IO.instrument]} | `{GPU_IO.unit}` | {directions} |", ""]
-    return lines
-
-
-if __name__ == "__main__":
-    print(render_markdown(), end="")

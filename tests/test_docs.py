@@ -13,8 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from sidecar.metrics import METRICS, render_markdown
+from sidecar.metrics import METRICS
 from sidecar.simulate.scenarios import SCENARIOS
+from sidecar.views.reference import render_markdown
 from sidecar.views.verdict import PRECEDENCE
 from tests.conftest import ROOT
 
@@ -50,7 +51,7 @@ FEATURES = ("--engine-metrics-url", "gpu-sidecar status", "--dry-run", "--metric
 def test_metrics_reference_is_up_to_date():
     committed = (ROOT / "docs" / "metrics.md").read_text()
     assert committed == render_markdown(), (
-        "docs/metrics.md is stale: run `python -m sidecar.metrics > docs/metrics.md`"
+        "docs/metrics.md is stale: run `python -m sidecar.views.reference > docs/metrics.md`"
     )
 
 

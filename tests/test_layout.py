@@ -83,8 +83,7 @@ def _cycle(graph: dict[str, set[str]]) -> list[str] | None:
 LEVELS: tuple[tuple[str, ...], ...] = (
     ("sidecar", "sidecar.config", "sidecar.log", "sidecar.signals", "sidecar.urls",
      "sidecar.protocol", "sidecar.app_shared", "sidecar.client", "sidecar.thresholds",
-     # the metric table, and the engine families that declare the engine's series in it
-     "sidecar.metrics", "sidecar.sources.engine.families"),
+     "sidecar.metrics"),  # the metric table, the engine's series included
     ("sidecar.samples", "sidecar.summary"),
     ("sidecar.sources", "sidecar.views"),  # what is read; the pure renderers and the judge
     # the alert rules are rendered from the verdict's rules

@@ -20,8 +20,9 @@ from urllib.parse import urlsplit
 import structlog
 
 from sidecar.log import Episodes
+from sidecar.metrics import ENGINE_SERIES
 from sidecar.samples import Labels, LatencyHistogram, Series, histogram_series
-from sidecar.sources.engine.families import ENGINES, FIGURES, absent_reason
+from sidecar.sources.engine.families import ENGINES, absent_reason
 from sidecar.sources.engine.parse import (
     MAX_SAMPLES,
     EngineFigures,
@@ -184,7 +185,7 @@ class EngineEndpoint:
         if self._found != figures.engine:
             self._found = figures.engine
             # every figure of ours this engine gave no value for, and why: absent, never zero
-            missing = {f: _absent(figures.engine, f) for f in FIGURES if f not in figures.figures}
+            missing = {f: _absent(figures.engine, f) for f in ENGINE_SERIES if f not in figures.figures}
             log.info("engine_metrics_found", endpoint=self.label, engine=figures.engine,
                      models=figures.models, figures=sorted(figures.figures),
                      not_exposed=missing, left_out=list(figures.left_out))
@@ -265,5 +266,5 @@ def engine_series(figures: EngineFigures, endpoint: str, pod: Labels, ts: int
             labels = tuple(sorted((*base, ("model", model)) if model else base))
             if isinstance(value, LatencyHistogram):
                 yield from histogram_series(name, labels, value, ts)
-            elif FIGURES[name][0] != "histogram":
+            elif ENGINE_SERIES[name][0] != "histogram":
                 yield Series(name=name, labels=labels, value=value, timestamp_ms=ts)

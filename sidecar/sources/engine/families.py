@@ -25,37 +25,6 @@ from typing import Literal
 # what a figure needs is the total, not the buckets: two series per model, not two dozen
 SourceKind = Literal["histogram", "gauge", "counter", "microsecond_counter", "histogram_sum"]
 
-# our figures: name -> (kind, unit, what it says); the series are named after them
-FIGURES: dict[str, tuple[str, str, str]] = {
-    "engine_request_duration_seconds": (
-        "histogram", "seconds", "End-to-end request latency, arrival to last token, as the engine "
-        "measured it: the latency the verdict joins when the app publishes none."),
-    "engine_time_to_first_token_seconds": (
-        "histogram", "seconds", "Time to the first output token (queue and prefill)."),
-    "engine_inter_token_latency_seconds": (
-        "histogram", "seconds", "Time between two output tokens of a request (decode)."),
-    "engine_request_queue_duration_seconds": (
-        "histogram", "seconds", "Time a request waited in the engine's queue before it was "
-        "scheduled."),
-    "engine_kv_cache_usage_ratio": (
-        "gauge", "ratio", "Share of the KV cache's blocks in use (1 is full); the fullest engine "
-        "core's where the engine runs several."),
-    "engine_requests_running": ("gauge", "requests", "Requests being executed now."),
-    "engine_requests_waiting": ("gauge", "requests", "Requests waiting to be scheduled."),
-    "engine_preemptions_total": (
-        "counter", "requests", "Requests preempted (their KV cache freed, recomputed or swapped "
-        "later) because the KV cache ran out; SGLang's retracted requests."),
-    "engine_request_prefill_seconds_total": (
-        "counter", "seconds", "Seconds the engine's requests spent in prefill (scheduled to first "
-        "token), all requests together: with the queue's and decode's, the engine's own split of "
-        "its time per request, which the queueing verdict takes where the queue's buckets cannot "
-        "resolve its p99."),
-    "engine_request_decode_seconds_total": (
-        "counter", "seconds", "Seconds the engine's requests spent in decode (first token to "
-        "last), all requests together."),
-}
-
-
 @dataclass(frozen=True, slots=True)
 class Family:
     """One family of an engine's exposition that carries one of our figures."""
