@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from sidecar.durability import journal
-from sidecar.durability.journal import RECORD, Journal, read, read_records
+from sidecar.durability.journal import RECORD, Journal, read
 from sidecar.durability.spool import Spool
 
 CYCLES = [(b"cycle-0 " * 5, 3), (b"cycle-1 " * 7, 4), (b"cycle-2 " * 6, 5)]
@@ -32,13 +32,13 @@ def record_offset(n: int) -> int:
 @pytest.mark.parametrize("where", ["crc field", "body byte"])
 def test_a_journal_record_whose_checksum_is_wrong_costs_only_itself(tmp_path, damaged, where):
     j = written(tmp_path)
-    assert list(read_records(j.path)) == CYCLES  # intact: every cycle comes back, in order
+    assert list(read(j.path).records) == CYCLES  # intact: every cycle comes back, in order
     data = bytearray(j.path.read_bytes())
     at = record_offset(damaged) + (8 if where == "crc field" else RECORD.size + 3)
     data[at] ^= 0x5A
     j.path.write_bytes(bytes(data))
     # the damaged record is not replayed; every intact one after it is, in order; counted
-    assert list(read_records(j.path)) == CYCLES[:damaged] + CYCLES[damaged + 1:]
+    assert list(read(j.path).records) == CYCLES[:damaged] + CYCLES[damaged + 1:]
     replay = read(j.path)
     assert (replay.damaged, replay.torn) == (1, False)
 
@@ -49,7 +49,7 @@ def test_a_journal_record_whose_length_is_damaged_costs_only_itself(tmp_path, da
     data = bytearray(j.path.read_bytes())
     data[record_offset(damaged) + 1] ^= 0x01  # its length, by 256 bytes: the frame is lost
     j.path.write_bytes(bytes(data))
-    assert list(read_records(j.path)) == CYCLES[:damaged] + CYCLES[damaged + 1:]
+    assert list(read(j.path).records) == CYCLES[:damaged] + CYCLES[damaged + 1:]
     assert read(j.path).damaged == 1
 
 
@@ -57,7 +57,7 @@ def test_a_torn_last_record_is_not_replayed_and_the_whole_ones_before_it_are(tmp
     j = written(tmp_path)
     data = j.path.read_bytes()
     j.path.write_bytes(data[:-4])  # power lost mid-write of the last cycle
-    assert list(read_records(j.path)) == CYCLES[:2]
+    assert list(read(j.path).records) == CYCLES[:2]
     replay = read(j.path)
     assert (replay.damaged, replay.torn) == (0, True)  # the cycle in progress, not damage
 
@@ -67,7 +67,7 @@ def replay(spool: Spool) -> list[int]:
     into the spool under its own number; the sequence numbers sealed, oldest first."""
     sealed = []
     for seq, path in journal.leftovers(spool.dir):
-        records = list(read_records(path))
+        records = list(journal.read(path).records)
         body = b"".join(body for body, _ in records)
         batch = spool.put(body, sum(n for _, n in records), seq=seq,
                           journaled=(path, sum(n for _, n in records)))

@@ -29,7 +29,7 @@ from opentelemetry.proto.collector.metrics.v1.metrics_service_pb2 import (
 )
 
 from sidecar import metrics
-from sidecar.durability.journal import read_records
+from sidecar.durability.journal import read as read_journal
 from sidecar.durability.spool import HEADER
 from sidecar.samples import Series
 from sidecar.wire import otlp
@@ -130,7 +130,7 @@ def journaled(spool: Path) -> int:
     held = 0
     for path in spool.rglob("*.journal"):
         with contextlib.suppress(FileNotFoundError):  # sealed meanwhile
-            held += sum(1 for _ in read_records(path))
+            held += sum(1 for _ in read_journal(path).records)
     return held
 
 
@@ -403,7 +403,7 @@ def test_a_killed_agent_loses_nothing_its_journal_held(tmp_path):
         assert list(spool.rglob("*.journal")) and not receiver.log
         held = keyed(otlp_rows([ExportMetricsServiceRequest.FromString(body)
                                 for path in spool.rglob("*.journal")
-                                for body, _ in read_records(path)] + spooled(spool)))
+                                for body, _ in read_journal(path).records] + spooled(spool)))
         second = run_for(Agent(otlp_args(receiver.url, spool)),
                          lambda: stored_all_of(receiver, first), "the journal's cycles delivered")
     printed = keyed(first.sampled())

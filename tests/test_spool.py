@@ -14,7 +14,7 @@ import pytest
 import structlog
 
 from sidecar.durability import journal
-from sidecar.durability.journal import RECORD, Journal, read_records
+from sidecar.durability.journal import RECORD, Journal, read
 from sidecar.durability.spool import HEADER, Spool, SpoolError, SpoolLocked
 from sidecar.samples import Series
 from sidecar.sinks.http import HttpOptions
@@ -376,14 +376,14 @@ def _journal(directory, seq: int = 3) -> Journal:
 
 
 def _offset(j: Journal, k: int) -> int:
-    return sum(RECORD.size + len(body) for body, _ in list(read_records(j.path))[:k])
+    return sum(RECORD.size + len(body) for body, _ in list(read(j.path).records)[:k])
 
 
 @pytest.mark.parametrize("k", [0, 2, 7, N - 2])
 @pytest.mark.parametrize("where", ["crc", "body", "length"])
 def test_one_damaged_journal_record_of_many_costs_only_its_cycle(tmp_path, k, where):
     j = _journal(tmp_path)
-    intact = list(read_records(j.path))
+    intact = list(read(j.path).records)
     data = bytearray(j.path.read_bytes())
     at = _offset(j, k) + {"crc": 8, "body": RECORD.size + 5, "length": 0}[where]
     data[at] ^= {"crc": 0x01, "body": 0x20, "length": 0x40}[where]

@@ -31,7 +31,7 @@ import re
 import statistics
 import sys
 import time
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -494,7 +494,3 @@ def from_store(cfg: Config, *, t: Thresholds | None = None) -> int:
               "healthy (exit 6)", file=sys.stderr)
     return code
 
-
-def by_uuid(judged: Judged) -> Mapping[str, str]:
-    """Each GPU's verdict key (for scripts and tests)."""
-    return {u: v.key for u, v in judged.verdicts.items()}

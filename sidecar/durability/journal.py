@@ -30,7 +30,6 @@ import os
 import stat
 import struct
 import zlib
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -225,12 +224,6 @@ def read(path: Path) -> Replay:
     """A journal's records (``parse``); raises ``NotOwnFile`` for anything but a regular file of
     the agent's own, OSError when it cannot be read."""
     return parse(read_own(path))
-
-
-def read_records(path: Path) -> Iterator[tuple[bytes, int]]:
-    """The intact records of a journal, (body, samples) in order; a damaged record is skipped,
-    the records after it are not (``parse``)."""
-    yield from read(path).records
 
 
 def is_journal_name(name: str) -> bool:
