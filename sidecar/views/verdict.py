@@ -1486,16 +1486,23 @@ def _unjudged(w: Window, t: Thresholds, found: list[Finding]) -> Iterable[str]:
         yield (f"SM occupancy {pct(m.occupancy)} is low but p99 {ms(w.p99)} meets the "
                f"{ms(t.p99_latency_s)} objective: normal for a small model, not a bottleneck")
     if t.slow(w.p99) and not found:
+        # "outside the GPU" only as far as the GPU was judged: a layer without figures may
+        # hold the cause
+        unread = [name for name, gone in (
+            ("SM occupancy", m.occupancy is None),
+            ("PCIe", m.pcie_tx_ratio is None and m.pcie_rx_ratio is None),
+            ("the allocator", m.fragmentation is None)) if gone]
+        also = (f", or in what was not judged ({', '.join(unread)})" if unread else "")
         if m.engine:
             yield (f"p99 {ms(w.p99)} is above the {ms(t.p99_latency_s)} objective, yet no GPU or "
-                   f"engine layer explains it (queue {pct(w.queue_share)} of it, KV cache "
+                   f"engine layer judged explains it (queue {pct(w.queue_share)} of it, KV cache "
                    f"{pct(m.kv_usage)}, time to first token p99 {ms(w.ttft_p99)}, inter-token "
                    f"p99 {ms(w.itl_p99)}): look outside the GPU and the engine (CPU pre/post-"
-                   "processing, the network, the client)")
+                   f"processing, the network, the client){also}")
         else:
             yield (f"p99 {ms(w.p99)} is above the {ms(t.p99_latency_s)} objective, yet no GPU "
-                   "layer crossed its threshold: look outside the GPU (CPU pre/post-processing, "
-                   "queueing, network)")
+                   "layer judged crossed its threshold: look outside the GPU (CPU pre/post-"
+                   f"processing, queueing, network){also}")
 
 
 def _health_notes(w: Window, t: Thresholds, found: list[Finding]) -> Iterable[str]:
