@@ -8,7 +8,9 @@ at 1 s sampling, every cycle would be paid for a file read by a person now and t
 the agent's stop; replaced in one rename so a reader never sees half of it. It is built from the cycle's own
 series (the figures a receiver gets) and the app socket's state: per sink the last success,
 backlog and failures; per app process the last message, and the rejections by reason; the GPUs
-exported and why; per engine endpoint whether it is read.
+exported and why; per engine endpoint whether it is read; the agent's time in NVML (``nvml``):
+the last cycle's, in all, per GPU and its costliest calls, and the costliest calls since the
+start (what ``gpu_sidecar_nvml_call_seconds_total`` exports), at most ``NVML_CALLS_KEPT`` each.
 
 ``status`` prints it for a person; ``status --alive`` is the liveness probe: exit 0 while the
 agent's heartbeat is younger than ``alive_after_s`` (three intervals, at least 30 s), 1 otherwise,
@@ -39,6 +41,7 @@ from sidecar.samples import Series
 
 if TYPE_CHECKING:
     from sidecar.agent import Agent
+    from sidecar.sources.nvml.timed import CallTime
 
 FILE_NAME = "status.json"
 WRITE_EVERY_S = 5.0  # the file is rewritten at most this often (the default interval)
@@ -49,6 +52,7 @@ ALIVE_INTERVALS = 3  # ...or this many intervals, if longer
 MAX_BYTES = 4 << 20
 FUTURE_SKEW_S = 5.0  # a time later than now by more than this was not set by the agent's clock
 STALE_CONTENT_S = 2.0  # heartbeat newer than the content by more: the content could not be written
+NVML_CALLS_KEPT = 5  # the costliest NVML calls the status names, of the last cycle and in all
 
 
 def status_path(socket: str) -> Path:
@@ -71,15 +75,23 @@ class StatusWriter:
         self.started_at = wall()
         self._last = -1e18
         self._failed = False
+        # the NVML totals after the previous cycle and after this one: their difference is the
+        # last cycle's NVML time (a copy of ~30 counters per cycle, a few microseconds)
+        self._calls_before: dict[str, CallTime] = {}
+        self._calls: dict[str, CallTime] = {}
 
     def __call__(self, series: list[Series]) -> None:
+        if self.agent.source is not None:
+            self._calls_before, self._calls = self._calls, self.agent.source.nvml_calls()
         now = self.clock()
         if now - self._last < WRITE_EVERY_S and not self.agent.stopping:
             return
         self._last = now
         try:
             _write(self.path, snapshot(self.agent, series, started_at=self.started_at,
-                                       written_at=self.wall()))
+                                       written_at=self.wall(),
+                                       nvml=nvml_figures(self.agent, self._calls,
+                                                         self._calls_before)))
         except Exception as exc:  # never the cycle's end: the status is a report
             beating = _beat(self.path)
             if not self._failed:  # once per episode
@@ -137,8 +149,41 @@ def _write(path: Path, data: dict[str, Any]) -> None:
         raise
 
 
+def nvml_figures(agent: Agent, calls: dict[str, CallTime],
+                 before: dict[str, CallTime]) -> dict[str, Any] | None:
+    """The agent's time in NVML for the status: the last cycle's (``calls`` less ``before``, the
+    totals after it and after the cycle before; the first cycle's includes the priming read), in
+    all and per GPU (that GPU's reading, its throughput calls included), and since the start,
+    each with its ``NVML_CALLS_KEPT`` costliest calls. None without NVML (--no-nvml)."""
+    if agent.source is None:
+        return None
+    cycle: dict[str, tuple[float, int]] = {}  # name -> seconds, calls
+    for name, now in calls.items():
+        then = before.get(name)
+        then_s, then_n = (then.seconds, then.calls) if then is not None else (0.0, 0)
+        if now.calls > then_n:
+            cycle[name] = (now.seconds - then_s, now.calls - then_n)
+    since_start = {name: (c.seconds, c.calls) for name, c in calls.items()}
+
+    def costliest(table: dict[str, tuple[float, int]]) -> list[list[Any]]:
+        top = sorted(table.items(), key=lambda kv: -kv[1][0])[:NVML_CALLS_KEPT]
+        return [[name, seconds, n] for name, (seconds, n) in top]
+
+    per_gpu = agent.source.last_read_nvml
+    return {
+        "cycle_seconds": sum(seconds for seconds, _ in cycle.values()),
+        "cycle_calls": sum(n for _, n in cycle.values()),
+        "cycle_costliest": costliest(cycle),
+        "gpus": [{"uuid": uuid, "index": agent.identity(uuid).index, "seconds": m.seconds,
+                  "calls": m.calls} for uuid, m in per_gpu.items()],
+        "total_seconds": sum(c.seconds for c in calls.values()),
+        "total_calls": sum(c.calls for c in calls.values()),
+        "total_costliest": costliest(since_start),
+    }
+
+
 def snapshot(agent: Agent, series: Iterable[Series], *, started_at: float,
-             written_at: float) -> dict[str, Any]:
+             written_at: float, nvml: dict[str, Any] | None = None) -> dict[str, Any]:
     """The status: what the cycle's series and the agent's parts say."""
     sinks: dict[str, dict[str, Any]] = {}
     engines: dict[str, dict[str, Any]] = {}
@@ -200,6 +245,7 @@ def snapshot(agent: Agent, series: Iterable[Series], *, started_at: float,
                 "last_rejections": app.last_rejections(), "processes": app.processes()},
         "gpus": {"mode": cfg.gpus, "exported": gpus, "not_exported": not_exported},
         "engines": engines,
+        "nvml": nvml,
     }
 
 

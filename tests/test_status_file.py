@@ -353,3 +353,75 @@ def test_a_file_that_is_not_a_status_is_said_so(tmp_path, content):
     # --alive judges the heartbeat (the file's time) once the file has a status's written_at
     alive = status(sock, "--alive")
     assert alive.returncode == (0 if '"written_at": 1.0' in content else 1), alive.stderr
+
+
+# -- the agent's time in NVML (issue #47, item 1) ----------------------------------------------
+
+
+def _per_cycle(rows: list, name: str) -> dict[int, dict[str, float]]:
+    """Per printed cycle (its timestamp), a per-call series' value by call."""
+    out: dict[int, dict[str, float]] = {}
+    for n, labels, ts, value in rows:
+        if n == name and value == value:  # a staleness marker (NaN) is no figure
+            out.setdefault(ts, {})[dict(labels)["call"]] = value
+    return out
+
+
+def test_status_shows_the_nvml_time_the_agent_exports(tmp_path):
+    """status names the last cycle's NVML time, in all and per GPU, its costliest calls and the
+    costliest since the start; each agrees with the series the agent exported for that cycle."""
+    sock = tmp_path / "app.sock"
+    agent = agent_on(sock).start()
+    try:
+        agent.more_cycles(6, "before its status is read")
+        assert agent.stop() == 0
+    finally:
+        stopped_agents(agent)
+    data = json.loads((sock.parent / FILE_NAME).read_text())  # written at the stop
+    nvml = data["nvml"]
+    seconds = _per_cycle(agent.recorded(), "gpu_sidecar_nvml_call_seconds_total")
+    calls = _per_cycle(agent.recorded(), "gpu_sidecar_nvml_calls_total")
+    last, before = sorted(seconds)[-1], sorted(seconds)[-2]
+    # since the start: what the last cycle exported, call by call
+    assert len(nvml["total_costliest"]) == 5
+    for name, spent, n in nvml["total_costliest"]:
+        assert n == calls[last][name] and spent == pytest.approx(seconds[last][name], rel=0.01)
+    assert nvml["total_calls"] == sum(calls[last].values())
+    # the last cycle: the exported totals' growth over it
+    grown = {c: calls[last][c] - calls[before].get(c, 0) for c in calls[last]}
+    assert nvml["cycle_calls"] == sum(grown.values()) > 0
+    assert nvml["cycle_seconds"] == pytest.approx(
+        sum(seconds[last].values()) - sum(seconds[before].values()), rel=0.01)
+    assert [row[0] for row in nvml["cycle_costliest"]] == sorted(
+        (c for c in grown if grown[c]), key=lambda c: -(seconds[last][c]
+                                                        - seconds[before].get(c, 0)))[:5]
+    # per GPU: each simulated GPU's reading, together at most the cycle's
+    assert len(nvml["gpus"]) == 2 and all(g["calls"] > 0 for g in nvml["gpus"])
+    assert sum(g["seconds"] for g in nvml["gpus"]) <= nvml["cycle_seconds"] * 1.0001
+    got = status(sock)
+    assert got.returncode == 0, got.stderr
+    said = re.search(r"^NVML time in the last cycle: ([0-9.]+) ms in (\d+) calls; per GPU: "
+                     r"GPU 0 [0-9.]+ ms \(\d+ calls\), GPU 1 [0-9.]+ ms \(\d+ calls\)$",
+                     got.stdout, re.M)
+    assert said, got.stdout
+    assert float(said[1]) == pytest.approx(nvml["cycle_seconds"] * 1e3, abs=0.001)
+    assert int(said[2]) == nvml["cycle_calls"]
+    top, spent, n = nvml["total_costliest"][0]
+    assert f"since the start: {sum(seconds[last].values()) * 1e3:.3f}"[:-1] in got.stdout
+    assert f"costliest: {top} {spent * 1e3:.3f} ms x{n}," in got.stdout
+
+
+@pytest.mark.parametrize("nvml", [
+    3, {"gpus": "all"}, {"gpus": [], "cycle_seconds": "1"},
+    {"gpus": [], "cycle_seconds": float("inf"), "cycle_calls": 1},
+    {"gpus": [{"index": "0\x1b[2J", "seconds": 1, "calls": 1}]},
+    {"gpus": [], "cycle_seconds": 0.1, "cycle_calls": 1,
+     "cycle_costliest": [["\x1b]0;owned\x07", 0.1, 1]]},
+    {"gpus": [], "cycle_seconds": 0.1, "cycle_calls": 1,
+     "cycle_costliest": [["nvmlInit", 0.1, 1]] * 6}])
+def test_nvml_figures_that_are_not_the_agents_are_said_so(tmp_path, written_status, nvml):
+    sock = planted(tmp_path, {**written_status, "written_at": time.time(), "nvml": nvml})
+    got = status(sock)
+    assert got.returncode == 2 and "Traceback" not in got.stderr, got.stderr
+    assert "is not the agent's status (ValueError: nvml " in got.stderr
+    assert "\x1b" not in got.stdout + got.stderr  # a planted escape is quoted, never printed

@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import errno
 import json
+import math
 import os
+import re
 import stat
 import sys
 import time
@@ -23,6 +25,7 @@ from sidecar.recent import CURRENT_S
 from sidecar.status_file import (
     FUTURE_SKEW_S,
     MAX_BYTES,
+    NVML_CALLS_KEPT,
     STALE_CONTENT_S,
     alive_after_s,
     status_path,
@@ -238,4 +241,69 @@ def report(data: dict[str, Any], age: float, verdict: Judgement, note: str = "")
             or "none"
         lines.append(f"engine {endpoint} ({e.get('engine') or 'not recognised'}): "
                      f"{'read' if e.get('up') else 'NOT READ'}; failures: {failures}")
+    lines += _nvml_lines(data)
     return "\n".join(lines) + "\n"
+
+
+# a pynvml function's name, as the agent's wrapper records it: nothing else is printed
+_CALL_NAME = re.compile(r"nvml[A-Za-z0-9_]{1,80}")
+_MAX_GPUS = 1024  # more GPUs than any node holds: not the agent's
+
+
+def _amount(value: object, what: str) -> float:
+    """A figure of the NVML section: a finite number, not negative (ValueError otherwise)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
+            or value < 0:
+        raise ValueError(f"nvml {what} is {value!r}, not a number of seconds or calls")
+    return float(value)
+
+
+def _calls(rows: object, what: str) -> str:
+    """The costliest calls as the agent wrote them ([name, seconds, calls], at most
+    NVML_CALLS_KEPT), checked, as text."""
+    if not isinstance(rows, list) or len(rows) > NVML_CALLS_KEPT:
+        raise ValueError(f"nvml {what} is not a list of at most {NVML_CALLS_KEPT} calls")
+    out = []
+    for row in rows:
+        if not (isinstance(row, list) and len(row) == 3 and isinstance(row[0], str)
+                and _CALL_NAME.fullmatch(row[0])):
+            raise ValueError(f"nvml {what} holds {str(row)[:80]!r}, not an NVML call")
+        out.append(f"{row[0]} {_ms(_amount(row[1], what))} x{_amount(row[2], what):.0f}")
+    return ", ".join(out) or "none"
+
+
+def _ms(seconds: float) -> str:
+    return f"{seconds * 1e3:.3f} ms"
+
+
+def _nvml_lines(data: dict[str, Any]) -> list[str]:
+    """The agent's time in NVML (the driver's lock, which the model server waits on): the last
+    cycle's in all, per GPU and its costliest calls, and the costliest since the start (what
+    gpu_sidecar_nvml_call_seconds_total exports). Every figure checked: the file is shared."""
+    nvml = data.get("nvml")
+    if nvml is None:
+        return ["NVML time: " + ("not used (--no-nvml)" if data.get("mode") == "app-only"
+                                 else "not in this status (an agent that did not measure it "
+                                      "wrote it)")]
+    if not isinstance(nvml, dict):
+        raise ValueError("nvml is not an object")
+    gpus = nvml.get("gpus")
+    if not isinstance(gpus, list) or len(gpus) > _MAX_GPUS:
+        raise ValueError("nvml gpus is not a list of GPUs")
+    per_gpu = []
+    for g in gpus:
+        if not isinstance(g, dict) or not isinstance(g.get("index"), str) \
+                or not re.fullmatch(r"[0-9]{1,4}(/[0-9]{1,4}){0,2}|unknown", g["index"]):
+            raise ValueError(f"nvml gpus holds {str(g)[:80]!r}, not a GPU's time")
+        per_gpu.append(f"GPU {g['index']} {_ms(_amount(g.get('seconds'), 'GPU seconds'))} "
+                       f"({_amount(g.get('calls'), 'GPU calls'):.0f} calls)")
+    return [
+        f"NVML time in the last cycle: {_ms(_amount(nvml.get('cycle_seconds'), 'cycle_seconds'))}"
+        f" in {_amount(nvml.get('cycle_calls'), 'cycle_calls'):.0f} calls; per GPU: "
+        + (", ".join(per_gpu) or "none"),
+        f"  costliest calls of the last cycle: {_calls(nvml.get('cycle_costliest'), 'cycle')}",
+        f"  since the start: {_ms(_amount(nvml.get('total_seconds'), 'total_seconds'))} in "
+        f"{_amount(nvml.get('total_calls'), 'total_calls'):.0f} calls; costliest: "
+        f"{_calls(nvml.get('total_costliest'), 'total')} "
+        "(gpu_sidecar_nvml_call_seconds_total{call})",
+    ]
