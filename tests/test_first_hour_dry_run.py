@@ -4,7 +4,10 @@ port and batches set aside (issue #27): the words match what happens."""
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
+
+import pytest
 
 from tests.conftest import run_cli
 from tests.receivers import LOCAL, Agent, FaultProxy, Pushgateway, VictoriaMetrics, free_port, running
@@ -100,3 +103,33 @@ def test_dry_run_beside_a_running_agent_fails_where_the_real_run_would_exit_4(tm
     assert after.returncode == 0, after.stdout
     assert check_line(after.stdout, "app socket").startswith("ok")
     assert check_line(after.stdout, "spool").startswith("ok")
+
+
+NVML_LINE = re.compile(r"one reading held NVML ([0-9.]+) ms in (\d+) calls \(per GPU: "
+                       r"GPU 0 ([0-9.]+) ms \((\d+) calls\), GPU 1 ([0-9.]+) ms \((\d+) calls\); "
+                       r"costliest: (.*)\)$")
+
+
+def test_the_dry_run_says_how_long_its_reading_held_nvml_per_gpu_and_call(tmp_path):
+    """Issue #47: the NVML check reads every GPU once through the agent's own wrapper and says
+    the time it held NVML, per GPU and the costliest calls; on the old driver (no byte counters,
+    no GPM) the 20 ms throughput sample the stand-in blocks for, once per GPU, leads."""
+    healthy = dry_run(tmp_path)
+    old = run_cli("run", "--dry-run", "--simulate", "old-driver",
+                  "--socket", str(tmp_path / "old" / "app.sock"))
+    assert healthy.returncode == 0 and old.returncode == 0, healthy.stdout + old.stdout
+    got = {}
+    for name, out in (("healthy", healthy.stdout), ("old", old.stdout)):
+        line = check_line(out, "NVML")
+        found = NVML_LINE.search(line)
+        assert found, line
+        total, calls, gpu0, calls0, gpu1, calls1 = map(float, found.groups()[:6])
+        assert calls == calls0 + calls1 > 0, line
+        assert total == pytest.approx(gpu0 + gpu1, abs=0.01), line  # each call on some GPU
+        got[name] = total, found[7].split(", ")
+    total, top = got["old"]
+    assert top[0].startswith("nvmlDeviceGetPcieThroughput ") and top[0].endswith(" x2"), top
+    assert float(top[0].split()[1]) >= 2 * 20, top  # the stand-in sleeps its 20 ms window
+    total, top = got["healthy"]
+    assert total < 20 and not any("PcieThroughput" in c for c in top), top  # byte counters
+    assert len(top) == 5 and all(re.fullmatch(r"nvml\w+ [0-9.]+ ms x\d+", c) for c in top), top

@@ -1,6 +1,8 @@
 """``gpu-sidecar run --dry-run``: check what a start would need, say what was found, exit.
 
-Nothing is sampled, spooled or stored: NVML is opened and closed, the socket's and the spool's
+Nothing is spooled or stored: NVML is opened, every GPU read once (the NVML check says how long
+that reading held NVML, per GPU and its costliest calls, measured by the agent's own wrapper) and
+closed, the socket's and the spool's
 directories are checked for writing with a file created and removed (the socket is not bound,
 but a live process listening on it fails the check, and so does another agent holding a
 receiver's spool: the tests by which ``run`` stops with exit 4 and 5), each receiver gets one
@@ -23,6 +25,8 @@ from sidecar.urls import redact_url
 
 if TYPE_CHECKING:
     from sidecar.config import Config
+    from sidecar.samples import GpuIdentity
+    from sidecar.sources.nvml.timed import CallTime, Meter
 
 Check = tuple[bool, str]  # passed, what was found
 
@@ -84,19 +88,47 @@ def _nvml(cfg: Config) -> Check:
     if cfg.no_nvml:
         return True, "not used (--no-nvml): the app's figures only"
     from sidecar import wiring
-    from sidecar.sources.nvml import NvmlUnavailable
+    from sidecar.sources.nvml import NvmlUnavailable, timed
 
     try:
         with wiring.nvml(cfg) as (source, _):
             assert source is not None
             devices = source.devices()
+            before = timed.totals()
+            source.read([d.uuid for d in devices])
+            spent = timed.since(before)
+            per_gpu = source.last_read_nvml
     except NvmlUnavailable as exc:
         return False, str(exc)
     except Exception as exc:  # a named GPU not visible, and the like: said as the run would
         return False, str(exc)
     names = ", ".join(f"GPU {d.index} {d.name}" for d in devices) or "no GPU visible"
-    return bool(devices), f"{len(devices)} GPU(s): {names}" + (
-        "" if devices else " (check NVIDIA_VISIBLE_DEVICES and the container runtime)")
+    if not devices:
+        return False, (f"0 GPU(s): {names} (check NVIDIA_VISIBLE_DEVICES and the container "
+                       "runtime)")
+    return True, f"{len(devices)} GPU(s): {names}; " + _nvml_time(devices, spent, per_gpu)
+
+
+NVML_CALLS_SHOWN = 5  # the costliest calls the check names
+
+
+def _nvml_time(devices: list[GpuIdentity], spent: dict[str, CallTime],
+               per_gpu: dict[str, Meter]) -> str:
+    """What the one reading of every GPU cost in NVML, measured by the agent's own wrapper: the
+    driver's time the model server would wait on, per GPU and the costliest calls. It is the
+    first reading (counters and GPM take their first sample, the throughput fallback its first
+    20 ms window), so it shows each call the run makes every cycle and the slow ones it makes
+    every few seconds."""
+    def ms(seconds: float) -> str:
+        return f"{seconds * 1e3:.3f} ms"
+
+    gpus = ", ".join(f"GPU {d.index} {ms(m.seconds)} ({m.calls} calls)" for d in devices
+                     if (m := per_gpu.get(d.uuid)) is not None)
+    top = ", ".join(f"{name} {ms(c.seconds)} x{c.calls}"
+                    for name, c in list(spent.items())[:NVML_CALLS_SHOWN])
+    return (f"one reading held NVML {ms(sum(c.seconds for c in spent.values()))} in "
+            f"{sum(c.calls for c in spent.values())} calls (per GPU: {gpus or 'none'}; "
+            f"costliest: {top or 'none'})")
 
 
 def _writable_dir(path: Path, what: str) -> Check:
