@@ -5,6 +5,7 @@ code and message, bounded in time."""
 
 from __future__ import annotations
 
+import contextlib
 import http.server
 import json
 import time
@@ -375,3 +376,48 @@ def test_older_agents_are_listed_after_the_findings_and_before_the_healthy(vm):
     heads = [line.split(" (")[0] for line in text.splitlines() if line and line[0] != " "
              and "(" in line and not line.startswith(("gpu-sidecar", "verdicts", "result"))]
     assert heads == ["pcie", "older-agent", "none"]
+
+
+@pytest.mark.parametrize("store", ["victoria-metrics", "prometheus"])
+def test_a_critical_xid_first_seen_in_the_window_counts_in_the_fleets_figure(vm, tmp_path, store):
+    """A code's first Xid arrives as a new series at 1, which Prometheus' increase() reads as 0:
+    the fleet counts it whole where the series was not there before the window (as the agent's
+    window and GPUHardwareFault do), and only its increase where it was."""
+    end_ms = (int(time.time()) - 60) * 1000
+    start_ms, mid_ms = end_ms - 1_200_000, end_ms - 300_000  # the window: its last 600 s
+    times = range(start_ms, end_ms, 15_000)
+    series: dict = {}
+    cases = {"born": lambda ts: 1.0 if ts >= mid_ms else None,  # first Xid 79 in the window
+             "rose": lambda ts: 1.0 if ts < mid_ms else 3.0}  # one before, two more in it
+    namespace = f"xids-{store[:4]}"
+    for i, name in enumerate(cases):
+        labels = gpu_labels(f"GPU-78696400-0000-4000-8000-{i:012d}", 0, namespace,
+                            f"xids-{name}", "node-x")
+        add_gpu(series, labels, times, {"gpu_sidecar_gpu_available": 1,
+                                        "gpu_utilization_ratio": 0.5})
+        verdict = tuple(sorted((*labels, ("verdict", "hardware-fault"))))
+        xid = tuple(sorted((*labels, ("xid", "79"))))
+        for ts in times:
+            series.setdefault(("gpu_verdict", verdict), []).append((ts, 1.0))
+            if (value := cases[name](ts)) is not None:
+                series.setdefault(("gpu_xid_errors_total", xid), []).append((ts, value))
+    with contextlib.ExitStack() as stack:
+        if store == "prometheus":
+            prom = Prometheus(tmp_path)
+            stack.enter_context(running(prom))
+            prom.start()
+            base, write = prom.base, prom.write_url
+        else:
+            base, write = vm.base, vm.write_url
+        push(write, series)
+        end = end_ms / 1000
+
+        def figures():
+            _, doc = fleet_json(base, namespace, end)
+            gpus = {g["pod"]: g["figure"] for group in doc.get("groups", ())
+                    for g in group["gpus"]}
+            return gpus if len(gpus) == 2 else None
+
+        gpus = until(figures, 30, interval=0.5, what=f"the two GPUs in {store}")
+    assert gpus["xids-born"].startswith("critical Xids 1,"), gpus
+    assert gpus["xids-rose"].startswith("critical Xids 2,"), gpus

@@ -94,7 +94,8 @@ def _expand(expr: str, select: Sequence[tuple[str, str, str]], rng: str,
         if extra == "CRITICAL":
             more.append(f'xid=~"{"|".join(str(x) for x in t.critical_xids)}"')
         skip = GPU_LABELS if scope == "pod" else ()
-        out = head + selector(name, select, *more, skip=skip) + rng + tail
+        span = rng if scope != "before" else f"[5m] offset {rng.strip('[]')}"
+        out = head + selector(name, select, *more, skip=skip) + span + tail
     return out
 
 

@@ -751,12 +751,14 @@ def _degraded(w: Window, t: Thresholds) -> bool:
             and t.pcie_degraded(True, b.pcie_tx_now_ratio, b.pcie_rx_now_ratio))
 
 
-def stored(name: str, *extra: str, pod: bool = False) -> str:
+def stored(name: str, *extra: str, pod: bool = False, before: bool = False) -> str:
     """A series in a ``Deciding`` query, as a placeholder the fleet fills in with the --select
     matchers and the window's range (``sidecar.commands.fleet``); ``extra`` ``CRITICAL``
     narrows it to the critical Xids of the thresholds, ``pod`` keeps only the pod's labels (the
-    engine's series have no GPU)."""
-    return f"@@SEL:{name}:{'|'.join(extra)}:{'pod' if pod else 'gpu'}@@"
+    engine's series have no GPU); ``before``: the 5 minutes before the window instead (a
+    look-back: whether the series existed when the window began)."""
+    scope = "pod" if pod else ("before" if before else "gpu")
+    return f"@@SEL:{name}:{'|'.join(extra)}:{scope}@@"
 
 
 def _either(a: str, b: str) -> str:
@@ -911,7 +913,11 @@ RULES: tuple[Rule, ...] = (
          threshold=lambda t: f"a critical Xid ({', '.join(map(str, t.critical_xids))}), an "
                              "uncorrected ECC error or a failed row remap",
          deciding=Deciding(
-             (f"sum by (gpu_uuid) (increase({stored('gpu_xid_errors_total', 'CRITICAL')}))",
+             # a code's first Xid arrives as a new series at 1, which increase() reads as 0:
+             # counted whole where the series was not there before the window (as the alert)
+             (f"sum by (gpu_uuid) ((increase({stored('gpu_xid_errors_total', 'CRITICAL')}) > 0) or "
+              f"(last_over_time({stored('gpu_xid_errors_total', 'CRITICAL')}) unless "
+              f"last_over_time({stored('gpu_xid_errors_total', 'CRITICAL', before=True)})))",
               f"sum by (gpu_uuid) (increase({stored('gpu_ecc_uncorrected_volatile_total')}))"),
              ("gpu_uuid",),
              # no series is no count: no critical Xid's counter was stored (none seen), no
