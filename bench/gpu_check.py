@@ -31,7 +31,17 @@ It writes ``gpu_check.json`` (and ``fixtures.json``: a real ``memory_stats()`` a
    allocates in a fragmenting pattern with real torch; the figures in the agent's output
    against that script's ``torch.cuda.memory_stats()`` and ``memory_snapshot()``, how long
    after CUDA's initialisation they first appeared, the app's stderr (must be empty), and
-   ``import torch`` and CUDA's initialisation timed with and without the injection.
+   ``import torch`` and CUDA's initialisation timed with and without the injection;
+9. NVML time (issue #47): the real driver's time per NVML call, measured by the agent's own
+   wrapper over 20 agent readings of every GPU (per call: count, seconds, mean; per reading and
+   per GPU), and every call the agent's code made in the whole run;
+10. GPM beside DCGM: where ``dcgmi`` is on PATH or a dcgm-exporter process runs, the agent's GPM
+   readings and DCGM's profiling fields (``dcgmi dmon -e 1002,1003,1004``, or dcgm-exporter's
+   ``DCGM_FI_PROF_`` samples) read at the same time: both must succeed; skipped, saying why,
+   where neither runs or the GPU has no GPM.
+
+``--dcgm-only`` runs the DCGM presence check alone (no torch, no GPU needed): what step 10 would
+find on this machine.
 """
 
 from __future__ import annotations
@@ -707,6 +717,156 @@ def step_nvml_facts(torch, source, uuid: str) -> dict:
         pynvml.nvmlShutdown()
 
 
+# -- step 9: the real driver's time per NVML call ------------------------------------------------
+
+NVML_TIME_READINGS = 20  # agent readings of every GPU timed, after a first one
+NVML_TIME_GAP_S = 0.2  # between them: over GPM's 0.1 s minimum, a few seconds in all
+
+
+def call_table(calls: dict) -> dict:
+    """Per pynvml function: calls, seconds and the mean time of one call in microseconds."""
+    return {name: {"calls": c.calls, "seconds": c.seconds,
+                   "mean_us": c.seconds / c.calls * 1e6 if c.calls else None}
+            for name, c in calls.items()}
+
+
+def step_nvml_time(source, sleep: Callable[[float], None] = time.sleep) -> dict:
+    """The time the real driver takes per NVML call (issue #47), measured by the agent's own
+    wrapper (``sidecar/sources/nvml/timed.py``, what ``gpu_sidecar_nvml_call_seconds_total``
+    exports): ``NVML_TIME_READINGS`` agent readings of every visible GPU after a first one (whose
+    counters and GPM take their first samples), per call, per reading and per GPU."""
+    from sidecar.sources.nvml import timed
+
+    uuids = [d.uuid for d in source.devices()]
+    source.read(uuids)
+    before = timed.totals()
+    readings: list[float] = []
+    per_gpu: dict[str, list[float]] = {u: [] for u in uuids}
+    for _ in range(NVML_TIME_READINGS):
+        sleep(NVML_TIME_GAP_S)
+        start = timed.totals()
+        source.read(uuids)
+        readings.append(sum(c.seconds for c in timed.since(start).values()))
+        for uuid, meter in source.last_read_nvml.items():
+            per_gpu.setdefault(uuid, []).append(meter.seconds)
+    calls = timed.since(before)
+    return {"readings": NVML_TIME_READINGS, "gap_s": NVML_TIME_GAP_S, "gpus": len(uuids),
+            "per_call": call_table(calls),
+            "calls_per_reading": sum(c.calls for c in calls.values()) / NVML_TIME_READINGS,
+            "reading_seconds_median": statistics.median(readings),
+            "reading_seconds_max": max(readings),
+            "per_gpu_seconds_median": {u: statistics.median(v) for u, v in per_gpu.items() if v}}
+
+
+# -- step 10: GPM beside DCGM profiling ----------------------------------------------------------
+
+DCGM_PROFILING_FIELDS = "1002,1003,1004"  # DCGM_FI_PROF_SM_ACTIVE, _SM_OCCUPANCY, _PIPE_TENSOR_ACTIVE
+DCGM_DMON_SAMPLES = 10
+DCGM_DMON_EVERY_MS = 200
+# dcgm-exporter's default listen address; DCGM_EXPORTER_URL names another
+DCGM_EXPORTER_URL = "http://127.0.0.1:9400/metrics"
+
+
+def dcgm_present(which: Callable[[str], str | None] | None = None,
+                 proc: Path = Path("/proc")) -> dict:
+    """Where DCGM runs here: ``dcgmi`` on PATH, and the processes named dcgm-exporter (from
+    /proc: in a container, those of its own PID namespace only)."""
+    import shutil
+
+    pids = []
+    for entry in proc.glob("[0-9]*"):
+        with contextlib.suppress(OSError):
+            if "dcgm-exporter" in (entry / "cmdline").read_bytes().split(b"\0")[0].decode(
+                    errors="replace").rsplit("/", 1)[-1]:
+                pids.append(int(entry.name))
+    return {"dcgmi": (which or shutil.which)("dcgmi"), "dcgm_exporter_pids": sorted(pids)}
+
+
+def dcgmi_profiling(dcgmi: str) -> dict:
+    """DCGM's profiling fields read by ``dcgmi dmon``: ok when it exits 0 with a row of numbers
+    per sample and no error (a profiler holding perfmon answers 'The third-party Profiling
+    module returned an unrecoverable error'; no host engine, an error too)."""
+    cmd = [dcgmi, "dmon", "-e", DCGM_PROFILING_FIELDS, "-c", str(DCGM_DMON_SAMPLES),
+           "-d", str(DCGM_DMON_EVERY_MS)]
+    try:
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
+    out = done.stdout + done.stderr
+    rows = [line.split()[2:] for line in done.stdout.splitlines()
+            if line.split()[:1] == ["GPU"] and len(line.split()) > 2]
+    numbers = [r for r in rows if r and all(_is_number(v) for v in r)]
+    return {"ok": done.returncode == 0 and bool(numbers) and "error" not in out.lower(),
+            "exit_code": done.returncode, "rows": len(rows), "rows_of_numbers": len(numbers),
+            "first_rows": numbers[:3], "output_tail": out[-1500:]}
+
+
+def _is_number(text: str) -> bool:
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return True
+
+
+def exporter_profiling(url: str) -> dict:
+    """dcgm-exporter's /metrics read twice, a second apart: ok when both answers hold
+    DCGM_FI_PROF_ samples (its profiling metrics, collected while the agent reads GPM)."""
+    import urllib.request
+
+    answers = []
+    for i in range(2):
+        if i:
+            time.sleep(1)
+        try:
+            with urllib.request.urlopen(url, timeout=5) as answer:
+                text = answer.read().decode(errors="replace")
+        except OSError as exc:
+            return {"ok": False, "url": url, "error": f"{type(exc).__name__}: {exc}"}
+        answers.append(sorted({line.split("{")[0].split()[0] for line in text.splitlines()
+                               if line.startswith("DCGM_FI_PROF_")}))
+    return {"ok": all(answers), "url": url, "profiling_metrics": answers[-1]}
+
+
+def step_dcgm_coexist(source, uuid: str, present: dict | None = None) -> dict:
+    """Issue #47 item 5: where dcgmi or a dcgm-exporter runs, the agent's GPM readings and DCGM's
+    profiling fields read at the same time, both must succeed (GPM does not take the perfmon
+    subsystem DCGM profiling holds: docs/deployment.md); skipped, saying why, where neither
+    runs or the GPU has no GPM."""
+    found = dcgm_present() if present is None else present
+    if not found["dcgmi"] and not found["dcgm_exporter_pids"]:
+        return {"skipped": "neither dcgmi on PATH nor a dcgm-exporter process here: GPM beside "
+                           "DCGM profiling not checked", **found}
+    if not source.capabilities(uuid)["gpm"]:
+        return {"skipped": "this GPU has no GPM (before Hopper): nothing read beside DCGM",
+                **found}
+    occupancy: list[float | None] = []
+    stop = threading.Event()
+
+    def read_gpm() -> None:
+        source.read([uuid])
+        while not stop.wait(NVML_TIME_GAP_S):
+            reading = source.read([uuid]).get(uuid)
+            occupancy.append(None if reading is None else reading.compute.sm_occupancy_ratio)
+
+    reader = threading.Thread(target=read_gpm, name="gpm-beside-dcgm", daemon=True)
+    reader.start()
+    try:
+        dcgm = {}
+        if found["dcgmi"]:
+            dcgm["dcgmi"] = guarded(lambda: dcgmi_profiling(found["dcgmi"]))
+        if found["dcgm_exporter_pids"]:
+            dcgm["exporter"] = guarded(lambda: exporter_profiling(
+                os.environ.get("DCGM_EXPORTER_URL", DCGM_EXPORTER_URL)))
+    finally:
+        stop.set()
+        reader.join(timeout=30)
+    gpm_ok = bool(occupancy) and all(v is not None for v in occupancy)
+    dcgm_ok = any(d.get("ok") for d in dcgm.values())
+    return {**found, "gpm_readings": len(occupancy), "gpm_sm_occupancy": occupancy[:20],
+            "gpm_ok": gpm_ok, "dcgm": dcgm, "dcgm_ok": dcgm_ok, "both_ok": gpm_ok and dcgm_ok}
+
+
 # -- the table printed last ------------------------------------------------------------------------
 
 def dig(report: dict, *keys: str) -> Any:
@@ -742,6 +902,23 @@ def mig_summary(facts: dict) -> str:
              "memory_info_v2(mig)": "memory v2"}
     return "; ".join(f"{label}: {calls[name]['result'].removeprefix('NVMLError_')}"
                      for name, label in short.items())
+
+
+def nvml_time_rows(report: dict) -> list[tuple[str, str]]:
+    """Steps 9 and 10 in the table: the reading's NVML time, its three costliest calls' mean,
+    and GPM beside DCGM (or why not checked)."""
+    nt, dc = report.get("nvml_time", {}), report.get("dcgm_coexist", {})
+    top = sorted(dig(nt, "per_call") or {}, key=lambda n: -nt["per_call"][n]["seconds"])[:3]
+    return [
+        ("NVML per reading s: median / max",
+         f"{fmt(dig(nt, 'reading_seconds_median'))} / {fmt(dig(nt, 'reading_seconds_max'))}"
+         f" ({fmt(dig(nt, 'calls_per_reading'))} calls, {dig(nt, 'gpus')} GPUs)"),
+        ("NVML costliest calls, mean us",
+         ", ".join(f"{n} {fmt(nt['per_call'][n]['mean_us'])}" for n in top) or "none"),
+        ("GPM beside DCGM profiling",
+         str(dc.get("skipped") or (f"both ok: {dc.get('both_ok')} (GPM {dc.get('gpm_ok')}, "
+                                    f"DCGM {dc.get('dcgm_ok')})" if dc else None))),
+    ]
 
 
 def summary_rows(report: dict) -> list[tuple[str, str]]:
@@ -797,6 +974,7 @@ def summary_rows(report: dict) -> list[tuple[str, str]]:
          f"{fmt(dig(inj, 'import_and_cuda_init_s', 'bare'))} / "
          f"{fmt(dig(inj, 'import_and_cuda_init_s', 'injected'))}"),
     ]
+    rows += nvml_time_rows(report)
     rows += [(f"step {name} failed", value["error"]) for name, value in report.items()
              if isinstance(value, dict) and "error" in value]
     return rows
@@ -805,7 +983,12 @@ def summary_rows(report: dict) -> list[tuple[str, str]]:
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", default=os.environ.get("OUT", "."))
+    parser.add_argument("--dcgm-only", action="store_true",
+                        help="say what step 10 finds of DCGM here (dcgmi, dcgm-exporter), no GPU")
     args = parser.parse_args()
+    if args.dcgm_only:
+        print(json.dumps(dcgm_present()))
+        return 0
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     import torch
@@ -829,7 +1012,9 @@ def main() -> int:
              ("nvml_facts", lambda: step_nvml_facts(torch, source, uuid)),
              ("health", lambda: step_health(torch, source, uuid)),
              ("overhead", lambda: step_overhead(out_dir)),
-             ("injection", lambda: step_injection(uuid, out_dir))]
+             ("injection", lambda: step_injection(uuid, out_dir)),
+             ("nvml_time", lambda: step_nvml_time(source)),
+             ("dcgm_coexist", lambda: step_dcgm_coexist(source, uuid))]
     for name, fn in steps:
         t0 = time.monotonic()
         try:
@@ -838,6 +1023,11 @@ def main() -> int:
             report[name] = {"error": f"{type(exc).__name__}: {exc}"}
         report[name]["_seconds"] = round(time.monotonic() - t0, 1)
         (out_dir / "gpu_check.json").write_text(json.dumps(report, indent=1, default=str))
+    from sidecar.sources.nvml import timed
+
+    # every NVML call the agent's code made in this process, all steps together
+    report["nvml_calls_whole_run"] = call_table(timed.totals())
+    (out_dir / "gpu_check.json").write_text(json.dumps(report, indent=1, default=str))
     source.close()
     print(json.dumps(report, indent=1, default=str)[-6000:])
     rows = summary_rows(report)
