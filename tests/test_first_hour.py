@@ -402,7 +402,7 @@ def test_dry_run_checks_every_part_with_requests_that_store_nothing(tmp_path):
         assert "the Pushgateway answers" in check_line(out, f"receiver {pg.base}")
         assert check_line(out, f"engine {engine.url}").startswith(f"ok     engine {engine.url}: "
                                                                  "vllm: ")
-        assert "nothing was sampled or sent" in out
+        assert "nothing was kept or sent" in out
         assert vm.settled() == [], "the dry run stored something in VictoriaMetrics"
         assert pg.groups() == [], "the dry run created a Pushgateway group"
         assert not Path(spool).exists(), "the dry run created the spool"

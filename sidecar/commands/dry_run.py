@@ -56,7 +56,8 @@ def _dry_run(cfg: Config, out: Callable[[str], object]) -> int:
     for name, (ok, found) in checks:
         out(f"{'ok    ' if ok else 'FAILED'} {name}: {found}\n")
     out(f"dry run: {len(checks) - len(failed)} of {len(checks)} checks passed"
-        + (f"; failed: {', '.join(failed)}\n" if failed else "; nothing was sampled or sent\n"))
+        + (f"; failed: {', '.join(failed)}\n" if failed
+           else "; nothing was kept or sent (one reading of each GPU, timed only)\n"))
     return 1 if failed else 0
 
 
