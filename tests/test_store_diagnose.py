@@ -87,6 +87,20 @@ def window_around(cycles: list[list[Series]]) -> Window:
     return Window(first - 0.25, last + 0.001)
 
 
+def judged_once_stored(cfg: Config, w: Window, cycles: int, what: str):
+    """The store's window judged, once it holds ``cycles`` cycles."""
+
+    def settled():
+        store = Store(cfg)
+        try:
+            judged = judge_stored(fetch(store, cfg.select, w), w)
+        finally:
+            store.close()
+        return judged if judged.cycles >= cycles else None
+
+    return until(settled, 30, interval=0.5, what=what)
+
+
 def store_cfg(url: str, scenario: str, w: Window, namespace: str = "eq") -> Config:
     return Config(query_url=url, select=(("namespace", "=", namespace), ("pod", "=", scenario)),
                   at=f"{w.end:.3f}", duration=w.end - w.start)
@@ -192,15 +206,7 @@ def test_an_agent_restart_inside_the_window_is_counted_across_and_said(stores, t
 
     (a0, a1), (_, b1) = requests_of(first), requests_of(second)
 
-    def settled():
-        store = Store(cfg)
-        try:
-            judged = judge_stored(fetch(store, cfg.select, w), w)
-        finally:
-            store.close()
-        return judged if judged.cycles >= len(cycles) else None
-
-    judged = until(settled, 30, interval=0.5, what="both agents' cycles in VictoriaMetrics")
+    judged = judged_once_stored(cfg, w, len(cycles), "both agents' cycles in VictoriaMetrics")
     gpu0 = next(v for v in judged.verdicts.values() if v.window.mean.index == "0")
     assert gpu0.key == "pcie"
     assert gpu0.window.requests == pytest.approx((a1 - a0) + b1)
@@ -663,15 +669,7 @@ def test_two_agent_restarts_in_one_window_count_the_histogram_over_all_three_run
 
     (a0, a1), (_, b1), (_, c1) = (requests_of(a) for a in runs)
 
-    def settled():
-        store = Store(cfg)
-        try:
-            judged = judge_stored(fetch(store, cfg.select, w), w)
-        finally:
-            store.close()
-        return judged if judged.cycles >= len(cycles) else None
-
-    judged = until(settled, 30, interval=0.5, what="the three runs' cycles in VictoriaMetrics")
+    judged = judged_once_stored(cfg, w, len(cycles), "the three runs' cycles in VictoriaMetrics")
     gpu0 = next(v for v in judged.verdicts.values() if v.window.mean.index == "0")
     assert gpu0.window.requests == pytest.approx((a1 - a0) + b1 + c1)
     said = next(n for n in gpu0.notes if "the agent restarted inside the window" in n)
