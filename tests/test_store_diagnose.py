@@ -87,6 +87,14 @@ def window_around(cycles: list[list[Series]]) -> Window:
     return Window(first - 0.25, last + 0.001)
 
 
+def requests_of(agent: Agent) -> tuple[float, float]:
+    """GPU 0's request count as the agent printed it, at its first and its last cycle."""
+    inf = sorted((ts, v) for n, lab, ts, v in agent.sampled()
+                 if n == "inference_request_duration_seconds_bucket"
+                 and dict(lab).get("le") == "+Inf" and dict(lab).get("gpu_index") == "0")
+    return inf[0][1], inf[-1][1]
+
+
 def judged_once_stored(cfg: Config, w: Window, cycles: int, what: str):
     """The store's window judged, once it holds ``cycles`` cycles."""
 
@@ -197,12 +205,6 @@ def test_an_agent_restart_inside_the_window_is_counted_across_and_said(stores, t
     cycles = cycles_of([first, second])
     w = window_around(cycles)
     cfg = store_cfg(vm.base, "pcie-saturated", w, namespace="restart")
-
-    def requests_of(agent: Agent) -> tuple[float, float]:
-        inf = sorted((ts, v) for n, lab, ts, v in agent.sampled()
-                     if n == "inference_request_duration_seconds_bucket"
-                     and dict(lab).get("le") == "+Inf" and dict(lab).get("gpu_index") == "0")
-        return inf[0][1], inf[-1][1]
 
     (a0, a1), (_, b1) = requests_of(first), requests_of(second)
 
@@ -660,12 +662,6 @@ def test_two_agent_restarts_in_one_window_count_the_histogram_over_all_three_run
     cycles = cycles_of(runs)
     w = window_around(cycles)
     cfg = store_cfg(vm.base, "pcie-saturated", w, namespace="restart2")
-
-    def requests_of(agent: Agent) -> tuple[float, float]:
-        inf = sorted((ts, v) for n, lab, ts, v in agent.sampled()
-                     if n == "inference_request_duration_seconds_bucket"
-                     and dict(lab).get("le") == "+Inf" and dict(lab).get("gpu_index") == "0")
-        return inf[0][1], inf[-1][1]
 
     (a0, a1), (_, b1), (_, c1) = (requests_of(a) for a in runs)
 
