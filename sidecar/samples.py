@@ -20,7 +20,7 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field, fields
 from typing import NamedTuple
 
-from sidecar import metrics
+from sidecar import metrics, protocol
 
 Labels = tuple[tuple[str, str], ...]
 
@@ -94,21 +94,6 @@ def layer_figures(layer: Layer) -> Iterator[tuple[str, float]]:
 
 
 @dataclass(frozen=True, slots=True)
-class AllocatorFigures:
-    """What one process's caching allocator said about one GPU."""
-
-    pid: int
-    reserved_bytes: int
-    allocated_bytes: int
-    active_bytes: int
-    inactive_split_bytes: int
-    alloc_retries: int
-    ooms: int
-    largest_free_block_bytes: int | None = None
-    private_pool_bytes: int | None = None
-
-
-@dataclass(frozen=True, slots=True)
 class LatencyHistogram:
     """Cumulative request-latency buckets; ``counts[i]`` counts requests <= ``bounds[i]``,
     the last entry is +Inf."""
@@ -128,7 +113,7 @@ class AppFigures:
     counters over every process the GPU has had (they survive a process restart, as the
     latency histogram does); None takes the sum of the live processes' figures."""
 
-    allocators: tuple[AllocatorFigures, ...] = ()
+    allocators: tuple[protocol.Allocator, ...] = ()  # as the app socket decoded them
     latency: LatencyHistogram | None = None
     alloc_retries: int | None = None
     ooms: int | None = None

@@ -5,10 +5,10 @@ import dataclasses
 import pytest
 
 from sidecar.metrics import BY_NAME
+from sidecar.protocol import Allocator
 from sidecar.samples import (
     LAYER_METRICS,
     LAYERS,
-    AllocatorFigures,
     AppFigures,
     ComputeLayer,
     GpuIdentity,
@@ -26,11 +26,11 @@ POD = {"namespace": "ml", "pod": "llm-0", "node": "gpu-node-7"}
 
 
 TWO_PROCESSES = (
-    AllocatorFigures(pid=11, reserved_bytes=100, allocated_bytes=50, active_bytes=50,
-                     inactive_split_bytes=10, alloc_retries=2, ooms=0, largest_free_block_bytes=30),
-    AllocatorFigures(pid=22, reserved_bytes=300, allocated_bytes=250, active_bytes=250,
-                     inactive_split_bytes=30, alloc_retries=1, ooms=1, largest_free_block_bytes=20,
-                     private_pool_bytes=64),
+    Allocator(pid=11, gpu=ID.uuid, reserved_bytes=100, allocated_bytes=50, active_bytes=50,
+              inactive_split_bytes=10, alloc_retries=2, ooms=0, largest_free_block_bytes=30),
+    Allocator(pid=22, gpu=ID.uuid, reserved_bytes=300, allocated_bytes=250, active_bytes=250,
+              inactive_split_bytes=30, alloc_retries=1, ooms=1, largest_free_block_bytes=20,
+              private_pool_bytes=64),
 )
 
 
@@ -76,9 +76,8 @@ def test_pcie_ratio_is_rate_over_link_maximum():
 
 
 def test_fragmentation_is_the_empty_share_of_the_cache_not_memory_usage():
-    a = AllocatorFigures(pid=10, reserved_bytes=100, allocated_bytes=35, active_bytes=35,
-                         inactive_split_bytes=20, alloc_retries=4, ooms=1,
-                         largest_free_block_bytes=8)
+    a = Allocator(pid=10, gpu=ID.uuid, reserved_bytes=100, allocated_bytes=35, active_bytes=35,
+                  inactive_split_bytes=20, alloc_retries=4, ooms=1, largest_free_block_bytes=8)
     # the seed's fault: used/total of the device would say 0.9 here; fragmentation is 0.65
     mem = MemoryLayer(used_bytes=90, total_bytes=100)
     series = by_name(sample_series(GpuSample(identity=ID, timestamp_ms=1, memory=mem,
@@ -139,9 +138,9 @@ def _full_layers() -> dict[type, object]:
 
 
 def test_every_name_produced_is_in_the_metric_table():
-    a = AllocatorFigures(pid=1, reserved_bytes=100, allocated_bytes=50, active_bytes=50,
-                         inactive_split_bytes=10, alloc_retries=1, ooms=0,
-                         largest_free_block_bytes=5, private_pool_bytes=7)
+    a = Allocator(pid=1, gpu=ID.uuid, reserved_bytes=100, allocated_bytes=50, active_bytes=50,
+                  inactive_split_bytes=10, alloc_retries=1, ooms=0, largest_free_block_bytes=5,
+                  private_pool_bytes=7)
     layers = _full_layers()
     sample = GpuSample(
         identity=ID, timestamp_ms=1, compute=layers[ComputeLayer], memory=layers[MemoryLayer],

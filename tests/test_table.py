@@ -13,6 +13,7 @@ import sys
 
 import pytest
 
+from sidecar import protocol
 from sidecar import samples as sm
 from sidecar.metrics import BY_NAME
 from sidecar.samples import Series
@@ -50,8 +51,8 @@ def fixed_series() -> list[Series]:
                           pcie_link_width=16, pcie_replay_errors=3,
                           nvlink_tx_bytes_per_second=20e9, nvlink_rx_bytes_per_second=2.5e10),
             app=sm.AppFigures(
-                allocators=(sm.AllocatorFigures(
-                    pid=41, reserved_bytes=60 * 2**30, allocated_bytes=52 * 2**30,
+                allocators=(protocol.Allocator(
+                    pid=41, gpu=ident.uuid, reserved_bytes=60 * 2**30, allocated_bytes=52 * 2**30,
                     active_bytes=52 * 2**30, inactive_split_bytes=2**30, alloc_retries=7, ooms=0,
                     largest_free_block_bytes=3 * 2**30, private_pool_bytes=None),),
                 latency=sm.LatencyHistogram(bounds=(0.05, 0.1, 0.25), counts=(10, 90, 99, 100),

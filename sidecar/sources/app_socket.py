@@ -24,7 +24,7 @@ import structlog
 
 from sidecar import protocol
 from sidecar.config import Config
-from sidecar.samples import AllocatorFigures, AppFigures, LatencyHistogram
+from sidecar.samples import AppFigures, LatencyHistogram
 
 log = structlog.get_logger("sidecar.app")
 
@@ -71,7 +71,7 @@ class AppState:
         self.rejected: Counter[str] = Counter()
         self._lock = threading.Lock()
         self._announced: dict[str, float] = {}  # GPU -> when the app last named it
-        self._alloc: dict[tuple[str, int], tuple[float, AllocatorFigures]] = {}
+        self._alloc: dict[tuple[str, int], tuple[float, protocol.Allocator]] = {}
         # per process, its last cumulative counts as a compact array of int64 (a tuple of Python
         # ints costs about 700 bytes per histogram, and there may be 64 x 256 of them)
         self._last_latency: dict[tuple[str, int], tuple[array[int], float, float]] = {}
@@ -157,17 +157,7 @@ class AppState:
         for part in parts:
             key = (part.gpu, pid)
             if isinstance(part, protocol.Allocator):
-                self._alloc[key] = (now, AllocatorFigures(
-                    pid=pid,
-                    reserved_bytes=part.reserved_bytes,
-                    allocated_bytes=part.allocated_bytes,
-                    active_bytes=part.active_bytes,
-                    inactive_split_bytes=part.inactive_split_bytes,
-                    alloc_retries=part.alloc_retries,
-                    ooms=part.ooms,
-                    largest_free_block_bytes=part.largest_free_block_bytes,
-                    private_pool_bytes=part.private_pool_bytes,
-                ))
+                self._alloc[key] = (now, part)  # kept as decoded: samples reads it as is
                 self._count(key, part.alloc_retries, part.ooms)
             else:
                 self._merge(part, key, now)
@@ -299,7 +289,7 @@ class AppState:
         table (the agent asks once per cycle, not once per GPU)."""
         now = self.clock()
         horizon = now - self.stale_after_s
-        allocators: dict[str, list[AllocatorFigures]] = {}
+        allocators: dict[str, list[protocol.Allocator]] = {}
         latency: dict[str, LatencyHistogram] = {}
         with self._lock:
             if not self._alloc and not self._merged:
@@ -338,7 +328,7 @@ class AppState:
 NO_FIGURES = AppFigures()
 
 
-def _by_pid(figures: AllocatorFigures) -> int:
+def _by_pid(figures: protocol.Allocator) -> int:
     return figures.pid
 
 
