@@ -788,8 +788,19 @@ def build(command: str, args: argparse.Namespace, env: Mapping[str, str] = os.en
           choices: Choices | None = None) -> Config:
     """Flags over environment over defaults, every value validated; an option named in
     ``choices`` takes only the names given there (refused as ``_choice`` refuses)."""
+    values = _given_values(command, args, env, choices or {})
+    _refuse_unknown_env(command, env)
+    config = Config(**values)
+    _check_flag_pairs(config)
+    _check_command_fit(command, config)
+    return config
+
+
+def _given_values(command: str, args: argparse.Namespace, env: Mapping[str, str],
+                  choices: Choices) -> dict[str, Any]:
+    """Each option of ``command`` that a flag or (failing that) the environment gives, parsed;
+    the first value refused stops the start, naming where it came from."""
     values: dict[str, Any] = {}
-    choices = choices or {}
     for opt in OPTIONS:
         if command not in opt.commands:
             continue
@@ -808,6 +819,11 @@ def build(command: str, args: argparse.Namespace, env: Mapping[str, str] = os.en
                 _choice(*choices[opt.name])(raw)
         except ValueError as exc:
             raise ConfigError(_refused(opt, origin, raw, exc, command)) from None
+    return values
+
+
+def _refuse_unknown_env(command: str, env: Mapping[str, str]) -> None:
+    """A GPU_SIDECAR_ variable that names no option is a typo: refused, not silently ignored."""
     unknown = sorted(k for k in env if k.startswith(ENV_PREFIX) and
                      k.removeprefix(ENV_PREFIX).lower() not in OPTION_BY_NAME)
     if unknown:
@@ -815,7 +831,11 @@ def build(command: str, args: argparse.Namespace, env: Mapping[str, str] = os.en
             f"unknown environment variable(s) {', '.join(unknown)}: check the spelling against "
             f"gpu-sidecar {command} --help"
         )
-    config = Config(**values)
+
+
+def _check_flag_pairs(config: Config) -> None:
+    """Options that exclude each other, or need another beside them: each valid alone, refused
+    together (or apart), in the order a person reading --help meets them."""
     if config.no_nvml and config.simulate:
         raise ConfigError("--no-nvml and --simulate exclude each other: pick one")
     if config.no_nvml and config.gpus == "visible":
@@ -847,6 +867,11 @@ def build(command: str, args: argparse.Namespace, env: Mapping[str, str] = os.en
     clash = sorted({k for k, _ in config.extra_label} & RESERVED_LABELS)
     if clash:
         raise ConfigError(f"--extra-label may not set {', '.join(clash)}: the agent sets those")
+
+
+def _check_command_fit(command: str, config: Config) -> None:
+    """Options that depend on the command: what asks the store needs its URL and samples
+    nothing here; --once prints, so it pushes nowhere."""
     if not config.query_url:
         given = [o.flag for o in (OPTION_BY_NAME["select"], OPTION_BY_NAME["at"])
                  if getattr(config, o.name) != DEFAULTS[o.name]]
@@ -868,7 +893,6 @@ def build(command: str, args: argparse.Namespace, env: Mapping[str, str] = os.en
                           "--otlp-url / GPU_SIDECAR_OTLP_URL, --pushgateway-url / "
                           "GPU_SIDECAR_PUSHGATEWAY_URL); drop --once to push, or unset the "
                           "receiver to print; --dry-run checks the receivers without pushing")
-    return config
 
 
 def _utf8(raw: str) -> None:
