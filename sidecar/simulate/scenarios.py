@@ -8,6 +8,7 @@ can pass for a real GPU.
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 import pynvml
@@ -249,126 +250,183 @@ FAULT_ECC_INDEX = 2
 
 
 def build(name: str, gpus: int | None = None) -> Scenario:
+    """The scenario ``name`` on ``gpus`` GPUs (its own default number when not given)."""
     n = gpus or DEFAULT_GPUS[name]
-    if name == "healthy":
-        return Scenario(name, "Balanced load: occupancy, PCIe and allocator all comfortable.",
-                        tuple(_h200(name, i) for i in range(n)), AppProfile())
-    if name == "pcie-saturated":
-        return Scenario(
-            name, "Host-to-device copies fill about 90 % of the PCIe link; p99 near 300 ms.",
-            tuple(_h200(name, i, utilization=Signal(96, 0.02, 29), sm_occupancy=Signal(35, 0.05, 37),
-                        pcie_rx=Signal(0.90 * H200_LINK, 0.03, 19),
-                        pcie_tx=Signal(0.30 * H200_LINK, 0.05, 23)) for i in range(n)),
-            AppProfile(latency_median_s=0.18, latency_p99_s=0.26),
-        )
-    if name == "fragmented":
-        return Scenario(
-            name, "Allocator cache 65 % empty and split into slivers; alloc retries climb.",
-            # the device memory holds the allocator's cache (the app's 120 GiB) and the CUDA
-            # context beside it: a cache cannot be larger than the memory in use
-            tuple(_h200(name, i, utilization=Signal(90, 0.03, 29),
-                        memory_used=Signal(FRAGMENTED_CACHE + 4 * GiB, 0.01, 45))
-                  for i in range(n)),
-            AppProfile(reserved_bytes=FRAGMENTED_CACHE, fragmentation=0.65, nonreleasable=0.40,
-                       largest_free_fraction=0.02, retries_per_minute=3.0,
-                       latency_median_s=0.15, latency_p99_s=0.26),
-        )
-    if name == "low-occupancy":
-        return Scenario(
-            name, "Utilization reads 97 % while warps fill 18 % of the SMs; p99 latency degraded.",
-            tuple(_h200(name, i, utilization=Signal(97, 0.02, 29), sm_occupancy=Signal(18, 0.1, 37),
-                        tensor=Signal(8, 0.1, 41), sm_active=Signal(95, 0.02, 43))
-                  for i in range(n)),
-            AppProfile(latency_median_s=0.14, latency_p99_s=0.26),
-        )
-    if name == "gpu-lost":
-        gpus_ = [_h200(name, i) for i in range(n)]
-        lost = min(GPU_LOST_INDEX, n - 1)
-        gpus_[lost] = replace(gpus_[lost], lost_between=(GPU_LOST_AT_S, None))
-        return Scenario(name, f"GPU {lost} falls off the bus {GPU_LOST_AT_S:g} s after start; "
-                        "the others keep reporting.", tuple(gpus_), AppProfile())
-    if name == "old-driver":
-        return Scenario(name, "Ampere on an old driver: no GPM, no memory v2, no PCIe byte "
-                        "counters (falls back to the 20 ms throughput call).",
-                        tuple(_a100_old(name, i) for i in range(n)),
-                        AppProfile(reserved_bytes=20 * GiB),  # within the A100's 40 GiB
-                        missing=OLD_DRIVER_MISSING, driver_version=OLD_DRIVER_VERSION)
-    if name == "throttled":
-        return Scenario(
-            name, "Held at the 700 W power cap: SM clock 1300 of 1980 MHz, SW power cap 80 % of "
-            "the time; p99 latency degraded.",
-            tuple(_h200(name, i, utilization=Signal(97, 0.01, 29), sm_active=Signal(93, 0.02, 43),
-                        sm_clock=Signal(1300.0, 0.03, 11), power=Signal(697.0, 0.004, 13),
-                        temperature=Signal(66.0, 0.02, 61),
-                        memory_temperature=Signal(72.0, 0.02, 67),
-                        clock_events=((REASON_SW_POWER_CAP, DutyCycle(POWER_CAP_SHARE, 5.0)),))
-                  for i in range(n)),
-            AppProfile(**DEGRADED_APP),
-        )
-    if name == "pcie-degraded":
-        return Scenario(
-            name, "Gen5 x16 GPUs trained at Gen3 x8 (an eighth of the bandwidth); copies fill 95 "
-            "% of the trained link; p99 latency degraded.",
-            tuple(_h200(name, i, current_link_generation=3, current_link_width=8,
-                        utilization=Signal(88, 0.03, 29), sm_occupancy=Signal(30, 0.05, 37),
-                        pcie_rx=Signal(0.95 * GEN3_X8_LINK, 0.02, 19),
-                        pcie_tx=Signal(0.20 * GEN3_X8_LINK, 0.05, 23),
-                        pcie_correctable_errors_per_second=2.0,
-                        pcie_l0_recovery_per_second=0.05)
-                  for i in range(n)),
-            AppProfile(**DEGRADED_APP),
-        )
-    if name == "hardware-fault":
-        gpus_ = [_h200(name, i) for i in range(n)]
-        xid, ecc = min(FAULT_XID_INDEX, n - 1), min(FAULT_ECC_INDEX, n - 1)
-        gpus_[xid] = replace(gpus_[xid], xid_events=FAULT_XIDS,
-                             lost_between=(FAULT_LOST_AT_S, None))
-        gpus_[ecc] = replace(gpus_[ecc], ecc_uncorrected_per_second=0.5,
-                             ecc_corrected_per_second=3.0, ecc_corrected_aggregate_base=120,
-                             ecc_uncorrected_aggregate_base=2, remapped_rows_correctable=1,
-                             remapped_rows_uncorrectable=1, row_remap_pending=True)
-        return Scenario(
-            name, f"GPU {xid} reports Xid 79 twice and falls off the bus at {FAULT_LOST_AT_S:g} "
-            f"s; GPU {ecc}'s uncorrected ECC errors climb with a row remap pending.",
-            tuple(gpus_), AppProfile(**DEGRADED_APP))
-    if name == "grace-hopper":
-        return Scenario(
-            name, "GH200: host copies over NVLink-C2C (10 links, 447 GB/s each way) fill 90 % "
-            "of it, PCIe idle; p99 latency degraded.",
-            tuple(_gh200(name, i, utilization=Signal(94, 0.02, 29),
-                         c2c_rx=Signal(0.90 * GH200_C2C, 0.02, 19)) for i in range(n)),
-            AppProfile(**DEGRADED_APP),
-        )
-    if name == "nvlink-saturated":
-        # the all-reduce of each layer sends and receives as much on every GPU of the group (a
-        # ring or NVSwitch's in-network reduction): both directions near the links' maximum
-        return Scenario(
-            name, f"Tensor parallel over {n} GPUs: the all-reduce fills about 90 % of NVLink (18 "
-            "links, 478 GB/s each way) while the GPUs are busy; p99 latency degraded.",
-            tuple(_h200(name, i, utilization=Signal(95, 0.02, 29), sm_occupancy=Signal(48, 0.05, 37),
-                        nvlink_tx=Signal(0.90 * NVLINK4, 0.02, 53),
-                        nvlink_rx=Signal(0.88 * NVLINK4, 0.02, 59)) for i in range(n)),
-            AppProfile(**DEGRADED_APP),
-        )
-    if name == "kv-cache-full":
-        return Scenario(
-            name, "vLLM's KV cache 98 % full: requests wait and are preempted; p99 near 10 s while the "
-            "GPU layers are comfortable.",
-            tuple(_h200(name, i, utilization=Signal(93, 0.02, 29), sm_occupancy=Signal(52, 0.05, 37),
-                        memory_used=Signal(131 * GiB, 0.005, 45)) for i in range(n)),
-            AppProfile(reserved_bytes=120 * GiB, publishes_latency=False),
-            engine=EngineProfile(kv_cache_usage=0.98, running=61, waiting=23,
-                                 preemptions_per_second=0.8, latency_median_s=3.5,
-                                 latency_p99_s=9.0, queue_median_s=0.6, queue_p99_s=2.5,
-                                 ttft_median_s=0.9, ttft_p99_s=3.0))
-    if name == "queueing":
-        return Scenario(
-            name, "Requests wait in vLLM's queue for most of their p99 (about 9 of 10 s) while the GPU "
-            "runs half full and the KV cache has room.",
-            tuple(_h200(name, i, utilization=Signal(58, 0.04, 29), sm_occupancy=Signal(41, 0.05, 37))
-                  for i in range(n)),
-            AppProfile(publishes_latency=False),
-            engine=EngineProfile(kv_cache_usage=0.45, running=16, waiting=40,
-                                 latency_median_s=2.8, latency_p99_s=8.0, queue_median_s=2.0,
-                                 queue_p99_s=7.0, ttft_median_s=2.1, ttft_p99_s=7.2))
-    raise KeyError(name)
+    return _BUILDERS[name](name, n)
+
+
+def _healthy(name: str, n: int) -> Scenario:
+    """The baseline: nothing for the judge to find."""
+    return Scenario(name, "Balanced load: occupancy, PCIe and allocator all comfortable.",
+                    tuple(_h200(name, i) for i in range(n)), AppProfile())
+
+
+def _pcie_saturated(name: str, n: int) -> Scenario:
+    """The copies, not the kernels, hold the app back: the PCIe link near full."""
+    return Scenario(
+        name, "Host-to-device copies fill about 90 % of the PCIe link; p99 near 300 ms.",
+        tuple(_h200(name, i, utilization=Signal(96, 0.02, 29), sm_occupancy=Signal(35, 0.05, 37),
+                    pcie_rx=Signal(0.90 * H200_LINK, 0.03, 19),
+                    pcie_tx=Signal(0.30 * H200_LINK, 0.05, 23)) for i in range(n)),
+        AppProfile(latency_median_s=0.18, latency_p99_s=0.26),
+    )
+
+
+def _fragmented(name: str, n: int) -> Scenario:
+    """The allocator's cache, not the GPU, holds the app back: empty but in slivers."""
+    return Scenario(
+        name, "Allocator cache 65 % empty and split into slivers; alloc retries climb.",
+        # the device memory holds the allocator's cache (the app's 120 GiB) and the CUDA
+        # context beside it: a cache cannot be larger than the memory in use
+        tuple(_h200(name, i, utilization=Signal(90, 0.03, 29),
+                    memory_used=Signal(FRAGMENTED_CACHE + 4 * GiB, 0.01, 45))
+              for i in range(n)),
+        AppProfile(reserved_bytes=FRAGMENTED_CACHE, fragmentation=0.65, nonreleasable=0.40,
+                   largest_free_fraction=0.02, retries_per_minute=3.0,
+                   latency_median_s=0.15, latency_p99_s=0.26),
+    )
+
+
+def _low_occupancy(name: str, n: int) -> Scenario:
+    """A busy-looking GPU whose SMs are mostly idle: utilization alone misleads."""
+    return Scenario(
+        name, "Utilization reads 97 % while warps fill 18 % of the SMs; p99 latency degraded.",
+        tuple(_h200(name, i, utilization=Signal(97, 0.02, 29), sm_occupancy=Signal(18, 0.1, 37),
+                    tensor=Signal(8, 0.1, 41), sm_active=Signal(95, 0.02, 43))
+              for i in range(n)),
+        AppProfile(latency_median_s=0.14, latency_p99_s=0.26),
+    )
+
+
+def _gpu_lost(name: str, n: int) -> Scenario:
+    """One GPU gone mid-run: the others must go on being read and reported."""
+    gpus_ = [_h200(name, i) for i in range(n)]
+    lost = min(GPU_LOST_INDEX, n - 1)
+    gpus_[lost] = replace(gpus_[lost], lost_between=(GPU_LOST_AT_S, None))
+    return Scenario(name, f"GPU {lost} falls off the bus {GPU_LOST_AT_S:g} s after start; "
+                    "the others keep reporting.", tuple(gpus_), AppProfile())
+
+
+def _old_driver(name: str, n: int) -> Scenario:
+    """An old driver without GPM, memory v2 or PCIe counters: the fallbacks' case."""
+    return Scenario(name, "Ampere on an old driver: no GPM, no memory v2, no PCIe byte "
+                    "counters (falls back to the 20 ms throughput call).",
+                    tuple(_a100_old(name, i) for i in range(n)),
+                    AppProfile(reserved_bytes=20 * GiB),  # within the A100's 40 GiB
+                    missing=OLD_DRIVER_MISSING, driver_version=OLD_DRIVER_VERSION)
+
+
+def _throttled(name: str, n: int) -> Scenario:
+    """Clocks held down by the power cap: the SW power cap's share of the time shows it."""
+    return Scenario(
+        name, "Held at the 700 W power cap: SM clock 1300 of 1980 MHz, SW power cap 80 % of "
+        "the time; p99 latency degraded.",
+        tuple(_h200(name, i, utilization=Signal(97, 0.01, 29), sm_active=Signal(93, 0.02, 43),
+                    sm_clock=Signal(1300.0, 0.03, 11), power=Signal(697.0, 0.004, 13),
+                    temperature=Signal(66.0, 0.02, 61),
+                    memory_temperature=Signal(72.0, 0.02, 67),
+                    clock_events=((REASON_SW_POWER_CAP, DutyCycle(POWER_CAP_SHARE, 5.0)),))
+              for i in range(n)),
+        AppProfile(**DEGRADED_APP),
+    )
+
+
+def _pcie_degraded(name: str, n: int) -> Scenario:
+    """A link trained below its width and generation: full at an eighth of its speed."""
+    return Scenario(
+        name, "Gen5 x16 GPUs trained at Gen3 x8 (an eighth of the bandwidth); copies fill 95 "
+        "% of the trained link; p99 latency degraded.",
+        tuple(_h200(name, i, current_link_generation=3, current_link_width=8,
+                    utilization=Signal(88, 0.03, 29), sm_occupancy=Signal(30, 0.05, 37),
+                    pcie_rx=Signal(0.95 * GEN3_X8_LINK, 0.02, 19),
+                    pcie_tx=Signal(0.20 * GEN3_X8_LINK, 0.05, 23),
+                    pcie_correctable_errors_per_second=2.0,
+                    pcie_l0_recovery_per_second=0.05)
+              for i in range(n)),
+        AppProfile(**DEGRADED_APP),
+    )
+
+
+def _hardware_fault(name: str, n: int) -> Scenario:
+    """Xid 79 then loss on one GPU, climbing uncorrected ECC on another."""
+    gpus_ = [_h200(name, i) for i in range(n)]
+    xid, ecc = min(FAULT_XID_INDEX, n - 1), min(FAULT_ECC_INDEX, n - 1)
+    gpus_[xid] = replace(gpus_[xid], xid_events=FAULT_XIDS,
+                         lost_between=(FAULT_LOST_AT_S, None))
+    gpus_[ecc] = replace(gpus_[ecc], ecc_uncorrected_per_second=0.5,
+                         ecc_corrected_per_second=3.0, ecc_corrected_aggregate_base=120,
+                         ecc_uncorrected_aggregate_base=2, remapped_rows_correctable=1,
+                         remapped_rows_uncorrectable=1, row_remap_pending=True)
+    return Scenario(
+        name, f"GPU {xid} reports Xid 79 twice and falls off the bus at {FAULT_LOST_AT_S:g} "
+        f"s; GPU {ecc}'s uncorrected ECC errors climb with a row remap pending.",
+        tuple(gpus_), AppProfile(**DEGRADED_APP))
+
+
+def _grace_hopper(name: str, n: int) -> Scenario:
+    """GH200: the host copies go over NVLink-C2C, not PCIe."""
+    return Scenario(
+        name, "GH200: host copies over NVLink-C2C (10 links, 447 GB/s each way) fill 90 % "
+        "of it, PCIe idle; p99 latency degraded.",
+        tuple(_gh200(name, i, utilization=Signal(94, 0.02, 29),
+                     c2c_rx=Signal(0.90 * GH200_C2C, 0.02, 19)) for i in range(n)),
+        AppProfile(**DEGRADED_APP),
+    )
+
+
+def _nvlink_saturated(name: str, n: int) -> Scenario:
+    """Tensor parallel: the all-reduce fills NVLink both ways."""
+    # the all-reduce of each layer sends and receives as much on every GPU of the group (a
+    # ring or NVSwitch's in-network reduction): both directions near the links' maximum
+    return Scenario(
+        name, f"Tensor parallel over {n} GPUs: the all-reduce fills about 90 % of NVLink (18 "
+        "links, 478 GB/s each way) while the GPUs are busy; p99 latency degraded.",
+        tuple(_h200(name, i, utilization=Signal(95, 0.02, 29), sm_occupancy=Signal(48, 0.05, 37),
+                    nvlink_tx=Signal(0.90 * NVLINK4, 0.02, 53),
+                    nvlink_rx=Signal(0.88 * NVLINK4, 0.02, 59)) for i in range(n)),
+        AppProfile(**DEGRADED_APP),
+    )
+
+
+def _kv_cache_full(name: str, n: int) -> Scenario:
+    """The engine's KV cache, not the GPU, holds requests back."""
+    return Scenario(
+        name, "vLLM's KV cache 98 % full: requests wait and are preempted; p99 near 10 s while the "
+        "GPU layers are comfortable.",
+        tuple(_h200(name, i, utilization=Signal(93, 0.02, 29), sm_occupancy=Signal(52, 0.05, 37),
+                    memory_used=Signal(131 * GiB, 0.005, 45)) for i in range(n)),
+        AppProfile(reserved_bytes=120 * GiB, publishes_latency=False),
+        engine=EngineProfile(kv_cache_usage=0.98, running=61, waiting=23,
+                             preemptions_per_second=0.8, latency_median_s=3.5,
+                             latency_p99_s=9.0, queue_median_s=0.6, queue_p99_s=2.5,
+                             ttft_median_s=0.9, ttft_p99_s=3.0))
+
+
+def _queueing(name: str, n: int) -> Scenario:
+    """Requests wait in the engine's queue while the GPU and the KV cache have room."""
+    return Scenario(
+        name, "Requests wait in vLLM's queue for most of their p99 (about 9 of 10 s) while the GPU "
+        "runs half full and the KV cache has room.",
+        tuple(_h200(name, i, utilization=Signal(58, 0.04, 29), sm_occupancy=Signal(41, 0.05, 37))
+              for i in range(n)),
+        AppProfile(publishes_latency=False),
+        engine=EngineProfile(kv_cache_usage=0.45, running=16, waiting=40,
+                             latency_median_s=2.8, latency_p99_s=8.0, queue_median_s=2.0,
+                             queue_p99_s=7.0, ttft_median_s=2.1, ttft_p99_s=7.2))
+
+
+_BUILDERS: dict[str, Callable[[str, int], Scenario]] = {
+    "healthy": _healthy,
+    "pcie-saturated": _pcie_saturated,
+    "fragmented": _fragmented,
+    "low-occupancy": _low_occupancy,
+    "gpu-lost": _gpu_lost,
+    "old-driver": _old_driver,
+    "throttled": _throttled,
+    "pcie-degraded": _pcie_degraded,
+    "hardware-fault": _hardware_fault,
+    "grace-hopper": _grace_hopper,
+    "nvlink-saturated": _nvlink_saturated,
+    "kv-cache-full": _kv_cache_full,
+    "queueing": _queueing,
+}
