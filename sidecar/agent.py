@@ -17,6 +17,8 @@ import structlog
 
 from sidecar import __version__, signals
 from sidecar.config import Config
+from sidecar.judge.series import figures_of
+from sidecar.judge.verdict import Verdict
 from sidecar.log import Episodes, log_count
 from sidecar.recent import CURRENT_S, Recent
 from sidecar.samples import (
@@ -33,7 +35,6 @@ from sidecar.sources.app_socket import NO_FIGURES, AppState
 from sidecar.sources.engine import EngineSource
 from sidecar.sources.nvml import NvmlSource
 from sidecar.summary import Checkpoint, RunSummary
-from sidecar.views.verdict import Verdict, figures_of
 
 log = structlog.get_logger("sidecar.agent")
 

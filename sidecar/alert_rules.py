@@ -16,8 +16,8 @@ import sys
 import textwrap
 from pathlib import Path
 
+from sidecar.judge.rules import RULES
 from sidecar.thresholds import THRESHOLDS, Thresholds
-from sidecar.views.verdict import RULES
 
 _HEADER = """\
 # Alert rules for gpu-sidecar. The seed's three alerts, corrected (fragmentation is the

@@ -17,8 +17,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from sidecar.config import Config
+from sidecar.judge.figures import Figures
+from sidecar.judge.verdict import Verdict, judge
+from sidecar.judge.window import Summary
 from sidecar.thresholds import Thresholds
-from sidecar.views.verdict import Figures, Summary, Verdict, judge
 
 WINDOW_S = 900.0  # how far back the agent can answer: 15 minutes, at any interval
 # the window's resolution: a question's start is rounded out to a bucket; 15 s keeps the window

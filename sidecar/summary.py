@@ -29,6 +29,7 @@ from typing import Any
 
 import structlog
 
+from sidecar.judge.window import histogram_quantile as quantile
 from sidecar.log import Episodes
 from sidecar.samples import Labels, Series, with_labels
 from sidecar.thresholds import THRESHOLDS, Thresholds
@@ -153,26 +154,6 @@ def _ints(d: dict[str, Any]) -> dict[str, int]:
     return {str(k): int(v) for k, v in d.items()}
 
 
-def quantile(q: float, cumulative: dict[float, float]) -> float | None:
-    """The q-quantile of a cumulative histogram (upper bound -> count, ``inf`` included),
-    interpolated linearly within its bucket as Prometheus' ``histogram_quantile`` does: a
-    quantile in the +Inf bucket is the highest finite bound, and a histogram of fewer than two
-    buckets has none (Triton's durations: a sum and a count)."""
-    bounds = sorted(cumulative)
-    if len(bounds) < 2 or bounds[-1] != math.inf or cumulative[math.inf] <= 0:
-        return None
-    rank = q * cumulative[math.inf]
-    lower, below = 0.0, 0.0
-    for bound in bounds:
-        count = cumulative[bound]
-        if count >= rank:
-            if bound == math.inf:
-                return lower
-            if count == below:
-                return bound
-            return lower + (bound - lower) * (rank - below) / (count - below)
-        lower, below = bound, count
-    return lower
 
 
 def is_summary(name: str) -> bool:

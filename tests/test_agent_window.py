@@ -20,9 +20,11 @@ from pathlib import Path
 
 import pytest
 
+from sidecar.judge.figures import Figures
+from sidecar.judge.verdict import judge
+from sidecar.judge.window import Summary
 from sidecar.recent import BUCKET_S, CURRENT_S, Recent
 from sidecar.simulate.scenarios import GPU_LOST_INDEX
-from sidecar.views.verdict import Figures, Summary, judge
 from sidecar.window_socket import DEADLINE_S, FILE_NAME, MAX_QUESTION, WindowSocket, ask
 from tests.conftest import run_cli
 from tests.receivers import Agent

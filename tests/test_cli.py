@@ -491,7 +491,7 @@ def sampled_cycles(scenario: str, cycles: int = 3) -> list[dict]:
     back as the table and diagnose read it (``figures_of``)."""
     from sidecar import config, wiring
     from sidecar.agent import PRIME_WINDOW_S, Agent
-    from sidecar.views.verdict import figures_of
+    from sidecar.judge.series import figures_of
 
     cfg = config.Config(simulate=scenario, simulate_gpus=1, interval=0.5)
     paced = threading.Event()  # never set: waits out the sampling interval, as the agent does
@@ -517,8 +517,9 @@ def test_a_link_the_metric_table_gains_reaches_probe_the_table_and_the_report_as
     report's IO lines with no change to probe, the table or the report."""
     from sidecar import config
     from sidecar.commands import probe
+    from sidecar.judge.verdict import judge
+    from sidecar.judge.window import summarize
     from sidecar.views import links, report, table
-    from sidecar.views.verdict import judge, summarize
 
     monkeypatch.setattr(links, "LINKS", links.links_of(xlink_table()))
     assert probe.probe(config.Config(simulate="nvlink-saturated", simulate_gpus=1)) == 0

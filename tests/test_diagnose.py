@@ -21,9 +21,11 @@ import pytest
 
 from sidecar import alert_rules, config, protocol, thresholds
 from sidecar.commands.diagnose import diagnose
+from sidecar.judge.figures import Figures
+from sidecar.judge.verdict import judge
+from sidecar.judge.window import Summary, quantile, summarize
 from sidecar.simulate.scenarios import GPU_LOST_INDEX, build
 from sidecar.thresholds import THRESHOLDS
-from sidecar.views.verdict import Figures, Summary, judge, quantile, summarize
 from tests.conftest import ROOT, run_cli, send_datagram
 
 NO_NVML = ctypes.util.find_library("nvidia-ml") is None

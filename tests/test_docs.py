@@ -13,10 +13,10 @@ from pathlib import Path
 
 import pytest
 
+from sidecar.judge.rules import PRECEDENCE
 from sidecar.metrics import METRICS
 from sidecar.simulate.scenarios import SCENARIOS
 from sidecar.views.reference import render_markdown
-from sidecar.views.verdict import PRECEDENCE
 from tests.conftest import ROOT
 
 README = ROOT / "README.md"

@@ -16,8 +16,8 @@ import pytest
 from sidecar.commands.fleet import DECIDING, FIXED_QUERIES, MAX_QUERIES, fleet_of, per_line
 from sidecar.commands.from_store import Window
 from sidecar.config import Config
+from sidecar.judge.rules import PRECEDENCE, RULES
 from sidecar.store import EXIT_DENIED, EXIT_REFUSED, EXIT_UNREACHABLE, Store
-from sidecar.views.verdict import PRECEDENCE, RULES
 from tests.conftest import run_cli
 from tests.receivers import (
     LOCAL,

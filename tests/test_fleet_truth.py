@@ -25,7 +25,7 @@ import requests
 from sidecar.commands.fleet import SILENT_FLOOR_S
 from sidecar.recent import CURRENT_S
 from sidecar.simulate.scenarios import simulated_uuid
-from sidecar.views.verdict import pct
+from sidecar.units import pct
 from tests.conftest import run_cli
 from tests.receivers import (
     Agent,

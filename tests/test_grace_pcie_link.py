@@ -12,13 +12,15 @@ from dataclasses import replace
 
 import pytest
 
+from sidecar.judge.series import figures_of
+from sidecar.judge.verdict import Verdict, judge
+from sidecar.judge.window import summarize
 from sidecar.samples import GpuSample, gpu_labels, sample_series
 from sidecar.simulate import fake_nvml
 from sidecar.simulate.fake_nvml import FakeGpu, FakeNvml, ManualClock, Signal
 from sidecar.simulate.scenarios import GH200_C2C, build
 from sidecar.sources.nvml import NvmlSource
 from sidecar.sources.pcie import link_max_bytes_per_second
-from sidecar.views.verdict import Verdict, figures_of, judge, summarize
 from tests.conftest import run_cli
 
 GEN4_X1 = link_max_bytes_per_second(4, 1) or 0.0

@@ -19,23 +19,17 @@ import pytest
 import yaml
 
 from sidecar import alert_rules
+from sidecar.judge import rules as verdict_module
+from sidecar.judge.figures import Figures
+from sidecar.judge.rules import ALL_KINDS, LAYERS, PRECEDENCE, kinds_of
+from sidecar.judge.series import figures_of
+from sidecar.judge.verdict import judge
+from sidecar.judge.window import Summary, summarize
 from sidecar.simulate import scenarios
 from sidecar.sources.pcie import link_max_bytes_per_second
 from sidecar.thresholds import THRESHOLDS
-from sidecar.views import verdict as verdict_module
 from sidecar.views.report import report
 from sidecar.views.table import cells, render
-from sidecar.views.verdict import (
-    ALL_KINDS,
-    LAYERS,
-    PRECEDENCE,
-    Figures,
-    Summary,
-    figures_of,
-    judge,
-    kinds_of,
-    summarize,
-)
 from tests.conftest import ROOT, run_cli
 
 RULES = ROOT / "deploy" / "alerts" / "gpu-sidecar.rules.yml"

@@ -240,7 +240,7 @@ def test_the_installed_torch_reads_the_allocator_setting_under_both_names():
     assert c10 is not None, f"no libc10 in {lib}"
     data = c10.read_bytes()
     assert b"PYTORCH_ALLOC_CONF\x00" in data and b"PYTORCH_CUDA_ALLOC_CONF\x00" in data
-    from sidecar.views.verdict import ALL_KINDS
+    from sidecar.judge.rules import ALL_KINDS
 
     remedy = ALL_KINDS["fragmentation"][3]
     assert "PYTORCH_ALLOC_CONF=expandable_segments:True" in remedy

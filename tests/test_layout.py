@@ -83,9 +83,11 @@ def _cycle(graph: dict[str, set[str]]) -> list[str] | None:
 LEVELS: tuple[tuple[str, ...], ...] = (
     ("sidecar", "sidecar.config", "sidecar.log", "sidecar.signals", "sidecar.urls",
      "sidecar.protocol", "sidecar.app_shared", "sidecar.client", "sidecar.thresholds",
-     "sidecar.metrics"),  # the metric table, the engine's series included
-    ("sidecar.samples", "sidecar.summary"),
-    ("sidecar.sources", "sidecar.views"),  # what is read; the pure renderers and the judge
+     "sidecar.metrics",  # the metric table, the engine's series included
+     "sidecar.layers", "sidecar.codegen", "sidecar.units"),  # the table's records; words
+    ("sidecar.samples",),
+    ("sidecar.judge",),  # the figures, the one window, the rules and the judge
+    ("sidecar.sources", "sidecar.views", "sidecar.summary"),  # what is read; the renderers
     # the alert rules are rendered from the verdict's rules
     ("sidecar.alert_rules", "sidecar.wire", "sidecar.durability", "sidecar.inject",
      "sidecar.simulate"),

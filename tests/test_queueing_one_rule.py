@@ -25,7 +25,8 @@ import requests
 import yaml
 
 from sidecar import alert_rules
-from sidecar.views.verdict import pct, queue_share_promql
+from sidecar.judge.rules.engine import queue_share_promql
+from sidecar.units import pct
 from tests import engine_texts as texts
 from tests.conftest import ROOT, run_cli
 from tests.receivers import Agent, Prometheus, VictoriaMetrics, running

@@ -19,10 +19,12 @@ import requests
 
 from sidecar.commands.from_store import Window, fetch, judge_stored
 from sidecar.config import Config
+from sidecar.judge.series import figures_of
+from sidecar.judge.verdict import judge
+from sidecar.judge.window import Summary
 from sidecar.metrics import RARE, RARE_READ_S
 from sidecar.samples import Series
 from sidecar.store import Store
-from sidecar.views.verdict import Summary, figures_of, judge
 from tests.conftest import run_cli
 from tests.receivers import VM_REL, Agent, Prometheus, VictoriaMetrics, running
 from tests.test_diagnose import verdicts as report_verdicts

@@ -30,11 +30,13 @@ from hypothesis import strategies as st
 from sidecar import cli, config
 from sidecar.commands.from_store import Refused, Window, clock, fetch, judge_stored, window_of
 from sidecar.config import Config
+from sidecar.judge.series import figures_of
+from sidecar.judge.verdict import judge
+from sidecar.judge.window import Summary
 from sidecar.metrics import RARE_READ_S
 from sidecar.samples import Series
 from sidecar.simulate.scenarios import SCENARIOS
 from sidecar.store import Store
-from sidecar.views.verdict import Summary, figures_of, judge
 from tests.conftest import ROOT, run_cli
 from tests.receivers import (
     Agent,

@@ -4,7 +4,9 @@ hold the cause, and the note names it instead of clearing it."""
 
 from __future__ import annotations
 
-from sidecar.views.verdict import Figures, Summary, judge
+from sidecar.judge.figures import Figures
+from sidecar.judge.verdict import judge
+from sidecar.judge.window import Summary
 
 SLOW = ((0.1, 0.5, float("inf")), (0.0, 0.0, 100.0))  # every request above 0.5 s
 

@@ -16,11 +16,13 @@ from pathlib import Path
 import pytest
 import yaml
 
+from sidecar.judge.figures import Figures
+from sidecar.judge.rules import ALL_KINDS as KINDS
+from sidecar.judge.rules import PRECEDENCE as ALL_PRECEDENCE
+from sidecar.judge.verdict import judge
+from sidecar.judge.window import summarize
 from sidecar.thresholds import THRESHOLDS
 from sidecar.views.table import HISTORY, Table, cells, render
-from sidecar.views.verdict import ALL_KINDS as KINDS
-from sidecar.views.verdict import PRECEDENCE as ALL_PRECEDENCE
-from sidecar.views.verdict import Figures, judge, summarize
 
 ROOT = Path(__file__).resolve().parent.parent
 RULES = ROOT / "deploy" / "alerts" / "gpu-sidecar.rules.yml"

@@ -19,10 +19,12 @@ from typing import TYPE_CHECKING
 
 import structlog
 
+from sidecar.judge.series import figures_of
+from sidecar.judge.verdict import judge
+from sidecar.judge.window import Summary
 from sidecar.thresholds import Thresholds
 from sidecar.views.document import document, dumps
 from sidecar.views.report import report
-from sidecar.views.verdict import Summary, figures_of, judge
 
 if TYPE_CHECKING:
     from sidecar.agent import Agent

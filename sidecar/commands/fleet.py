@@ -42,10 +42,11 @@ from typing import TYPE_CHECKING
 from sidecar import thresholds
 from sidecar.commands.from_store import Refused, Window, explain_empty, stamp, window_of
 from sidecar.config import Config
+from sidecar.judge.rule import Deciding
+from sidecar.judge.rules import ALL_KINDS, PRECEDENCE, RULES
 from sidecar.recent import CURRENT_S
 from sidecar.store import GPU_LABELS, Row, Store, StoreError, duration, selector
 from sidecar.thresholds import Thresholds
-from sidecar.views.verdict import ALL_KINDS, PRECEDENCE, RULES, Deciding
 
 if TYPE_CHECKING:
     from collections.abc import Iterable

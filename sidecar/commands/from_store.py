@@ -36,6 +36,11 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from sidecar import config, thresholds
+from sidecar.judge.figures import Figures
+from sidecar.judge.rules import ALL_KINDS
+from sidecar.judge.series import figures_of
+from sidecar.judge.verdict import Verdict, judge
+from sidecar.judge.window import Summary
 from sidecar.metrics import RARE
 from sidecar.samples import Series
 from sidecar.sinks.cadence import RESEND_S
@@ -50,9 +55,9 @@ from sidecar.store import (
     selector,
 )
 from sidecar.thresholds import Thresholds
+from sidecar.units import ms
 from sidecar.views.document import document, dumps
 from sidecar.views.report import report
-from sidecar.views.verdict import ALL_KINDS, Figures, Summary, Verdict, figures_of, judge, ms
 
 if TYPE_CHECKING:
     from sidecar.config import Config

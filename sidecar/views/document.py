@@ -16,9 +16,11 @@ import math
 from collections.abc import Mapping
 
 from sidecar import thresholds
+from sidecar.judge.figures import Figures
+from sidecar.judge.verdict import Verdict
+from sidecar.judge.window import Window
 from sidecar.thresholds import Thresholds
 from sidecar.views.report import shared_of
-from sidecar.views.verdict import Figures, Verdict, Window
 
 SCHEMA = "gpu-sidecar/diagnose/v1"
 # the Figures fields that are no figure: who the GPU is, or a histogram the quantiles summarise

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 from sidecar import metrics
 
 if TYPE_CHECKING:
-    from sidecar.views.verdict import Figures
+    from sidecar.judge.figures import Figures
 
 # PCIe's rates, share and maximum have columns and lines of their own in the views (beside its
 # link as trained, its replays): the views show every other link from here

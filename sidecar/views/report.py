@@ -9,22 +9,11 @@ import textwrap
 from collections.abc import Iterable, Mapping
 
 from sidecar import thresholds
+from sidecar.judge.rules.health import reasons
+from sidecar.judge.verdict import Verdict, threshold_prose
 from sidecar.thresholds import Thresholds
+from sidecar.units import celsius, gbps, ghz, gib, link, ms, pct, ratio_of, watts
 from sidecar.views import links
-from sidecar.views.verdict import (
-    Verdict,
-    celsius,
-    gbps,
-    ghz,
-    gib,
-    link,
-    ms,
-    pct,
-    ratio_of,
-    reasons,
-    threshold_prose,
-    watts,
-)
 
 
 def report(verdicts: Mapping[str, Verdict], *, seconds: float, samples: int, label: str,

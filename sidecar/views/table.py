@@ -29,21 +29,16 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TextIO
 
+from sidecar.judge.figures import Figures
+from sidecar.judge.rules import cell_of
+from sidecar.judge.series import exported_verdicts, figures_of
+from sidecar.judge.verdict import Verdict, judge
+from sidecar.judge.window import Window, summarize
 from sidecar.samples import Series
 from sidecar.thresholds import Thresholds
 from sidecar.views import links
 from sidecar.views.links import Link
 from sidecar.views.terminal import capable_terminal, isatty
-from sidecar.views.verdict import (
-    Figures,
-    Verdict,
-    Window,
-    cell_of,
-    exported_verdicts,
-    figures_of,
-    judge,
-    summarize,
-)
 
 HIDE_CURSOR, SHOW_CURSOR = "\x1b[?25l", "\x1b[?25h"
 ALT_SCREEN, MAIN_SCREEN = "\x1b[?1049h", "\x1b[?1049l"

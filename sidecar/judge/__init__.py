@@ -1,0 +1,1 @@
+"""The judge: how a pod is judged, in one wing.\n"""
