@@ -4,23 +4,24 @@
 A sample is what one cycle learned about one GPU; ``None`` in a field means the GPU could not give
 that figure, and it becomes an absent series, never a zero.
 
-Every record is built by keyword. The four NVML layers are built from the metric table
-(``sidecar.metrics.TABLE``: an entry with ``field=`` is a field of its layer) and each field
-carries its series name, so the name travels with the field: reordering, adding or renaming
-figures cannot mislabel a series. Shares (``ratio_of=``) are computed here from the two series
-the table names. ``Series`` stays a NamedTuple because the sinks and encoders downstream treat it as
-one (unpacking, equality, sorting); it is built by keyword all the same.
+Every record is built by keyword. The four NVML layers (``sidecar.layers``) are generated from
+the metric table (``sidecar.metrics.TABLE``: an entry with ``field=`` is a field of its layer),
+with each field's series name beside it (``LAYER_METRICS``), so the name travels with the field:
+reordering, adding or renaming figures cannot mislabel a series. Shares (``ratio_of=``) are
+computed here from the two series the table names. ``Series`` stays a NamedTuple because the
+sinks and encoders downstream treat it as one (unpacking, equality, sorting); it is built by
+keyword all the same.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass
 from typing import NamedTuple
 
 from sidecar import metrics, protocol
+from sidecar.layers import LAYER_METRICS, ComputeLayer, HealthLayer, IoLayer, Layer, MemoryLayer
 
 Labels = tuple[tuple[str, str], ...]
 
@@ -44,44 +45,7 @@ class GpuIdentity:
     parent_uuid: str = ""  # set for MIG instances
 
 
-_INTEGER_UNITS = frozenset({"bytes", "generation", "lanes", "rows", "boolean", "code", "errors"})
-
-
-def _layer(cls_name: str, layer: str, doc: str) -> type:
-    """A layer record built from ``metrics.TABLE``: a field per figure of the layer (``field=``
-    in its entry), absent (None) unless read, carrying its series name as ``metadata["metric"]``.
-    A figure is declared once, in the table; this record follows it."""
-    specs = metrics.layer_specs(layer)
-    cls = dataclasses.make_dataclass(
-        cls_name,
-        [(m.field, (int if m.unit in _INTEGER_UNITS else float) | None,
-          field(default=None, metadata={"metric": m.name})) for m in specs],
-        frozen=True, slots=True)
-    cls.__module__, cls.__doc__ = __name__, doc
-    return cls
-
-
-ComputeLayer = _layer("ComputeLayer", "compute", "How busy the SMs and tensor cores are.")
-MemoryLayer = _layer("MemoryLayer", "memory", "Device memory and its bandwidth.")
-IoLayer = _layer(
-    "IoLayer", "io",
-    "PCIe (rates, the link's maximum and as trained now: below the maximum while traffic flows "
-    "it is degraded, since idle links train down to save power), NVLink and, on Grace Hopper and "
-    "Grace Blackwell, NVLink-C2C, the host link there.")
-HealthLayer = _layer(
-    "HealthLayer", "health",
-    "Why else a busy GPU is slow, and whether it is about to fail: clocks and what limits them, "
-    "power, heat, link errors, ECC and row remapping. Counters are NVML's own (since the driver "
-    "loaded, or for aggregate ECC over the GPU's life); shares are of the last interval.")
-
-
-Layer = ComputeLayer | MemoryLayer | IoLayer | HealthLayer
 LAYERS: tuple[type[Layer], ...] = (ComputeLayer, MemoryLayer, IoLayer, HealthLayer)
-
-
-# layer class -> ((field name, series name), ...) in field order
-LAYER_METRICS: dict[type[Layer], tuple[tuple[str, str], ...]] = {
-    layer: tuple((f.name, f.metadata["metric"]) for f in fields(layer)) for layer in LAYERS}
 _UNREAD = tuple(layer() for layer in LAYERS)  # every figure absent: a sample's defaults
 
 

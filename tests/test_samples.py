@@ -209,6 +209,6 @@ def test_every_layer_field_is_an_entry_of_the_metric_table_and_every_entry_with_
     from sidecar import metrics
 
     declared = {(m.layer, m.field, m.name) for m in metrics.TABLE if m.field}
-    built = {(metrics.LAYERS[i], f.name, f.metadata["metric"])
+    built = {(metrics.LAYERS[i], f.name, dict(LAYER_METRICS[layer])[f.name])
              for i, layer in enumerate(LAYERS) for f in dataclasses.fields(layer)}
     assert built == declared
