@@ -124,31 +124,10 @@ def read_gpu(handles: Handles, caps: Capabilities, state: ReadState, failures: F
     values = _field_values(device, caps, state, failures, rare_due)
     gpm = _gpm_figures(handles, caps, state, failures, now)
 
-    pcie_tx = pcie_rx = None
-    if caps.pcie == "counters":
-        pcie_tx, pcie_rx = _pcie_rates(values, caps, state, now)
-    elif caps.pcie == "gpm":
-        pcie_tx, pcie_rx = gpm.get("pcie_tx_bytes_per_second"), gpm.get("pcie_rx_bytes_per_second")
-    nvlink_tx = nvlink_rx = None
-    if caps.nvlink == "counters":
-        nvlink_tx, nvlink_rx = _nvlink_rates(values, caps, state, now)
-    elif caps.nvlink == "gpm":
-        nvlink_tx = gpm.get("nvlink_tx_bytes_per_second")
-        nvlink_rx = gpm.get("nvlink_rx_bytes_per_second")
-    replay = None
-    if caps.replay == "field":
-        replay = _value(values.get((FI_REPLAY, 0)))
-    elif caps.replay == "call":
-        replay = failures.call("replay", nvml.nvmlDeviceGetPcieReplayCounter, device)
-
-    health = HealthLayer()
-    if not handles.is_mig:
-        if caps.health.power_limit and (rare_due or state.power_limit_watts is None):
-            mw = failures.call("power_limit", nvml.nvmlDeviceGetEnforcedPowerLimit, device)
-            state.power_limit_watts = None if mw is None else mw / 1000  # None: asked again
-        health, state.clock_events = read_health(device, caps.health, values, state.clock_events,
-                                                 failures, now, xids[0], state.power_limit_watts)
-    generation, width, trained = current_link(device, caps.health, failures)
+    pcie, nvlink = _link_rates(values, gpm, caps, state, now)
+    replay = _replay_errors(device, caps, values, failures)
+    health = _health(handles, caps, values, state, failures, now, xids[0], rare_due)
+    link = current_link(device, caps.health, failures)  # the link as trained now
     reading = NvmlReading(
         compute=ComputeLayer(
             sm_occupancy_ratio=gpm.get("sm_occupancy_ratio"),
@@ -163,23 +142,7 @@ def read_gpu(handles: Handles, caps: Capabilities, state: ReadState, failures: F
             total_bytes=None if mem is None else mem.total,
             reserved_bytes=mem.reserved if mem is not None and caps.memory == "v2" else None,
         ),
-        io=IoLayer(
-            pcie_tx_bytes_per_second=pcie_tx,
-            pcie_rx_bytes_per_second=pcie_rx,
-            pcie_link_max_bytes_per_second=caps.link.max_bytes_per_second,
-            pcie_link_generation=caps.link.generation,
-            pcie_link_width=caps.link.width,
-            pcie_replay_errors=replay,
-            pcie_link_current_generation=generation,
-            pcie_link_current_width=width,
-            pcie_link_current_bytes_per_second=trained,
-            nvlink_tx_bytes_per_second=nvlink_tx,
-            nvlink_rx_bytes_per_second=nvlink_rx,
-            nvlink_link_max_bytes_per_second=caps.nvlink_max_bytes_per_second,
-            c2c_tx_bytes_per_second=gpm.get("c2c_tx_bytes_per_second"),
-            c2c_rx_bytes_per_second=gpm.get("c2c_rx_bytes_per_second"),
-            c2c_link_max_bytes_per_second=caps.health.c2c_link_max_bytes_per_second,
-        ),
+        io=_io_layer(caps, gpm, pcie, nvlink, replay, link),
         health=health,
         xids=xids[1],
     )
@@ -188,6 +151,77 @@ def read_gpu(handles: Handles, caps: Capabilities, state: ReadState, failures: F
         # later, rather than a reading of nothing but its static link figures
         raise GpuLost("no reading succeeded: " + ", ".join(sorted(failures.failing)))
     return reading
+
+
+Rates = tuple[float | None, float | None]  # (tx, rx) bytes per second
+
+
+def _link_rates(values: dict[FieldId, CounterValue | None], gpm: dict[str, float],
+                caps: Capabilities, state: ReadState, now: float) -> tuple[Rates, Rates]:
+    """PCIe and NVLink (tx, rx) from whichever source the GPU has: the byte counters among the
+    field values, or GPM's figures; no NVML call of its own (the throughput call is the
+    source's, run concurrently for every GPU)."""
+    pcie: Rates = (None, None)
+    if caps.pcie == "counters":
+        pcie = _pcie_rates(values, caps, state, now)
+    elif caps.pcie == "gpm":
+        pcie = gpm.get("pcie_tx_bytes_per_second"), gpm.get("pcie_rx_bytes_per_second")
+    nvlink: Rates = (None, None)
+    if caps.nvlink == "counters":
+        nvlink = _nvlink_rates(values, caps, state, now)
+    elif caps.nvlink == "gpm":
+        nvlink = gpm.get("nvlink_tx_bytes_per_second"), gpm.get("nvlink_rx_bytes_per_second")
+    return pcie, nvlink
+
+
+def _replay_errors(device: Any, caps: Capabilities, values: dict[FieldId, CounterValue | None],
+                   failures: Failures) -> int | None:
+    """The PCIe replay counter: a field value where the driver has it, else its own call."""
+    if caps.replay == "field":
+        return _value(values.get((FI_REPLAY, 0)))
+    if caps.replay == "call":
+        return failures.call("replay", nvml.nvmlDeviceGetPcieReplayCounter, device)
+    return None
+
+
+def _health(handles: Handles, caps: Capabilities, values: dict[FieldId, CounterValue | None],
+            state: ReadState,
+            failures: Failures, now: float, xid: int | None, rare_due: bool) -> HealthLayer:
+    """The health layer, left empty for a MIG instance. The power limit is asked for with the
+    rare figures, and again next cycle after a refusal (a refusal is never carried)."""
+    if handles.is_mig:
+        return HealthLayer()
+    if caps.health.power_limit and (rare_due or state.power_limit_watts is None):
+        mw = failures.call("power_limit", nvml.nvmlDeviceGetEnforcedPowerLimit, handles.device)
+        state.power_limit_watts = None if mw is None else mw / 1000  # None: asked again
+    health, state.clock_events = read_health(handles.device, caps.health, values,
+                                             state.clock_events, failures, now, xid,
+                                             state.power_limit_watts)
+    return health
+
+
+def _io_layer(caps: Capabilities, gpm: dict[str, float], pcie: Rates, nvlink: Rates,
+              replay: int | None, link: tuple[int | None, int | None, float | None]) -> IoLayer:
+    """The links' layer: the rates read this cycle beside the static link figures of the
+    capabilities and the link as currently trained (``current_link``)."""
+    generation, width, trained = link
+    return IoLayer(
+        pcie_tx_bytes_per_second=pcie[0],
+        pcie_rx_bytes_per_second=pcie[1],
+        pcie_link_max_bytes_per_second=caps.link.max_bytes_per_second,
+        pcie_link_generation=caps.link.generation,
+        pcie_link_width=caps.link.width,
+        pcie_replay_errors=replay,
+        pcie_link_current_generation=generation,
+        pcie_link_current_width=width,
+        pcie_link_current_bytes_per_second=trained,
+        nvlink_tx_bytes_per_second=nvlink[0],
+        nvlink_rx_bytes_per_second=nvlink[1],
+        nvlink_link_max_bytes_per_second=caps.nvlink_max_bytes_per_second,
+        c2c_tx_bytes_per_second=gpm.get("c2c_tx_bytes_per_second"),
+        c2c_rx_bytes_per_second=gpm.get("c2c_rx_bytes_per_second"),
+        c2c_link_max_bytes_per_second=caps.health.c2c_link_max_bytes_per_second,
+    )
 
 
 def _nothing_read(reading: NvmlReading) -> bool:
