@@ -17,7 +17,8 @@ import structlog
 
 from sidecar import __version__, signals
 from sidecar.config import Config
-from sidecar.judge.series import figures_of
+from sidecar.judge.cycle import figures_of_cycle
+from sidecar.judge.figures import Figures
 from sidecar.judge.verdict import Verdict
 from sidecar.log import Episodes, log_count
 from sidecar.recent import CURRENT_S, Recent
@@ -214,16 +215,22 @@ class Agent:
             series.extend(sample_series(sample, self.pod, self._labels(sample.identity),
                                         per_process=self.config.app_process_series))
         ts = samples[0].timestamp_ms if samples else int(self.wall() * 1000)
+        lost_xids: dict[str, tuple[tuple[int, int], ...]] = {}
         if self.source is not None:  # a GPU not read: its Xids still (79: fallen off the bus)
             for uuid in (u for u, ok in available.items() if not ok):
                 if xids := self.source.xid_counts(uuid):
+                    lost_xids[uuid] = xids
                     gone = GpuSample(identity=self.identity(uuid), timestamp_ms=ts, xids=xids)
                     series.extend(sample_series(gone, self.pod, self._labels(gone.identity)))
+        engine: list[Series] = []
         if self.engine is not None:  # its readers' last figures: a copy, never a wait
-            series.extend(self.engine.series(ts, self._pod_labels))
+            engine = self.engine.series(ts, self._pod_labels)
+            series.extend(engine)
         series.extend(self.self_series(ts, available))
         if self.recent is not None:
-            series.extend(self._judge(series, ts))
+            cycle = figures_of_cycle(samples, available, lost_xids=lost_xids, engine=engine,
+                                     identity={u: self.identity(u) for u in available})
+            series.extend(self._judge(cycle, ts))
         self.last_cycle_s = self.clock() - started
         if self.summary is not None:
             self.summary.add(series)
@@ -244,13 +251,12 @@ class Agent:
             self.on_cycle(series)
         return series
 
-    def _judge(self, series: list[Series], ts: int) -> list[Series]:
+    def _judge(self, cycle: dict[str, Figures], ts: int) -> list[Series]:
         """The cycle into the recent window, each GPU's verdict over its last ``CURRENT_S``, and
         that verdict as ``gpu_verdict{verdict=KIND} 1``; a kind that stopped being the verdict is
         sent at 0 for ``VERDICT_GONE_S`` after, so a dashboard or an alert sees it end."""
         assert self.recent is not None
         now = self.clock()
-        cycle = figures_of(series)
         # judged again when a bucket begins (the window moved), or the GPUs or which of them
         # can be read changed (a lost GPU is said at once); in between the verdict holds, so
         # judging costs one cycle in a bucket, not every one

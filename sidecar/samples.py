@@ -116,6 +116,23 @@ def format_bound(bound: float) -> str:
     return repr(float(bound))
 
 
+def sample_values(sample: GpuSample) -> dict[str, float | int]:
+    """Series name -> value of every figure NVML's reading gave, in the layers' order, then the
+    shares of them: what ``sample_series`` exports, and what the agent's judge reads of the
+    sample (``sidecar.judge.cycle``), the same values by construction."""
+    read: dict[str, float | int] = {}
+    for layer in (sample.compute, sample.memory, sample.io, sample.health):
+        for attr, name in LAYER_METRICS[type(layer)]:
+            value = getattr(layer, attr)
+            if value is not None:
+                read[name] = value
+    for m in metrics.RATIOS:
+        value = ratio(read.get(m.ratio_of[0]), read.get(m.ratio_of[1]))  # type: ignore[index]
+        if value is not None:
+            read[m.name] = value
+    return read
+
+
 def sample_series(
     sample: GpuSample, pod: Mapping[str, str], labels: Labels | None = None, *,
     per_process: bool = False,
@@ -127,17 +144,7 @@ def sample_series(
     if labels is None:
         labels = gpu_labels(sample.identity, pod)
     ts = sample.timestamp_ms
-    # series name -> value of every figure read, in the layers' order, then the ratios of them
-    read: dict[str, float] = {}
-    for layer in (sample.compute, sample.memory, sample.io, sample.health):
-        for attr, name in LAYER_METRICS[type(layer)]:
-            value = getattr(layer, attr)
-            if value is not None:
-                read[name] = value
-    for m in metrics.RATIOS:
-        value = ratio(read.get(m.ratio_of[0]), read.get(m.ratio_of[1]))  # type: ignore[index]
-        if value is not None:
-            read[m.name] = value
+    read = sample_values(sample)
     out = [Series(name=name, labels=labels, value=float(value), timestamp_ms=ts)
            for name, value in read.items()]
     out.extend(Series(name="gpu_xid_errors_total", labels=with_labels(labels, xid=str(code)),
@@ -165,36 +172,42 @@ def _process_series(app: AppFigures, labels: Labels, ts: int) -> Iterator[Series
                          timestamp_ms=ts)
 
 
-def _app_series(app: AppFigures, labels: Labels, ts: int) -> Iterator[Series]:
-    """One set of series per GPU however many processes use it (cardinality): bytes summed over
-    the live processes, ratios computed from those sums, the largest free block of any one
-    process (a request is served from one process's cache), and how many processes there are."""
+def app_values(app: AppFigures) -> tuple[tuple[str, float | int | None], ...]:
+    """The app's figures of one GPU, one value each however many processes use it
+    (cardinality): bytes summed over the live processes, ratios computed from those sums, the
+    largest free block of any one process (a request is served from one process's cache), and
+    how many processes there are. None: absent. Exported by ``sample_series`` and read by the
+    agent's judge (``sidecar.judge.cycle``) alike."""
     allocators = app.allocators
-    if allocators:
-        reserved = sum(a.reserved_bytes for a in allocators)
-        allocated = sum(a.allocated_bytes for a in allocators)
-        largest = [a.largest_free_block_bytes for a in allocators
-                   if a.largest_free_block_bytes is not None]
-        private = [a.private_pool_bytes for a in allocators if a.private_pool_bytes is not None]
-        retries = app.alloc_retries if app.alloc_retries is not None else \
-            sum(a.alloc_retries for a in allocators)
-        ooms = app.ooms if app.ooms is not None else sum(a.ooms for a in allocators)
-        fig: tuple[tuple[str, float | int | None], ...] = (
-            ("gpu_memory_fragmentation_ratio", ratio(reserved - allocated, reserved)),
-            ("gpu_allocator_nonreleasable_ratio",
-             ratio(sum(a.inactive_split_bytes for a in allocators), reserved)),
-            ("gpu_allocator_largest_free_block_bytes", max(largest) if largest else None),
-            ("gpu_allocator_reserved_bytes", reserved),
-            ("gpu_allocator_allocated_bytes", allocated),
-            ("gpu_allocator_private_pool_bytes", sum(private) if private else None),
-            ("gpu_allocator_alloc_retries_total", retries),
-            ("gpu_allocator_ooms_total", ooms),
-            ("gpu_app_processes", len(allocators)),
-        )
-        for name, value in fig:
-            if value is not None:
-                yield Series(name=name, labels=labels, value=float(value), timestamp_ms=ts)
+    if not allocators:
+        return ()
+    reserved = sum(a.reserved_bytes for a in allocators)
+    allocated = sum(a.allocated_bytes for a in allocators)
+    largest = [a.largest_free_block_bytes for a in allocators
+               if a.largest_free_block_bytes is not None]
+    private = [a.private_pool_bytes for a in allocators if a.private_pool_bytes is not None]
+    retries = app.alloc_retries if app.alloc_retries is not None else \
+        sum(a.alloc_retries for a in allocators)
+    ooms = app.ooms if app.ooms is not None else sum(a.ooms for a in allocators)
+    return (
+        ("gpu_memory_fragmentation_ratio", ratio(reserved - allocated, reserved)),
+        ("gpu_allocator_nonreleasable_ratio",
+         ratio(sum(a.inactive_split_bytes for a in allocators), reserved)),
+        ("gpu_allocator_largest_free_block_bytes", max(largest) if largest else None),
+        ("gpu_allocator_reserved_bytes", reserved),
+        ("gpu_allocator_allocated_bytes", allocated),
+        ("gpu_allocator_private_pool_bytes", sum(private) if private else None),
+        ("gpu_allocator_alloc_retries_total", retries),
+        ("gpu_allocator_ooms_total", ooms),
+        ("gpu_app_processes", len(allocators)),
+    )
 
+
+def _app_series(app: AppFigures, labels: Labels, ts: int) -> Iterator[Series]:
+    """The app's series of one GPU (``app_values``) and its request-latency histogram."""
+    for name, value in app_values(app):
+        if value is not None:
+            yield Series(name=name, labels=labels, value=float(value), timestamp_ms=ts)
     hist = app.latency
     if hist is not None:
         yield from histogram_series("inference_request_duration_seconds", labels, hist, ts)

@@ -70,11 +70,18 @@ def figures_of(series: Iterable[Series]) -> dict[str, Figures]:
             xids.setdefault(row["uuid"], []).append((int(labels["xid"]), s.value))
     for uuid, pairs in buckets.items():
         pairs.sort()
-        rows[uuid]["latency"] = (_shared_bounds(tuple(b for b, _ in pairs)),
+        rows[uuid]["latency"] = (shared_bounds(tuple(b for b, _ in pairs)),
                                  tuple(c for _, c in pairs))
     for uuid, codes in xids.items():
         rows[uuid]["xids"] = tuple(sorted(codes))
-    pod = engine.figures()
+    return figures_with_engine(rows, engine.figures())
+
+
+def figures_with_engine(rows: dict[str, dict[str, object]], pod: dict[str, object]
+                        ) -> dict[str, Figures]:
+    """Each GPU's row of figures, with the pod's engine figures (``pod``) on every GPU, and
+    whose latency the verdict joins: the app's histogram where it publishes one, else the
+    engine's."""
     for row in rows.values():
         row.update(pod)
         if row.get("latency") is not None:
@@ -84,11 +91,22 @@ def figures_of(series: Iterable[Series]) -> dict[str, Figures]:
     return {uuid: Figures(**row) for uuid, row in rows.items()}  # type: ignore[arg-type]
 
 
+def engine_figures(series: Iterable[Series]) -> dict[str, object]:
+    """The pod's engine figures of one cycle's engine series (no GPU label), combined over
+    endpoints and models."""
+    engine = _EngineFigures()
+    for s in series:
+        labels = dict(s.labels)
+        if s.name.startswith("engine_") and "gpu_uuid" not in labels:
+            engine.add(s.name, labels, s.value)
+    return engine.figures()
+
+
 _BOUNDS: dict[tuple[float, ...], tuple[float, ...]] = {}
 _MAX_BOUNDS = 64  # distinct bucket layouts kept; an app that keeps changing its own costs a clear
 
 
-def _shared_bounds(bounds: tuple[float, ...]) -> tuple[float, ...]:
+def shared_bounds(bounds: tuple[float, ...]) -> tuple[float, ...]:
     """One tuple per bucket layout: the running agent's window keeps two histograms per GPU per
     15-s bucket, whose bounds are the same from cycle to cycle."""
     if len(_BOUNDS) >= _MAX_BOUNDS and bounds not in _BOUNDS:
@@ -162,7 +180,7 @@ class _EngineFigures:
                 if bounds == layout:
                     for b, c in per.items():
                         total[b] = total.get(b, 0.0) + c
-            bounds = _shared_bounds(tuple(sorted(total)))
+            bounds = shared_bounds(tuple(sorted(total)))
             out[_ENGINE_HISTS[stem]] = (bounds, tuple(total[b] for b in bounds))
         return out
 
