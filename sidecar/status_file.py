@@ -193,36 +193,69 @@ def snapshot(agent: Agent, series: Iterable[Series], *, started_at: float,
         labels = dict(s.labels)
         name = s.name
         if "sink" in labels:
-            # pushed_samples None: a sink that counts no samples (the Pushgateway's, which
-            # replaces a group rather than appending samples)
-            sink = sinks.setdefault(labels["sink"], {"pushed_samples": None, "last_success_at": None,
-                                                     "failures": {}, "spool_bytes": {},
-                                                     "spool_batches": 0, "dropped": {}})
-            if name == "gpu_sidecar_samples_pushed_total":
-                sink["pushed_samples"] = s.value
-            elif name == "gpu_sidecar_last_push_success_timestamp_seconds":
-                sink["last_success_at"] = s.value
-            elif name == "gpu_sidecar_push_failures_total":
-                sink["failures"][labels.get("reason", "")] = s.value
-            elif name == "gpu_sidecar_spool_bytes":
-                sink["spool_bytes"][labels.get("state", "")] = s.value
-            elif name == "gpu_sidecar_spool_batches":
-                sink["spool_batches"] = s.value
-            elif name == "gpu_sidecar_samples_dropped_total":
-                sink["dropped"][labels.get("reason", "")] = s.value
+            _add_sink_figure(sinks, name, labels, s.value)
         elif name.startswith("gpu_sidecar_engine_") and "endpoint" in labels:
-            e = engines.setdefault(labels["endpoint"], {"failures": {}})
-            if name == "gpu_sidecar_engine_up":
-                e["up"] = s.value == 1
-                e["engine"] = labels.get("engine", "")
-            elif name == "gpu_sidecar_engine_read_failures_total":
-                e["failures"][labels.get("reason", "")] = s.value
+            _add_engine_figure(engines, name, labels, s.value)
         elif name == "gpu_verdict" and s.value == 1:
             verdicts[labels.get("gpu_uuid", "")] = labels.get("verdict", "")
         elif name == "gpu_sidecar_gpu_available":
             available[labels.get("gpu_uuid", "")] = {
                 "index": labels.get("gpu_index", ""), "name": labels.get("gpu_name", ""),
                 "available": "yes" if s.value == 1 else "no"}
+    cfg = agent.config
+    app = agent.app
+    return {
+        "version": _version(), "pid": os.getpid(), "mode": agent.mode,
+        "started_at": started_at, "written_at": written_at, "interval_s": cfg.interval,
+        "alive_after_s": alive_after_s(cfg.interval), "stopping": agent.stopping,
+        "cycles": agent.cycles, "overruns": agent.overruns, "pauses": agent.pauses,
+        "sinks": sinks,
+        "app": {"socket": cfg.socket, "accepted": app.accepted, "rejected": dict(app.rejected),
+                "last_rejections": app.last_rejections(), "processes": app.processes()},
+        "gpus": _gpus_section(agent, available, verdicts),
+        "engines": engines,
+        "nvml": nvml,
+    }
+
+
+def _add_sink_figure(sinks: dict[str, dict[str, Any]], name: str, labels: dict[str, str],
+                     value: float) -> None:
+    """One sink series into its sink's section: a sink appears with its first series, every
+    field present (a reader need not guess which a sink that never pushed lacks)."""
+    # pushed_samples None: a sink that counts no samples (the Pushgateway's, which
+    # replaces a group rather than appending samples)
+    sink = sinks.setdefault(labels["sink"], {"pushed_samples": None, "last_success_at": None,
+                                             "failures": {}, "spool_bytes": {},
+                                             "spool_batches": 0, "dropped": {}})
+    if name == "gpu_sidecar_samples_pushed_total":
+        sink["pushed_samples"] = value
+    elif name == "gpu_sidecar_last_push_success_timestamp_seconds":
+        sink["last_success_at"] = value
+    elif name == "gpu_sidecar_push_failures_total":
+        sink["failures"][labels.get("reason", "")] = value
+    elif name == "gpu_sidecar_spool_bytes":
+        sink["spool_bytes"][labels.get("state", "")] = value
+    elif name == "gpu_sidecar_spool_batches":
+        sink["spool_batches"] = value
+    elif name == "gpu_sidecar_samples_dropped_total":
+        sink["dropped"][labels.get("reason", "")] = value
+
+
+def _add_engine_figure(engines: dict[str, dict[str, Any]], name: str, labels: dict[str, str],
+                       value: float) -> None:
+    """One engine series into its endpoint's section: whether it answered, and its failures."""
+    e = engines.setdefault(labels["endpoint"], {"failures": {}})
+    if name == "gpu_sidecar_engine_up":
+        e["up"] = value == 1
+        e["engine"] = labels.get("engine", "")
+    elif name == "gpu_sidecar_engine_read_failures_total":
+        e["failures"][labels.get("reason", "")] = value
+
+
+def _gpus_section(agent: Agent, available: dict[str, dict[str, str]],
+                  verdicts: dict[str, str]) -> dict[str, Any]:
+    """The GPUs exported, each with why (the --gpus mode) and its verdict, and those the agent
+    sees but leaves out, with why: a person asking "where is GPU 3" finds the answer here."""
     cfg = agent.config
     selected = list(agent._selection) if agent._selection else list(available)
     why = {"announced": "announced by the app", "visible": "visible to NVML"}.get(
@@ -234,19 +267,7 @@ def snapshot(agent: Agent, series: Iterable[Series], *, started_at: float,
     not_exported = [{"uuid": i.uuid, "index": i.index, "name": i.name,
                      "why": left_out}
                     for i in agent._identities.values() if i.uuid not in selected]
-    app = agent.app
-    return {
-        "version": _version(), "pid": os.getpid(), "mode": agent.mode,
-        "started_at": started_at, "written_at": written_at, "interval_s": cfg.interval,
-        "alive_after_s": alive_after_s(cfg.interval), "stopping": agent.stopping,
-        "cycles": agent.cycles, "overruns": agent.overruns, "pauses": agent.pauses,
-        "sinks": sinks,
-        "app": {"socket": cfg.socket, "accepted": app.accepted, "rejected": dict(app.rejected),
-                "last_rejections": app.last_rejections(), "processes": app.processes()},
-        "gpus": {"mode": cfg.gpus, "exported": gpus, "not_exported": not_exported},
-        "engines": engines,
-        "nvml": nvml,
-    }
+    return {"mode": cfg.gpus, "exported": gpus, "not_exported": not_exported}
 
 
 def _version() -> str:
