@@ -142,6 +142,7 @@ def test_a_verdict_that_ends_is_sent_at_0_then_left_out():
     from sidecar.agent import VERDICT_GONE_S
     from sidecar.agent import Agent as Running
     from sidecar.config import Config
+    from sidecar.judge.series import figures_of
     from sidecar.samples import Series
     from sidecar.sources.app_socket import AppState
 
@@ -154,7 +155,8 @@ def test_a_verdict_that_ends_is_sent_at_0_then_left_out():
         series = [Series("gpu_memory_fragmentation_ratio", labels, frag, 0),
                   Series("gpu_allocator_reserved_bytes", labels, 8 * 2**30, 0),
                   Series("gpu_sidecar_gpu_available", labels, 1.0, 0)]
-        return {dict(s.labels)["verdict"]: s.value for s in agent._judge(series, 0)}
+        return {dict(s.labels)["verdict"]: s.value
+                for s in agent._judge(figures_of(series), 0)}
 
     assert cycle(0.9) == {"fragmentation": 1.0}
     now[0] += CURRENT_S + BUCKET_S + 1  # the fragmented cycles leave the current window
