@@ -219,10 +219,14 @@ class Publisher:
                        private_pool_bytes: int | None = None) -> bool:
         """Send one allocator message now; False (and counted) when it could not be sent."""
         try:
-            data = encode_allocator(
-                self._pid, gpu, reserved_bytes, allocated_bytes,
-                allocated_bytes if active_bytes is None else active_bytes, inactive_split_bytes,
-                alloc_retries, ooms, largest_free_block_bytes, private_pool_bytes)
+            if not _is_uuid(gpu):
+                raise ValueError(f"{gpu!r} is not a GPU or MIG UUID")
+            data = app_shared.allocator_datagram(self._pid, {
+                "gpu": gpu, "reserved_bytes": reserved_bytes, "allocated_bytes": allocated_bytes,
+                "active_bytes": allocated_bytes if active_bytes is None else active_bytes,
+                "inactive_split_bytes": inactive_split_bytes, "alloc_retries": alloc_retries,
+                "ooms": ooms, "largest_free_block_bytes": largest_free_block_bytes,
+                "private_pool_bytes": private_pool_bytes})
         except Exception:  # a malformed UUID or figure: never into the app
             self.errors += 1
             return False
@@ -234,7 +238,8 @@ class Publisher:
 
     def publish(self) -> None:
         """One round, in one datagram: the GPUs, each device's allocator figures, the latency
-        histogram (several datagrams only past ``protocol.MAX_MESSAGE_BYTES``)."""
+        histogram (several datagrams only past ``protocol.MAX_MESSAGE_BYTES``), encoded by
+        ``app_shared.round_datagrams``, as the injected publisher's."""
         try:
             with self._lock:
                 self._publish()
@@ -256,22 +261,17 @@ class Publisher:
         gpus = list(dict.fromkeys([*self.gpus, *(uuid for uuid, _ in devices.values())]))
         if not gpus:
             return
-        allocators = []
-        for index, (uuid, fig) in devices.items():
-            snap = self._snap.get(index, {})
-            allocators.append(protocol.Allocator(
-                self._pid, uuid, fig["reserved_bytes"], fig["allocated_bytes"],
-                fig["active_bytes"], fig["inactive_split_bytes"], fig["alloc_retries"],
-                fig["ooms"], snap.get("largest_free_block_bytes"), snap.get("private_pool_bytes")))
+        allocators = [{"gpu": uuid, **fig, **self._snap.get(index, {})}
+                      for index, (uuid, fig) in devices.items()]
         gpus = gpus[: protocol.MAX_GPUS]
         counts, total = self.histogram.snapshot()
         # the process's requests are the requests of every GPU it uses (a tensor-parallel
         # server's request runs on all of them): its histogram is sent for each, so each GPU's
         # latency is judged (an agent of any release takes a latency entry per GPU)
-        latency = tuple(protocol.Latency(self._pid, gpu, self.histogram.bounds, counts, total)
-                        for gpu in gpus) if counts[-1] else ()
-        round_ = protocol.Round(self._pid, tuple(gpus), tuple(allocators), latency)
-        for data in protocol.split_round(round_):
+        latency = [{"gpu": gpu, "bounds": self.histogram.bounds, "counts": counts, "sum": total}
+                   for gpu in gpus] if counts[-1] else []
+        for data in app_shared.round_datagrams(self._pid, gpus, allocators, latency,
+                                               max_bytes=protocol.MAX_MESSAGE_BYTES):
             self._sender.send(data, patience=app_shared.SEND_PATIENCE)
 
     # -- life cycle ------------------------------------------------------------------------
@@ -353,31 +353,10 @@ def _after_fork(ref: weakref.ref[Publisher]) -> None:
             pub._after_fork_in_child()
 
 
-_ALLOC_TAIL = (b',"reserved_bytes":%d,"allocated_bytes":%d,"active_bytes":%d,'
-               b'"inactive_split_bytes":%d,"alloc_retries":%d,"ooms":%d')
-
-
 @functools.lru_cache(maxsize=256)
-def _allocator_head(pid: int, gpu: str) -> bytes | None:
-    if not protocol.UUID_RE.match(gpu):
-        return None
-    return b'{"v":1,"kind":"allocator","pid":%d,"gpu":"%s"' % (pid, gpu.encode())
-
-
-def encode_allocator(pid: int, gpu: str, reserved: int, allocated: int, active: int,
-                     inactive_split: int, retries: int, ooms: int, largest: int | None,
-                     private: int | None) -> bytes:
-    """The allocator message, formatted directly (a publish costs about one send); raises
-    ValueError for a malformed GPU UUID."""
-    head = _allocator_head(pid, gpu)
-    if head is None:
-        raise ValueError(f"{gpu!r} is not a GPU or MIG UUID")
-    data = head + _ALLOC_TAIL % (reserved, allocated, active, inactive_split, retries, ooms)
-    if largest is not None:
-        data += b',"largest_free_block_bytes":%d' % largest
-    if private is not None:
-        data += b',"private_pool_bytes":%d' % private
-    return data + b"}"
+def _is_uuid(gpu: str) -> bool:
+    """A name the agent takes (checked here, so a bad one is refused before it is sent)."""
+    return protocol.UUID_RE.match(gpu) is not None
 
 
 # -- the process-wide default publisher ----------------------------------------------------

@@ -26,7 +26,7 @@ import time
 
 # -- set by the agent when it places this file (sidecar/inject/placement.py) ---------------
 AGENT_VERSION = "0+unplaced"
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 1  # what its datagrams say (the shared file, the same agent's, encodes them)
 INTERVAL_S = 5.0
 SOCKET_PATH = "/run/gpu-sidecar/app.sock"
 SOCKET_NAME = "app.sock"
@@ -199,8 +199,7 @@ class _Injected:
         # maybe), when the GPUs change, and once a minute
         due = (self.sender.connected != self.hello_connection or gpus != self.hello_gpus
                or now - self.last_hello >= HELLO_EVERY_S or self.sender.sock is None)
-        if due and self.send(_encode({"v": PROTOCOL_VERSION, "kind": "hello", "pid": self.pid,
-                                      "gpus": list(gpus), "publisher": PUBLISHER})):
+        if due and self.send(shared.hello_datagram(self.pid, gpus, PUBLISHER)):
             self.last_hello, self.hello_gpus = now, gpus
             self.hello_connection = self.sender.connected
         allocators = []
@@ -246,33 +245,12 @@ class _Injected:
         return out
 
 
-def _encode(body):
-    import json
-
-    return json.dumps(body, separators=(",", ":"), allow_nan=False).encode()
-
-
 def _rounds(pid, allocators):
-    """The round in one datagram, or in as few as fit (whole GPUs each, naming only theirs)."""
-
-    def round_of(part):
-        return _encode({"v": PROTOCOL_VERSION, "kind": "round", "pid": pid,
-                        "gpus": [a["gpu"] for a in part], "allocators": part})
-
-    whole = round_of(allocators)
-    if len(whole) <= MAX_MESSAGE_BYTES:
-        return [whole]
-    out, part, last = [], [], b""
-    for entry in allocators:
-        trial = round_of([*part, entry])
-        if len(trial) <= MAX_MESSAGE_BYTES or not part:
-            part, last = [*part, entry], trial
-            continue
-        out.append(last)
-        part, last = [entry], round_of([entry])
-    if part:
-        out.append(last)
-    return out
+    """The round in one datagram, or in as few as fit (whole GPUs each, naming only theirs),
+    encoded as sidecar.client encodes its own (the shared file's encoder); no latency list:
+    this publisher times no requests."""
+    gpus = [a["gpu"] for a in allocators]
+    return shared.round_datagrams(pid, gpus, allocators, None, max_bytes=MAX_MESSAGE_BYTES)
 
 
 def _bad_fork():
