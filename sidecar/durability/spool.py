@@ -27,9 +27,9 @@ Nothing outside the spool directory is ever read, sent or deleted.
 The directory is locked (``flock`` on ``.lock``, which holds the owner's pid): two agents on one
 spool would send each other's batches twice and delete them under each other.
 
-File layout: ``GSB1`` | body length (u32) | samples (u32) | CRC-32 of body (u32) | body, where the
-body is the request exactly as sent (compressed by the sink's codec: snappy remote-write
-protobuf, or gzip OTLP protobuf).
+Beside this module: the file format and names (``layout``), the memory hold (``memory_hold``) and
+its ledger (``ledger``), the other spool's side of an adoption (``adoption``) and where each
+receiver's spool lives (``directories``); the names their users import stay importable here.
 """
 
 from __future__ import annotations
@@ -37,72 +37,54 @@ from __future__ import annotations
 import contextlib
 import errno
 import fcntl
-import hashlib
 import os
-import re
-import stat
-import struct
 import threading
 import zlib
 from collections import Counter, deque
 from collections.abc import Sequence
-from dataclasses import dataclass
 from pathlib import Path
 
 import structlog
 
 from sidecar.config import Config
-from sidecar.durability import journal
+from sidecar.durability import adoption, journal
+from sidecar.durability.directories import old_dir_name, private_root, spool_dir_name, spool_dirs
+from sidecar.durability.layout import (
+    ASIDE,
+    HEADER,
+    MAGIC,
+    NAME,
+    URL_CONFIRMED,
+    SpooledBatch,
+    SpoolError,
+    SpoolLocked,
+    aside_dir,
+    entries,
+    header_samples,
+    lsize,
+    lsize_path,
+    read_batch,
+    verify,
+    write_temporary,
+)
+from sidecar.durability.ledger import read_ledger
+from sidecar.durability.memory_hold import Entry, MemoryHold
 from sidecar.log import Episodes, log_count
-from sidecar.urls import host_port, redact_url
+
+__all__ = ["DROP_REASONS", "HEADER", "MAGIC", "STATES", "URL_CONFIRMED", "Spool", "SpoolError",
+           "SpoolLocked", "SpooledBatch", "open_spools", "private_root", "read_batch",
+           "spool_dir_name"]
 
 log = structlog.get_logger("sidecar.spool")
 
-MAGIC = b"GSB1"
-HEADER = struct.Struct("<4sIII")
-LEDGER = ".memory-ledger"  # samples held only in memory: what a kill would lose (``_note_held``)
-LEDGER_RECORD = struct.Struct("<4sQ")
-LEDGER_MAGIC = b"GSL1"
-URL_CONFIRMED = ".url-confirmed"  # its URL has taken a request (sinks.spooled._url_or_data)
-NAME = re.compile(r"^(\d{20})\.batch$")
-ASIDE = ("rejected", "corrupt")
 STATES = ("pending", "memory", *ASIDE)
 DROP_REASONS = ("spool_full", "spool_write_failed", "rejected", "corrupt", "unreadable")
 
 
-class SpoolError(RuntimeError):
-    pass
+class Spool(MemoryHold):
+    """The spool of one receiver's sink (see the module's docstring); thread-safe: the sampling
+    thread puts batches and the sender takes them."""
 
-
-class SpoolLocked(SpoolError):
-    pass
-
-
-@dataclass(frozen=True, slots=True)
-class _Entry:
-    """A waiting batch. ``held`` is the whole file's bytes when the disk refused them: the batch
-    waits in memory instead, and ``path`` is where it will go once the disk takes writes; its
-    journal, which holds the cycles journaled before the disk refused (``journaled`` samples),
-    stays on disk meanwhile, so that a crash loses only the rest."""
-
-    path: Path
-    size: int
-    samples: int
-    held: bytes | None = None
-    journal: Path | None = None
-    journaled: int = 0
-    journal_bytes: int = 0  # the journal's size on the volume, counted against the bound
-
-
-@dataclass(frozen=True, slots=True)
-class SpooledBatch:
-    seq: int
-    path: Path
-    samples: int
-    body: bytes
-
-
-class Spool:
     def __init__(self, directory: str | Path, max_bytes: int,
                  max_memory_bytes: int = Config.spool_memory_max_bytes) -> None:
         self.dir = Path(directory)
@@ -118,6 +100,28 @@ class Spool:
         self._journal_remove_failures = 0
         self._remove_failures = 0
         self._lock_fd: int | None = None
+        self._open_directory()
+        self._ledger_written = 0
+        self._lost_before_restart = read_ledger(self.dir)
+        self._index: dict[int, Entry] = {}  # waiting batches by sequence number
+        self._aside: dict[str, dict[Path, int]] = {where: {} for where in ASIDE}  # oldest first
+        self._odd_kinds: set[str] = set()  # kinds of entry set aside, each logged once
+        self._scan()
+        self._next = self._first_free_seq()
+        self._in_flight: frozenset[int] = frozenset()
+        self._journal_bytes = 0  # the open batch's journal (``journal_grew``)
+        self._open_unjournaled = 0  # samples of the open batch its journal could not take
+        self._settled = 0  # bytes besides it, as of the last trim
+        self._count_lost_before_restart(self._lost_before_restart)
+        self._write_ledger(0, create=True)
+        self._trim()
+        if self._index:
+            log.info("spool_replay", directory=str(self.dir), batches=len(self._index),
+                     bytes=self.bytes())
+
+    def _open_directory(self) -> None:
+        """The directory made (0700), locked and proved writable, or SpoolError saying what to
+        mount: a spool that cannot take a batch must stop the start, not lose them later."""
         try:
             self.dir.mkdir(parents=True, exist_ok=True, mode=0o700)
             os.chmod(self.dir, 0o700)
@@ -131,22 +135,22 @@ class Spool:
                 f"spool directory {self.dir} is not writable ({exc.strerror}); mount a writable "
                 "emptyDir there or set --spool-dir / GPU_SIDECAR_SPOOL_DIR"
             ) from exc
-        self._ledger_written = 0
-        self._lost_before_restart = _read_ledger(self.dir)
+
+    def _scan(self) -> None:
+        """What a previous run left: interrupted writes removed, the kept copies sized, the
+        waiting batches indexed (sized by the entry itself, lstat, never by what it points to)
+        and any entry named like ours that is not our regular file set aside unread."""
         for leftover in self.dir.glob("*.tmp"):
             with contextlib.suppress(OSError):
                 leftover.unlink()  # a write interrupted by a crash (a link: the link itself)
-        self._index: dict[int, _Entry] = {}  # waiting batches by sequence number
-        self._aside: dict[str, dict[Path, int]] = {where: {} for where in ASIDE}  # oldest first
-        self._odd_kinds: set[str] = set()  # kinds of entry set aside, each logged once
         for where in ASIDE:
-            for found in _entries(self.dir / where, own_directory=True):
+            for found in entries(self.dir / where, own_directory=True):
                 if found.name.endswith(".tmp"):  # a copy a crash interrupted
                     with contextlib.suppress(OSError):
                         os.unlink(found.path)
                     continue
-                self._aside[where][Path(found.path)] = _lsize(found)
-        for found in _entries(self.dir):
+                self._aside[where][Path(found.path)] = lsize(found)
+        for found in entries(self.dir):
             m = NAME.match(found.name)
             if not m and not journal.is_journal_name(found.name):
                 continue
@@ -155,29 +159,20 @@ class Spool:
                 kind = journal.not_own_file(found.stat(follow_symlinks=False))
                 if kind is not None:
                     raise journal.NotOwnFile(kind, path)
-                if m:  # sized by the entry itself (lstat), never by what it points to
-                    self._index[int(m.group(1))] = _Entry(path, _lsize(found),
-                                                          self._samples(path))
+                if m:
+                    self._index[int(m.group(1))] = Entry(path, lsize(found), header_samples(path))
             except journal.NotOwnFile as exc:
                 self._set_aside_odd(path, exc.kind)
             except OSError:
                 continue  # gone meanwhile
-        # a journal left by a crash keeps its number: new batches come after it, and after the
-        # kept copies too, so that a new copy never replaces an older one of the same number
+
+    def _first_free_seq(self) -> int:
+        """A journal left by a crash keeps its number: new batches come after it, and after the
+        kept copies too, so that a new copy never replaces an older one of the same number."""
         unsealed = [seq for seq, _ in journal.leftovers(self.dir)]
         kept = [int(m.group(1)) for where in ASIDE for p in self._aside[where]
                 if (m := NAME.match(p.name))]
-        self._next = max([*self._index, *unsealed, *kept], default=0) + 1
-        self._in_flight: frozenset[int] = frozenset()
-        self._journal_bytes = 0  # the open batch's journal (``journal_grew``)
-        self._open_unjournaled = 0  # samples of the open batch its journal could not take
-        self._settled = 0  # bytes besides it, as of the last trim
-        self._count_lost_before_restart(self._lost_before_restart)
-        self._write_ledger(0, create=True)
-        self._trim()
-        if self._index:
-            log.info("spool_replay", directory=str(self.dir), batches=len(self._index),
-                     bytes=self.bytes())
+        return max([*self._index, *unsealed, *kept], default=0) + 1
 
     def adopt(self, other: Path) -> tuple[int, int] | None:
         """Take over the spool of a receiver no longer configured (a typo in the URL fixed, a
@@ -187,36 +182,22 @@ class Spool:
         one spool or the other, never both: the next start finishes the move. Only regular files
         of the agent's own move; anything else stays where it is, never opened. Returns (batches,
         samples) taken, or None when another agent holds the other spool's lock."""
-        try:
-            fd = os.open(other / ".lock", os.O_RDONLY | os.O_CREAT, 0o600)
-        except OSError:
-            return None
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:
-            os.close(fd)
+        fd = adoption.lock_other(other)
+        if fd is None:
             return None
         batches = samples = 0
         with self._lock:
-            self._count_lost_before_restart(_read_ledger(other))
+            self._count_lost_before_restart(read_ledger(other))
         try:
-            for where in ("", *ASIDE):
-                for path in _own_batches_and_journals(other / where, journals=not where):
-                    taken = self._take(path, where)
-                    if taken is not None:
-                        batches += 1
-                        samples += taken
+            for where, path in adoption.movable(other):
+                taken = self._take(path, where)
+                if taken is not None:
+                    batches += 1
+                    samples += taken
         finally:
             with self._lock:
                 self._trim()
-            for name in (".lock", ".write-test", LEDGER, URL_CONFIRMED,
-                         *(p.name for p in other.glob("*.tmp"))):
-                with contextlib.suppress(OSError):
-                    (other / name).unlink()  # a link itself, never its target
-            for directory in (*(other / where for where in ASIDE), other):
-                with contextlib.suppress(OSError):
-                    directory.rmdir()  # only when empty: what was not ours stays
-            os.close(fd)
+            adoption.release_other(other, fd)
         return batches, samples
 
     def _take(self, path: Path, where: str) -> int | None:
@@ -229,7 +210,7 @@ class Spool:
         target = (self.dir / where if where else self.dir) / f"{seq:020d}{suffix}"
         try:
             if where:
-                self._aside_dir(where)
+                aside_dir(self.dir, where)
             os.rename(path, target)
         except OSError:
             return None
@@ -237,53 +218,14 @@ class Spool:
             return None  # a journal: sealed by the sink's replay at start
         with self._lock:
             if where:
-                self._aside[where][target] = _lsize_path(target)
+                self._aside[where][target] = lsize_path(target)
                 return None
             try:
-                samples = self._samples(target)
+                samples = header_samples(target)
             except journal.NotOwnFile:
                 samples = 0
-            self._index[seq] = _Entry(target, _lsize_path(target), samples)
+            self._index[seq] = Entry(target, lsize_path(target), samples)
             return samples
-
-    def _count_lost_before_restart(self, samples: int) -> None:
-        """The previous run was killed while the volume refused writes: the samples it held only
-        in memory (``_note_held``) are lost; counted here, since that run could not."""
-        if not samples:
-            return
-        self.dropped_samples["spool_write_failed"] += samples
-        log.error("spool_write_failed_before_restart", directory=str(self.dir), samples=samples,
-                  effect="the previous run was killed while the spool volume refused writes: "
-                         "the samples it held only in memory are lost (counted as "
-                         "reason=\"spool_write_failed\")",
-                  hint="free space in the spool volume, or make it writable; raise the pod's "
-                       "memory limit if it was an OOM kill")
-
-    def _note_held(self) -> None:
-        """Keep the ledger true: the samples held only in memory (refused by the volume, not in
-        a journal), which a SIGKILL or an OOM kill would lose without a word. The next start
-        reads it and counts them. Lock held; written only when the figure changes."""
-        held = self._open_unjournaled + sum(e.samples - e.journaled
-                                            for e in self._index.values() if e.held is not None)
-        if held != self._ledger_written:
-            self._write_ledger(held)
-
-    def _write_ledger(self, samples: int, *, create: bool = False) -> None:
-        """Overwrite the ledger in place. Created (and synced) while the volume takes writes,
-        its bytes are already allocated, so a full volume still takes the overwrite; a read-only
-        one does not, and a kill then loses the count with the samples."""
-        flags = os.O_WRONLY | os.O_NOFOLLOW | (os.O_CREAT if create else 0)
-        try:
-            fd = os.open(self.dir / LEDGER, flags, 0o600)
-            try:
-                os.pwrite(fd, LEDGER_RECORD.pack(LEDGER_MAGIC, samples), 0)
-                if create:
-                    os.fsync(fd)
-            finally:
-                os.close(fd)
-        except OSError:
-            return
-        self._ledger_written = samples
 
     def _take_lock(self) -> None:
         path = self.dir / ".lock"
@@ -310,20 +252,6 @@ class Spool:
             fd, self._lock_fd = self._lock_fd, None
             os.close(fd)
 
-    @staticmethod
-    def _samples(path: Path) -> int:
-        """The sample count in a batch's header; raises ``NotOwnFile`` for anything but a
-        regular file of the agent's own, 0 when it cannot be read."""
-        try:
-            head = journal.read_own(path, HEADER.size)
-        except journal.NotOwnFile:
-            raise
-        except OSError:
-            return 0
-        if len(head) == HEADER.size and head[:4] == MAGIC:
-            return HEADER.unpack(head)[2]
-        return 0
-
     def _set_aside_odd(self, path: Path, kind: str, seq: int | None = None,
                        samples: int = 0) -> None:
         """An entry named like a batch or a journal that is not a regular file of ours: the entry
@@ -337,14 +265,14 @@ class Spool:
             count = self.dropped_batches["unreadable"]
         moved = False
         try:
-            self._aside_dir("corrupt")
+            aside_dir(self.dir, "corrupt")
             os.replace(path, target)
             moved = True
         except OSError:
             pass  # left where it is, never read: the next start meets it again
         if moved:
             with self._lock:
-                self._aside["corrupt"][target] = _lsize_path(target)
+                self._aside["corrupt"][target] = lsize_path(target)
         if kind not in self._odd_kinds:
             self._odd_kinds.add(kind)
             log.error("spool_batch_unreadable", batch=path.name, kind=kind, count=count,
@@ -352,16 +280,6 @@ class Spool:
                       effect="not a regular file of the agent's own: never opened nor followed; "
                              "skipped, later batches flow (logged once per kind, counted as "
                              "reason=\"unreadable\")")
-
-    def _aside_dir(self, where: str) -> Path:
-        """``rejected/`` or ``corrupt/``, created when missing; refused (OSError) when it is not
-        a directory of the spool's own, such as a link to elsewhere."""
-        directory = self.dir / where
-        with contextlib.suppress(FileExistsError):
-            directory.mkdir(mode=0o700)
-        if not stat.S_ISDIR(os.lstat(directory).st_mode):
-            raise OSError(errno.ENOTDIR, "not a directory of the spool's own", str(directory))
-        return directory
 
     def bytes(self, state: str = "pending") -> int:
         with self._lock:
@@ -374,11 +292,6 @@ class Spool:
         with self._lock:
             return len(self._index)
 
-    @property
-    def write_failing(self) -> bool:
-        """The last write to the volume failed: batches are being held in memory."""
-        return self._write_failures.active
-
     def journal_grew(self, size: int) -> None:
         """The open batch's journal now holds ``size`` bytes on the volume: they count against
         the bound like any batch (uncompressed, a journal can be larger than the batch it
@@ -388,13 +301,6 @@ class Spool:
         if self._settled + size > self.max_bytes:
             with self._lock:
                 self._trim()
-
-    def open_batch_unjournaled(self, samples: int) -> None:
-        """The samples of the batch being filled that its journal could not take (the volume
-        refused): in memory only until sealed, so they join the ledger (``_note_held``)."""
-        with self._lock:
-            self._open_unjournaled = samples
-            self._note_held()
 
     def reserve(self) -> int:
         """A sequence number for a batch still being filled (its journal is named after it)."""
@@ -428,150 +334,25 @@ class Spool:
                 self._next += 1
         path = self.dir / f"{seq:020d}.batch"
         try:
-            os.replace(self._write_temporary(path, data), path)
+            os.replace(write_temporary(path, data), path)
         except OSError as exc:
             with contextlib.suppress(OSError):  # a read-only volume refuses the cleanup too
                 path.with_suffix(".tmp").unlink()
             journal_path, journal_samples = journaled or (None, 0)
-            return self._hold(seq, _Entry(path, len(data), samples, data, journal_path,
+            return self._hold(seq, Entry(path, len(data), samples, data, journal_path,
                                           journal_samples,
-                                          _lsize_path(journal_path) if journal_path else 0), exc)
+                                          lsize_path(journal_path) if journal_path else 0), exc)
         if self._write_failures.ended():
             log.info("spool_write_recovered", directory=str(self.dir),
                      dropped_samples=self.dropped_samples["spool_write_failed"])
         if journaled is not None:
             self._forget_journal(journaled[0])
         with self._lock:
-            self._index[seq] = _Entry(path, len(data), samples)
+            self._index[seq] = Entry(path, len(data), samples)
             # trimmed once the new batch is safe: a write that fails must not cost older ones
             self._trim()
         self.write_out_held()
         return SpooledBatch(seq, path, samples, body)
-
-    @staticmethod
-    def _write_temporary(path: Path, data: bytes) -> Path:
-        """Write beside ``path`` under a temporary name and fsync it: the rename that follows
-        publishes the whole file or nothing, whenever the process dies."""
-        tmp = path.with_suffix(".tmp")
-        # private to the agent; never through a link (a link there must not truncate its target)
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        return tmp
-
-    def _hold(self, seq: int, entry: _Entry, exc: OSError) -> SpooledBatch | None:
-        """The disk refused a batch: keep it in memory, within ``max_memory_bytes``, so that a
-        full or read-only volume does not cost the samples a working receiver can still take."""
-        if self._write_failures.started():
-            log.error("spool_write_failed", error=exc.strerror, directory=str(self.dir),
-                      episodes=self._write_failures.count,
-                      samples=entry.samples, held_in_memory_up_to_bytes=self.max_memory_bytes,
-                      hint="free space in the spool volume, or make it writable again; the agent "
-                           "resumes by itself",
-                      effect="batches wait in memory and are sent from there; what is still in "
-                             "memory when the agent stops, or beyond that bound, is lost and "
-                             "counted")
-        if entry.size > self.max_memory_bytes:
-            with self._lock:
-                self._count_drop("spool_write_failed", entry.samples)
-            self._forget_journal(entry.journal)
-            return None
-        with self._lock:
-            self._index[seq] = entry
-            self._trim()
-        assert entry.held is not None
-        return SpooledBatch(seq, entry.path, entry.samples, entry.held[HEADER.size:])
-
-    def _forget_journal(self, path: Path | None) -> None:
-        """A batch's journal is no longer needed. One the volume will not let go (read-only) is
-        tried again when the volume next takes a write: left behind, the next start would replay
-        it and send its cycles a second time. Safe under the lock: no lock taken."""
-        if path is None:
-            return
-        try:
-            path.unlink()
-        except FileNotFoundError:
-            pass
-        except OSError as exc:
-            self._stale_journals.append(path)
-            # unlocked (callers may hold the lock): a lost increment only shifts when it logs
-            self._journal_remove_failures += 1
-            log_count("journal_remove_failed", self._journal_remove_failures, journal=path.name,
-                      error=exc.strerror, effect="tried again once the volume takes writes; a "
-                      "restart before that sends the batch's journaled cycles a second time")
-
-    def _retry_stale_journals(self) -> None:
-        for _ in range(len(self._stale_journals)):
-            path = self._stale_journals.popleft()
-            try:
-                path.unlink()
-            except FileNotFoundError:
-                pass
-            except OSError:
-                self._stale_journals.append(path)
-                return
-
-    def write_out_held(self) -> None:
-        """Write the batches held in memory to disk, oldest first, once the disk takes writes
-        again: from then on they survive a restart like the others, and their journals go. A
-        batch sent meanwhile is not written (its file would be sent a second time by the next
-        start)."""
-        self._retry_stale_journals()
-        with self._lock:
-            held = sorted(seq for seq, e in self._index.items() if e.held is not None)
-        for seq in held:
-            with self._lock:
-                entry = self._index.get(seq)
-            if entry is None or entry.held is None:
-                continue
-            tmp = entry.path.with_suffix(".tmp")
-            try:
-                self._write_temporary(entry.path, entry.held)
-                with self._lock:  # published only while the batch still waits (see remove())
-                    if self._index.get(seq) is entry:
-                        os.replace(tmp, entry.path)
-                        self._index[seq] = _Entry(entry.path, entry.size, entry.samples)
-                        self._forget_journal(entry.journal)
-                        continue
-            except OSError:
-                with contextlib.suppress(OSError):
-                    tmp.unlink()
-                return  # still refused: they stay in memory
-            with contextlib.suppress(OSError):
-                tmp.unlink()  # sent while it was being written
-        with self._lock:
-            self._note_held()
-
-    def release_held(self) -> int:
-        """The agent stops: write out what the disk takes now; of what is still only in memory,
-        the cycles its journal holds are replayed by the next start, the rest is counted lost
-        (``spool_write_failed``). A batch on the wire counts as lost too: the sender outlived
-        the shutdown deadline and the process ends without its answer (should the receiver
-        take it in the last instant, the count is high by that request, never low). Logs the
-        total, which the last pushed counter could not carry. Returns the samples lost."""
-        self.write_out_held()
-        lost = replayed = on_the_wire = 0
-        with self._lock:
-            for seq in [seq for seq, e in self._index.items() if e.held is not None]:
-                entry = self._index.pop(seq)
-                self._count_drop("spool_write_failed", entry.samples - entry.journaled)
-                lost += entry.samples - entry.journaled
-                replayed += entry.journaled
-                if seq in self._in_flight:
-                    on_the_wire += entry.samples - entry.journaled
-            total = self.dropped_samples["spool_write_failed"]
-            self._note_held()  # counted now: the next start must not count them again
-        if total:
-            log.error("spool_write_failed_at_exit", directory=str(self.dir), samples=lost,
-                      journaled_samples=replayed, on_the_wire_samples=on_the_wire,
-                      dropped_samples_total=total,
-                      effect="batches the volume refused and the receiver had not taken are "
-                             "lost, but for the cycles journaled before it refused, which the "
-                             "next start sends", hint="free space in the spool volume, or make "
-                             "it writable")
-        return lost
 
     def _trim(self) -> None:
         """Bring the spool back under its bounds (lock held): kept copies first; batches held in
@@ -651,7 +432,7 @@ class Spool:
                           batch=path.name, error=exc.strerror, moved_to=str(self.dir / "corrupt"),
                           effect="skipped; later batches flow")
                 continue
-            problem = _verify(data)
+            problem = verify(data)
             if problem is None:
                 return SpooledBatch(seq, path, samples, data[HEADER.size:])
             self._move(seq, "corrupt", samples)
@@ -678,7 +459,7 @@ class Spool:
                 data = journal.read_own(path) if entry.held is None else entry.held
             except OSError:
                 break  # oldest() deals with it when it reaches that batch
-            if _verify(data) is not None:
+            if verify(data) is not None:
                 break
             out.append(SpooledBatch(seq, path, samples, data[HEADER.size:]))
             total += samples
@@ -724,12 +505,12 @@ class Spool:
             if entry.held is not None:
                 self._note_held()
         try:
-            self._aside_dir(where)
+            aside_dir(self.dir, where)
             if entry.held is None:
                 os.replace(entry.path, target)
             else:  # the copy for a person to look at is written if the disk takes it now
                 self._forget_journal(entry.journal)
-                os.replace(self._write_temporary(target, entry.held), target)
+                os.replace(write_temporary(target, entry.held), target)
         except OSError:
             with contextlib.suppress(OSError):
                 (entry.path if entry.held is None else target.with_suffix(".tmp")).unlink()
@@ -738,117 +519,6 @@ class Spool:
             self._aside[where][target] = entry.size
             self._trim()
         return target
-
-
-def _entries(directory: Path, own_directory: bool = False) -> list[os.DirEntry[str]]:
-    """The entries of a directory, by name; none when it cannot be listed or (``own_directory``)
-    is not a directory itself, such as a link to elsewhere."""
-    try:
-        if own_directory and not stat.S_ISDIR(os.lstat(directory).st_mode):
-            return []
-        with os.scandir(directory) as entries:
-            return sorted(entries, key=lambda e: e.name)
-    except OSError:
-        return []
-
-
-
-
-def _own_batches_and_journals(directory: Path, *, journals: bool) -> list[Path]:
-    """The batches (and ``journals``) of a directory that are regular files of the agent's own,
-    in their order. A journal whose batch was sealed before a crash is deleted on the way, as
-    the replay would: renumbered apart from its batch, it would be sent a second time."""
-    entries = _entries(directory, own_directory=True)
-    sealed = {m.group(1) for e in entries if (m := NAME.match(e.name))}
-    out = []
-    for found in entries:
-        is_journal = journals and journal.is_journal_name(found.name)
-        if not NAME.match(found.name) and not is_journal:
-            continue
-        try:
-            if journal.not_own_file(found.stat(follow_symlinks=False)) is not None:
-                continue
-            if is_journal and found.name.removesuffix(journal.SUFFIX) in sealed:
-                os.unlink(found.path)
-                continue
-        except OSError:
-            continue
-        out.append(Path(found.path))
-    return out
-
-
-def _read_ledger(directory: Path) -> int:
-    """The samples a previous run held only in memory when it ended (0 when it ended cleanly,
-    or when there is no ledger to read)."""
-    try:
-        data = journal.read_own(directory / LEDGER, LEDGER_RECORD.size)
-    except OSError:
-        return 0
-    if len(data) != LEDGER_RECORD.size:
-        return 0
-    magic, samples = LEDGER_RECORD.unpack(data)
-    return samples if magic == LEDGER_MAGIC else 0
-
-
-def _lsize(entry: os.DirEntry[str]) -> int:
-    """The bytes a spool entry itself holds: a regular file's size, 0 for anything else (never
-    the size of what a link points to)."""
-    try:
-        st = entry.stat(follow_symlinks=False)
-    except OSError:
-        return 0
-    return st.st_size if stat.S_ISREG(st.st_mode) else 0
-
-
-def _lsize_path(path: Path) -> int:
-    try:
-        st = os.lstat(path)
-    except OSError:
-        return 0
-    return st.st_size if stat.S_ISREG(st.st_mode) else 0
-
-
-def read_batch(path: Path) -> tuple[int, bytes]:
-    """A batch file's samples and body (the request as sent), read only when it is a regular
-    file of the agent's own (``journal.NotOwnFile``, an OSError, otherwise); ValueError when it
-    fails its check."""
-    data = journal.read_own(path)
-    problem = _verify(data)
-    if problem is not None:
-        raise ValueError(problem)
-    return HEADER.unpack_from(data)[2], data[HEADER.size:]
-
-
-def _verify(data: bytes) -> str | None:
-    if len(data) < HEADER.size:
-        return f"truncated header ({len(data)} bytes)"
-    magic, length, _, crc = HEADER.unpack_from(data)
-    if magic != MAGIC:
-        return "not a gpu-sidecar batch (bad magic)"
-    if len(data) - HEADER.size != length:
-        return f"truncated body ({len(data) - HEADER.size} of {length} bytes)"
-    if zlib.crc32(data[HEADER.size:]) != crc:
-        return "checksum mismatch"
-    return None
-
-
-# -- naming: a directory per receiver under the spool root, and the orphans adopted -----------
-
-
-def _safe_dir(name: str) -> str:
-    return "".join(c if c.isalnum() or c in "-." else "_" for c in name)
-
-
-def spool_dir_name(name: str, url: str) -> str:
-    """The sink's name made safe for a path, plus a short digest of its URL (credentials left
-    out): two URLs whose names read alike on disk still get two directories."""
-    digest = hashlib.sha256(redact_url(url).encode()).hexdigest()[:8]
-    return f"{_safe_dir(name)}-{digest}"
-
-
-def _old_dir_name(kind: str, url: str) -> str:
-    """Where earlier releases kept a URL's spool: one directory per host and port."""
-    return _safe_dir(f"{kind}:{host_port(url)}")
 
 
 def open_spools(root: str, kind: str, named: Sequence[tuple[str, str]], max_bytes: int,
@@ -863,8 +533,8 @@ def open_spools(root: str, kind: str, named: Sequence[tuple[str, str]], max_byte
     opened = [(url, name, Spool(os.path.join(root, spool_dir_name(name, url)), max_bytes,
                                 max_memory_bytes)) for url, name in named]
     in_use = {spool.dir.name for _, _, spool in opened}
-    per_host = Counter(_old_dir_name(kind, url) for url in urls)
-    for directory in _spool_dirs(root, kind):
+    per_host = Counter(old_dir_name(kind, url) for url in urls)
+    for directory in spool_dirs(root, kind):
         if directory.name in in_use:
             continue
         # an earlier release's directory goes to the URL on its host and port; any other to
@@ -872,7 +542,7 @@ def open_spools(root: str, kind: str, named: Sequence[tuple[str, str]], max_byte
         # a URL that already had its spool was running beside the orphan's, and a receiver
         # removed on purpose (one of two replicas) must not send its backlog to the other
         old_release = [spool for url, _, spool in opened
-                       if directory.name == _old_dir_name(kind, url)
+                       if directory.name == old_dir_name(kind, url)
                        and per_host[directory.name] == 1]
         fresh = [spool for _, _, spool in opened if spool.dir.name not in existed]
         heirs = old_release or (fresh if len(opened) == 1 else [])
@@ -894,29 +564,3 @@ def open_spools(root: str, kind: str, named: Sequence[tuple[str, str]], max_byte
                           "this receiver, in their order; what is not the agent's own file "
                           "stays in the old directory")
     return opened
-
-
-def _spool_dirs(root: str, kind: str) -> list[Path]:
-    """The spool directories of one kind of sink under ``root``, by name (never a link)."""
-    prefix = _safe_dir(f"{kind}:")
-    try:
-        with os.scandir(root) as entries:
-            return sorted(Path(e.path) for e in entries
-                          if e.name.startswith(prefix) and e.is_dir(follow_symlinks=False))
-    except OSError:
-        return []
-
-
-def private_root(root: str) -> None:
-    """The spool root, created 0700: batches carry pod names and figures. A root that already
-    exists keeps its mode (the agent changes nothing it did not make; a Kubernetes emptyDir
-    belongs to root): the per-URL directories inside it are 0700 anyway."""
-    try:
-        created = not os.path.isdir(root)
-        os.makedirs(root, mode=0o700, exist_ok=True)
-        if created:
-            os.chmod(root, 0o700)  # the umask may have narrowed makedirs' mode, never widened
-    except OSError as exc:
-        raise SpoolError(
-            f"spool directory {root} is not writable ({exc.strerror}); mount a writable "
-            "emptyDir there or set --spool-dir / GPU_SIDECAR_SPOOL_DIR") from exc
