@@ -85,6 +85,11 @@ def verdict_of(*cycles: Figures):
     return judge(window_of(*cycles))
 
 
+def judged(cycles):
+    """What the agent hands the table: its verdict on each GPU (the table judges nothing)."""
+    return {uuid: judge(w) for uuid, w in summarize(cycles).items()}
+
+
 def keys(v) -> list[str]:
     return [f.key for f in v.findings]
 
@@ -108,7 +113,7 @@ def test_a_critical_xid_during_the_window_is_a_hardware_fault_with_its_code_and_
     assert "Xid 79 (fallen off the bus) x2" in f.evidence and "GPUHardwareFault" in f.evidence
     assert "drain" in f.remedy and "cordon" in f.remedy and "nvidia-smi -r" in f.remedy
     assert "dcgmi diag" in f.remedy and "RMA" in f.remedy
-    assert cells(v)["verdict"] == "HW FAULT"
+    assert cells(v.window, v)["verdict"] == "HW FAULT"
 
 
 @pytest.mark.parametrize("code", THRESHOLDS.critical_xids)
@@ -406,7 +411,7 @@ FOUND_TOGETHER = tuple(k for k in PRECEDENCE if k != "queueing")
 def test_of_two_findings_the_more_fundamental_comes_first_and_shows_in_the_table(first, second):
     v = verdict_of(*cycles_with({first, second}))
     assert keys(v) == [first, second]
-    assert cells(v)["verdict"] == f"{v.findings[0].short} +1"
+    assert cells(v.window, v)["verdict"] == f"{v.findings[0].short} +1"
 
 
 @pytest.mark.parametrize("other", FOUND_TOGETHER)
@@ -418,10 +423,11 @@ def test_queueing_is_said_only_where_nothing_else_explains_the_latency(other):
 def test_a_gpu_with_every_finding_lists_them_in_precedence_order():
     cycles = cycles_with(set(FOUND_TOGETHER))
     assert keys(verdict_of(*cycles)) == list(FOUND_TOGETHER)
-    assert f"LOST +{len(FOUND_TOGETHER) - 1}" in render([{UUID: c} for c in cycles], "title")
-    readable = cycles_with(set(FOUND_TOGETHER) - {"gpu-lost"})
+    cycles = [{UUID: c} for c in cycles]
+    assert f"LOST +{len(FOUND_TOGETHER) - 1}" in render(cycles, "title", verdicts=judged(cycles))
+    readable = [{UUID: c} for c in cycles_with(set(FOUND_TOGETHER) - {"gpu-lost"})]
     assert re.search(rf"\| HW FAULT \+{len(FOUND_TOGETHER) - 2}$",
-                     render([{UUID: c} for c in readable], "t"), re.M)
+                     render(readable, "t", verdicts=judged(readable)), re.M)
 
 
 # -- read back from the series; the window stays small ------------------------------------------

@@ -1,7 +1,7 @@
-"""What the verdict promises (``sidecar.views.verdict``, ``sidecar.views.table``): which finding
-the table shows when a GPU has several, that a figure exactly on a threshold is judged as the
-shipped alert rule judges it (promtool on the same value), how a window averages a figure some
-cycles lack, and which cycles the table's verdict column is judged on."""
+"""What the verdict promises (``sidecar.judge``, ``sidecar.views.table``): which finding the table
+shows when a GPU has several, that a figure exactly on a threshold is judged as the shipped alert
+rule judges it (promtool on the same value), how a window averages a figure some cycles lack, and
+that the table's verdict column is the agent's verdict, never its own."""
 
 from __future__ import annotations
 
@@ -65,6 +65,11 @@ def verdict_of(cycles):
     return judge(summarize(cycles)[UUID])
 
 
+def agent_verdicts(cycles):
+    """What the agent hands the table: its verdict on each GPU (the table judges nothing)."""
+    return {uuid: judge(w) for uuid, w in summarize(cycles).items()}
+
+
 def test_the_seeds_kinds_keep_their_order_in_the_precedence():
     assert [k for k in ALL_PRECEDENCE if k in PRECEDENCE] == list(PRECEDENCE)
 
@@ -73,16 +78,17 @@ def test_the_seeds_kinds_keep_their_order_in_the_precedence():
 def test_of_two_findings_the_table_shows_the_more_fundamental_one(first, second):
     v = verdict_of(cycles_with({first, second}))
     assert [f.key for f in v.findings] == [first, second]
-    assert cells(v)["verdict"] == f"{KINDS[first][1]} +1"
+    assert cells(v.window, v)["verdict"] == f"{KINDS[first][1]} +1"
 
 
 def test_a_gpu_with_every_finding_shows_the_first_and_how_many_more_in_the_table():
     cycles = cycles_with(set(PRECEDENCE))
     assert [f.key for f in verdict_of(cycles).findings] == list(PRECEDENCE)
-    frame = render(cycles, "title")
+    frame = render(cycles, "title", verdicts=agent_verdicts(cycles))
     assert f"{KINDS['gpu-lost'][1]} +4" in frame
     readable = cycles_with(set(PRECEDENCE) - {"gpu-lost"})
-    assert re.search(rf"\| {re.escape(KINDS['pcie'][1])} \+3$", render(readable, "t"), re.M)
+    assert re.search(rf"\| {re.escape(KINDS['pcie'][1])} \+3$",
+                     render(readable, "t", verdicts=agent_verdicts(readable)), re.M)
 
 
 # -- exactly on a threshold: diagnose and the shipped rule agree ---------------------------------
@@ -197,7 +203,7 @@ def test_cycles_in_which_the_gpu_could_not_be_read_do_not_dilute_its_means():
     assert judge(w).key == "pcie"
 
 
-# -- the table's window -------------------------------------------------------------------------
+# -- the table shows the agent's verdict, and judges nothing ------------------------------------
 
 @dataclass(frozen=True)
 class S:
@@ -209,36 +215,49 @@ class S:
     timestamp_ms: int
 
 
-def cycle(ts: int, pcie: float) -> list[S]:
-    labels = (("gpu_index", "0"), ("gpu_name", "Simulated H200"), ("gpu_uuid", UUID))
-    return [S("gpu_sm_occupancy_ratio", labels, 0.6, ts),
-            S("gpu_pcie_rx_bandwidth_util_ratio", labels, pcie, ts)]
+GPU_LABELS = (("gpu_index", "0"), ("gpu_name", "Simulated H200"), ("gpu_uuid", UUID))
 
 
-# Any one cycle at 1.0 among cycles at 0.78 lifts a mean over HISTORY or HISTORY + 1 cycles
-# above the 0.8 threshold; the cycles at 0.78 alone stay below it.
-BAD, FINE = 1.0, 0.78
+def cycle(ts: int, pcie: float, verdict: str | None = None) -> list[S]:
+    """One cycle's series; ``verdict``: the agent's, as its ``gpu_verdict`` series says it."""
+    out = [S("gpu_sm_occupancy_ratio", GPU_LABELS, 0.6, ts),
+           S("gpu_pcie_rx_bandwidth_util_ratio", GPU_LABELS, pcie, ts)]
+    if verdict is not None:
+        out.append(S("gpu_verdict", (*GPU_LABELS, ("verdict", verdict)), 1.0, ts))
+    return out
 
 
-def verdict_cell(pcies: list[float]) -> str:
-    assert (BAD + HISTORY * FINE) / (HISTORY + 1) > THRESHOLDS.pcie_util_ratio > FINE
-    sink = Table(io.StringIO(), live=False)
-    frame = ""
-    for n, pcie in enumerate(pcies):
-        frame = sink.frame(cycle(1_767_225_600_000 + 1000 * n, pcie))
+def verdict_cell(frame: str) -> str:
     rows = [line for line in frame.splitlines() if re.match(r"^\s*0 \|", line)]
     assert len(rows) == 1, frame
     return rows[0].rsplit("|", 1)[1].strip()
 
 
-def test_the_table_verdict_forgets_a_bad_cycle_older_than_its_history():
-    assert verdict_cell([BAD] + [FINE] * HISTORY) == "ok"
+@pytest.mark.parametrize(("pcie", "agent", "cell"), [
+    (1.0, "none", "ok"),  # the table's cycles cross the threshold: the agent's window did not
+    (0.1, "pcie", KINDS["pcie"][1]),  # and the other way round
+    (0.1, "throttled", KINDS["throttled"][1]),
+])
+def test_the_table_shows_the_verdict_the_agent_exported_whatever_its_own_cycles_say(
+        pcie, agent, cell):
+    sink = Table(io.StringIO(), live=False)
+    frame = ""
+    for n in range(HISTORY + 1):
+        frame = sink.frame(cycle(1_767_225_600_000 + 1000 * n, pcie, agent))
+    assert verdict_cell(frame) == cell
 
 
-def test_the_table_verdict_shows_a_bad_newest_cycle():
-    assert verdict_cell([FINE] * HISTORY + [BAD]) == KINDS["pcie"][1]
+def test_the_table_shows_the_agents_verdict_whole_when_it_has_it():
+    """Beside the agent the table reads its ``Verdict``: the first finding's cell (the clock's
+    reason) and how many more, as ``diagnose`` lists them."""
+    v = verdict_of(cycles_with({"pcie", "fragmentation"}))
+    sink = Table(io.StringIO(), live=False, verdicts=lambda: {UUID: v})
+    frame = sink.frame(cycle(1_767_225_600_000, 0.1, "pcie"))
+    assert verdict_cell(frame) == f"{KINDS['pcie'][1]} +1"
 
 
-def test_the_table_verdict_still_counts_the_oldest_of_its_history_cycles():
-    assert verdict_cell([FINE, BAD] + [FINE] * (HISTORY - 1)) == KINDS["pcie"][1]
+def test_a_gpu_the_agent_has_not_judged_yet_shows_no_verdict():
+    sink = Table(io.StringIO(), live=False)
+    assert verdict_cell(sink.frame(cycle(1_767_225_600_000, 1.0))) == "-"
+
 

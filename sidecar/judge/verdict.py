@@ -7,6 +7,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from sidecar import thresholds
+from sidecar.judge.figures import Figures
 from sidecar.judge.rules import RULES
 from sidecar.judge.rules.health import reason_share, xid_list, xids_in_window
 from sidecar.judge.window import Window
@@ -45,9 +46,15 @@ class Verdict:
         if self.findings:
             more = f" +{len(self.findings) - 1}" if len(self.findings) > 1 else ""
             return self.findings[0].short + more
-        if self.compute_judged:
-            return "ok"
-        return "ok? no GPM" if self.window.mean.utilization is not None else "ok? no NVML"
+        return ok_cell(self.window.mean)
+
+
+def ok_cell(mean: Figures) -> str:
+    """The table's cell of a GPU without a finding: ok, or what could not be judged (no SM
+    occupancy without GPM; nothing without NVML)."""
+    if mean.occupancy is not None:
+        return "ok"
+    return "ok? no GPM" if mean.utilization is not None else "ok? no NVML"
 
 
 def threshold_prose(t: Thresholds) -> str:

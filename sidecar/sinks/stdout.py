@@ -6,12 +6,15 @@ import contextlib
 import json
 import math
 import sys
-from collections.abc import Mapping
-from typing import TextIO
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING, TextIO
 
 from sidecar.metrics import BY_NAME, histogram_of
 from sidecar.samples import Labels, Series
 from sidecar.views.terminal import capable_terminal
+
+if TYPE_CHECKING:
+    from sidecar.judge.verdict import Verdict
 
 
 def _family(name: str) -> str:
@@ -97,6 +100,13 @@ class StdoutSink:
             self.render = self._table.frame
         else:
             self.render = prometheus_text if self.format == "prometheus" else json_lines
+
+    def follow(self, verdicts: Callable[[], Mapping[str, Verdict]]) -> None:
+        """Show the agent's current verdicts (``Agent.verdicts``) in the table's verdict column
+        rather than only the kinds its ``gpu_verdict`` series carry: with them, the first
+        finding's detail and how many more."""
+        if self._table is not None:
+            self._table.verdicts = verdicts
 
     def emit(self, series: list[Series]) -> None:
         if not series:

@@ -11,11 +11,12 @@ Besides PCIe's columns, each link of the metric table (``sidecar.views.links``) 
 rate column, named by the short name its maximum declares, where some GPU of the table has the
 link.
 
-The verdict column is ``sidecar.views.verdict.judge`` on the last few cycles: the thresholds of the
-shipped alert rules, without their ``for:`` durations; it shows the first finding in the order of
-``verdict.PRECEDENCE`` (the order of ``verdict.RULES``, which its module docstring explains) and
-how many more;
-``gpu-sidecar diagnose`` explains a verdict with its figures and remedies.
+The figures' columns are the means of the last few cycles (``HISTORY``), folded by the judge's one
+window (``sidecar.judge.window``). The verdict column is the agent's own verdict, never judged
+here: the ``Verdict`` the agent judged on its recent window (``sidecar.judge.verdict``: the first
+finding in the order of ``sidecar.judge.rules.PRECEDENCE`` and how many more), as ``status``,
+``diagnose`` and the ``gpu_verdict`` series say it; where only the exported ``gpu_verdict`` is at
+hand, its kind. ``gpu-sidecar diagnose`` explains a verdict with its figures and remedies.
 """
 
 from __future__ import annotations
@@ -32,10 +33,9 @@ from typing import TextIO
 from sidecar.judge.figures import Figures
 from sidecar.judge.rules import cell_of
 from sidecar.judge.series import exported_verdicts, figures_of
-from sidecar.judge.verdict import Verdict, judge
+from sidecar.judge.verdict import Verdict, ok_cell
 from sidecar.judge.window import Window, summarize
 from sidecar.samples import Series
-from sidecar.thresholds import Thresholds
 from sidecar.views import links
 from sidecar.views.links import Link
 from sidecar.views.terminal import capable_terminal, isatty
@@ -43,7 +43,7 @@ from sidecar.views.terminal import capable_terminal, isatty
 HIDE_CURSOR, SHOW_CURSOR = "\x1b[?25l", "\x1b[?25h"
 ALT_SCREEN, MAIN_SCREEN = "\x1b[?1049h", "\x1b[?1049l"
 HOME, CLEAR_LINE_END, CLEAR_BELOW = "\x1b[H", "\x1b[K", "\x1b[J"
-HISTORY = 5  # cycles the verdict, the quantiles and the retries are taken over
+HISTORY = 5  # cycles the figures, the quantiles and the retries are taken over
 LEGEND_START = "legend: "
 ASK = "gpu-sidecar diagnose"  # the verdict's why, asked of an agent on the default socket
 MORE = "… {n} more GPUs not shown (enlarge the terminal or use --output prometheus)"
@@ -224,22 +224,24 @@ def _shares(values: Sequence[float | None]) -> str:
     return _pair(values, lambda v: f"{v * 100:.0f}")
 
 
-def _verdict_cell(v: Verdict, exported: str | None) -> str:
-    """The agent's current verdict (its ``gpu_verdict`` series, judged on its recent window, as
-    ``status`` and ``diagnose`` say it) when the cycle carries one; this frame's own judgement
-    only adds detail (a second finding, the clock's reason) when both name the same kind."""
-    if exported is None or exported == v.key:
+def _verdict_cell(w: Window, v: Verdict | None, exported: str | None) -> str:
+    """The agent's verdict: its ``Verdict`` (the first finding, the clock's reason, how many
+    more), else the kind its ``gpu_verdict`` series carried; ``-`` before it judged the GPU."""
+    if v is not None:
         return v.short()
-    return cell_of(exported)
+    if exported is None:
+        return "-"
+    return ok_cell(w.mean) if exported == "none" else cell_of(exported)
 
 
-def cells(v: Verdict, exported: str | None = None) -> dict[str, str]:
-    """Every column's cell for one GPU, the columns of every link besides PCIe included."""
-    w, m = v.window, v.window.mean
+def cells(w: Window, v: Verdict | None = None, exported: str | None = None) -> dict[str, str]:
+    """Every column's cell for one GPU, the columns of every link besides PCIe included: the
+    figures of ``w``, the verdict the agent gave (``v``, or the kind it ``exported``)."""
+    m = w.mean
     others = links.beside_pcie()
     if w.lost:
         out = {c.key: "-" for c in columns(others)}
-        out.update(gpu=m.index, verdict=_verdict_cell(v, exported))
+        out.update(gpu=m.index, verdict=_verdict_cell(w, v, exported))
         return out
     out = {
         "gpu": m.index, "util": _pct(m.utilization), "occ": _pct(m.occupancy),
@@ -248,7 +250,7 @@ def cells(v: Verdict, exported: str | None = None) -> dict[str, str]:
         "retry": "-" if w.retries is None else f"{w.retries:.0f}",
         "rx": _pct(m.pcie_rx_ratio), "tx": _pct(m.pcie_tx_ratio),
         "rx_rate": _rate(m.pcie_rx), "tx_rate": _rate(m.pcie_tx), "p50": _seconds(w.p50),
-        "p99": _seconds(w.p99), "verdict": _verdict_cell(v, exported),
+        "p99": _seconds(w.p99), "verdict": _verdict_cell(w, v, exported),
     }
     for lk in others:
         out[_share_key(lk)] = _shares([getattr(m, r.share) for r in lk.received_first])
@@ -256,14 +258,11 @@ def cells(v: Verdict, exported: str | None = None) -> dict[str, str]:
     return out
 
 
-def row(v: Verdict, cols: Sequence[Column], exported: str | None = None) -> str:
-    return _line(cells(v, exported), cols)
-
-
-def render(cycles: Sequence[Mapping[str, Figures]], title: str, t: Thresholds | None = None, *,
-           width: int | None = None, height: int | None = None,
-           exported: Mapping[str, str] | None = None, ask: str = ASK) -> str:
-    """One frame, plain text: the title, the header and a row per GPU, judged on ``cycles``.
+def render(cycles: Sequence[Mapping[str, Figures]], title: str, *,
+           verdicts: Mapping[str, Verdict] | None = None, exported: Mapping[str, str] | None = None,
+           width: int | None = None, height: int | None = None, ask: str = ASK) -> str:
+    """One frame, plain text: the title, the header and a row per GPU, its figures the means of
+    ``cycles``, its verdict the agent's (``verdicts``, else the kinds it ``exported``).
 
     With ``width``, only the columns that fit it (``layout``) and prose wrapped to it; with
     ``height``, at most that many lines: when not every GPU fits, the legend goes, the GPUs that
@@ -278,27 +277,33 @@ def render(cycles: Sequence[Mapping[str, Figures]], title: str, t: Thresholds | 
 
     windows = summarize(cycles)
     cols = layout(width, shown_links(windows.values()))
-    verdicts = {u: judge(w, t) for u, w in windows.items()}
+    verdicts, exported = verdicts or {}, exported or {}
+
+    def row(uuid: str) -> str:
+        return _line(cells(windows[uuid], verdicts.get(uuid), exported.get(uuid)), cols)
+
     order = sorted(windows, key=lambda u: (len(windows[u].mean.index), windows[u].mean.index))
     head = [*wrap(title), *header(cols)]
-    exported = exported or {}
-    rows = [row(verdicts[uuid], cols, exported.get(uuid)) for uuid in order]
+    rows = [row(uuid) for uuid in order]
     if not order:
         rows = wrap("no GPU selected yet: waiting for the app to announce its GPUs (--gpus)")
-    tail = [*_engine_line(verdicts, wrap), *wrap(legend(cols, ask))]
+    tail = [*_engine_line(windows, wrap), *wrap(legend(cols, ask))]
     if height is None or len(head) + len(rows) + len(tail) <= height:
         return "\n".join(head + rows + tail)
     # short of lines: the legend goes, the title and the note of GPUs left out take one line
     # each, and at least one GPU is shown (a small terminal still answers "is it healthy?")
-    urgent = sorted(order, key=lambda u: not (verdicts[u].window.lost or verdicts[u].findings))
+    def urgent_first(uuid: str) -> bool:
+        v, kind = verdicts.get(uuid), exported.get(uuid, "none")
+        return not (windows[uuid].lost or (v.findings if v is not None else kind != "none"))
+
+    urgent = sorted(order, key=urgent_first)
     head = [_one_line(title, width), *header(cols)]
     fits = height - len(head)
     if fits >= len(order):
         return "\n".join(head + rows[:max(fits, 1)])
     shown = max(fits - 1, 1)
     more = _one_line(MORE.format(n=len(order) - shown), width)
-    return "\n".join(head + [row(verdicts[u], cols, exported.get(u)) for u in urgent[:shown]]
-                     + [more])
+    return "\n".join(head + [row(u) for u in urgent[:shown]] + [more])
 
 
 def _one_line(text: str, width: int | None) -> str:
@@ -307,13 +312,13 @@ def _one_line(text: str, width: int | None) -> str:
     return text[: max(width - 1, 1)] + "…"
 
 
-def _engine_line(verdicts: Mapping[str, Verdict], wrap: Callable[[str], list[str]]
+def _engine_line(windows: Mapping[str, Window], wrap: Callable[[str], list[str]]
                  ) -> list[str]:
     """The serving engine's figures (the pod's, the same for every GPU), when one is read."""
-    v = next((v for v in verdicts.values() if v.window.mean.engine), None)
-    if v is None:
+    w = next((w for w in windows.values() if w.mean.engine), None)
+    if w is None:
         return []
-    w, m = v.window, v.window.mean
+    m = w.mean
     preempted = w.increases.get("preemptions")
     whose = " (p50/p99 above are the engine's: the app publishes none)" \
         if m.latency_source == "engine" else ""
@@ -344,11 +349,14 @@ class Table:
     place; elsewhere (``--output table`` into a file or pipe) frames follow each other, plain."""
 
     def __init__(self, stream: TextIO, *, live: bool | None = None, history: int = HISTORY,
-                 thresholds: Thresholds | None = None, ask: str = ASK) -> None:
+                 ask: str = ASK, verdicts: Callable[[], Mapping[str, Verdict]] | None = None
+                 ) -> None:
+        """``verdicts``: the agent's current verdicts (``Agent.verdicts``), read at each frame;
+        without it, the kinds of the ``gpu_verdict`` series the cycle carries."""
         self.stream = stream
         self.ask = ask
         self.live = capable_terminal(stream) if live is None else live
-        self.thresholds = thresholds
+        self.verdicts = verdicts
         self._cycles: deque[dict[str, Figures]] = deque(maxlen=history)
         self._exported: dict[str, str] = {}  # the agent's verdicts in the last cycle
         self._title = ""  # of the last frame drawn live, and its terminal's width: what
@@ -362,12 +370,10 @@ class Table:
         title = title_of(series, gpus)
         if not self.live:  # a file, a pipe or a dumb terminal: whole frames, one after another
             width = _size(self.stream)[0] if isatty(self.stream) else None
-            return render(self._cycles, title, self.thresholds, width=width,
-                          exported=self._exported, ask=self.ask) + "\n\n"
+            return self._render(title, width=width) + "\n\n"
         columns, rows = _size(self.stream)
         self._title, self._width = title, columns
-        drawn = render(self._cycles, title, self.thresholds, width=columns,
-                       height=max(rows - 1, 1), exported=self._exported, ask=self.ask)
+        drawn = self._render(title, width=columns, height=max(rows - 1, 1))
         lines = [line[:columns] for line in drawn.splitlines()][:max(rows - 1, 1)]
         start = ""
         if not self._on_screen:
@@ -384,9 +390,13 @@ class Table:
         self._on_screen = False
         atexit.unregister(self._restore_at_exit)
         # what stays on the main screen at exit: every GPU, at the terminal's width
-        last = render(self._cycles, self._title, self.thresholds, width=self._width,
-                      exported=self._exported, ask=self.ask)
+        last = self._render(self._title, width=self._width)
         return MAIN_SCREEN + SHOW_CURSOR + last + "\n"
+
+    def _render(self, title: str, *, width: int | None, height: int | None = None) -> str:
+        verdicts = dict(self.verdicts()) if self.verdicts is not None else None
+        return render(self._cycles, title, verdicts=verdicts, exported=self._exported,
+                      width=width, height=height, ask=self.ask)
 
     def _restore_at_exit(self) -> None:
         """An exit that skipped the sink's close (an exception) must not leave the terminal on
