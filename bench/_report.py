@@ -89,3 +89,14 @@ def wait_until(condition, timeout: float, what: str) -> None:
         if time.monotonic() > deadline:
             raise RuntimeError(f"{what} not within {timeout} s")
         time.sleep(0.05)
+
+
+def standin_seconds(fake) -> float:
+    """CPU seconds spent inside the stand-in NVML's functions so far (a ``FakeNvml`` built with
+    ``account_cpu=True`` records each call's), to tell them apart from the code under test's."""
+    return sum(list(fake.spent))
+
+
+def standin_calls(fake) -> int:
+    """The stand-in NVML calls accounted so far (``account_cpu=True``)."""
+    return len(fake.spent)

@@ -122,6 +122,7 @@ from _report import (  # noqa: E402
     heading,
     replace_section,
     section,
+    standin_seconds,
     status_mib,
     stop,
     wait_until,
@@ -493,11 +494,12 @@ def in_process(agent_cycles: int = 300, naive_cycles: int = 20) -> dict:
     from sidecar.simulate.scenarios import build
     from sidecar.sources.app_socket import AppState
     from sidecar.sources.nvml import NvmlSource
+    from tests.manual_clock import ManualClock
 
     configure("json", "warning")
 
     sc = build(SCENARIO, GPUS)
-    clock = fake_nvml.ManualClock()
+    clock = ManualClock()
     fake = fake_nvml.install(sc.nvml(clock=clock, account_cpu=True))
     source = NvmlSource(clock=clock, interval_s=INTERVAL_S)
     source.open()
@@ -543,10 +545,10 @@ def in_process(agent_cycles: int = 300, naive_cycles: int = 20) -> dict:
 
         source.read = timed_read  # type: ignore[method-assign]
         for i in range(1, agent_cycles + 1):
-            lib, t = fake.cpu_seconds, time.process_time()
+            lib, t = standin_seconds(fake), time.process_time()
             series = cycle(i)
             cpu += time.process_time() - t
-            inside += fake.cpu_seconds - lib
+            inside += standin_seconds(fake) - lib
         source.read = read  # type: ignore[method-assign]
         out = {"agent_cycle_ms": cpu / agent_cycles * 1e3,
                "agent_standin_ms": inside / agent_cycles * 1e3,
@@ -556,12 +558,12 @@ def in_process(agent_cycles: int = 300, naive_cycles: int = 20) -> dict:
         # NVML calls through pynvml, nothing built from them), and the app's messages of a
         # cycle decoded (the app-socket thread's work), each measured on its own
         uuids = agent.selected()
-        lib, t = fake.cpu_seconds, time.process_time()
+        lib, t = standin_seconds(fake), time.process_time()
         for _ in range(agent_cycles):
             clock.advance(INTERVAL_S)
             source.read(uuids)
         out["read_ms"] = (time.process_time() - t) / agent_cycles * 1e3
-        out["read_standin_ms"] = (fake.cpu_seconds - lib) / agent_cycles * 1e3
+        out["read_standin_ms"] = (standin_seconds(fake) - lib) / agent_cycles * 1e3
         datagrams = [[protocol.encode(m) for g in sc.gpus
                       for m in profile_messages(sc.app, g.uuid, 4242, 600.0 + agent_cycles + i)]
                      for i in range(1, agent_cycles + 1)]
@@ -610,10 +612,10 @@ def in_process(agent_cycles: int = 300, naive_cycles: int = 20) -> dict:
     naive()
     cpu = inside = 0.0
     for _ in range(naive_cycles):
-        lib, t = fake.cpu_seconds, time.process_time()
+        lib, t = standin_seconds(fake), time.process_time()
         naive()
         cpu += time.process_time() - t
-        inside += fake.cpu_seconds - lib
+        inside += standin_seconds(fake) - lib
     pynvml.nvmlShutdown()
     fake_nvml.uninstall()
     out.update(naive_cycle_ms=cpu / naive_cycles * 1e3,

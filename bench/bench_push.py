@@ -31,8 +31,10 @@ from sidecar.sinks.http import HttpOptions
 from sidecar.sinks.remote_write import RemoteWriteSink
 from sidecar.sources.app_socket import AppState
 from sidecar.sources.nvml import NvmlSource
-from sidecar.wire.remote_write import Batch, Encoder, compress
+from sidecar.wire.remote_write import compress
+from tests.manual_clock import ManualClock
 from tests.prompb import WriteRequest
+from tests.write_requests import Batch, GroupedEncoder
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
@@ -68,7 +70,7 @@ def protobuf_body(items: list[Series]) -> bytes:
     return compress(wr.SerializeToString())
 
 
-def ours_body(items: list[Series], encoder: Encoder) -> bytes:
+def ours_body(items: list[Series], encoder: GroupedEncoder) -> bytes:
     batch = Batch()
     batch.add(items)
     return compress(encoder.write_request(batch.series))
@@ -85,19 +87,19 @@ def rate(fn, n_samples: int, repeat: int = 15) -> float:
 
 def encoding_benchmark() -> dict:
     items = make_batch()
-    warm = Encoder()
+    warm = GroupedEncoder()
     ours_body(items, warm)
     assert WriteRequest.FromString  # decode check below
     from sidecar.wire.remote_write import decompress
 
     a, b = WriteRequest(), WriteRequest()
-    a.ParseFromString(decompress(ours_body(items, Encoder())))
+    a.ParseFromString(decompress(ours_body(items, GroupedEncoder())))
     b.ParseFromString(decompress(protobuf_body(items)))
     assert a == b, "the two encoders must produce the same message"
     return {
         "samples": len(items),
         "protobuf": rate(lambda: protobuf_body(items), len(items)),
-        "ours_cold": rate(lambda: ours_body(items, Encoder()), len(items)),
+        "ours_cold": rate(lambda: ours_body(items, GroupedEncoder()), len(items)),
         "ours_warm": rate(lambda: ours_body(items, warm), len(items)),
     }
 
@@ -115,7 +117,7 @@ def drain_benchmark() -> dict:
     configure("json", "error")
     tmp = Path(tempfile.mkdtemp(prefix="gpu-sidecar-bench-"))
     vm = VictoriaMetrics(tmp)
-    clock = fake_nvml.ManualClock()
+    clock = ManualClock()
     sc = build("healthy", 8)
     fake_nvml.install(sc.nvml(clock=clock, throughput_blocking=False))
     source = NvmlSource(clock=clock)

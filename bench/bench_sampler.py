@@ -31,7 +31,7 @@ from pathlib import Path
 
 import pynvml
 from _naive import NullSink, naive_loop
-from _report import finish, heading
+from _report import finish, heading, standin_calls, standin_seconds
 
 from sidecar.agent import Agent
 from sidecar.config import Config
@@ -39,6 +39,9 @@ from sidecar.simulate import fake_nvml
 from sidecar.simulate.scenarios import build
 from sidecar.sources.app_socket import AppState
 from sidecar.sources.nvml import NvmlSource
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # tests/ (the hand-moved clock)
+from tests.manual_clock import ManualClock
 
 GPUS = 8
 WINDOW_S = fake_nvml.THROUGHPUT_WINDOW_S
@@ -66,12 +69,12 @@ def cpu_per_cycle(fn, cycles: int, block: int = 50) -> tuple[float, float, float
     fake = pynvml.nvmlLib.fake
     best: tuple[float, float, float] | None = None
     for _ in range(max(1, cycles // block)):
-        inside, calls = fake.cpu_seconds, fake.accounted_calls
+        inside, calls = standin_seconds(fake), standin_calls(fake)
         start = time.process_time()
         for _ in range(block):
             fn()
-        measured = ((time.process_time() - start) / block, (fake.cpu_seconds - inside) / block,
-                    (fake.accounted_calls - calls) / block)
+        measured = ((time.process_time() - start) / block, (standin_seconds(fake) - inside) / block,
+                    (standin_calls(fake) - calls) / block)
         if best is None or measured[0] - measured[1] < best[0] - best[1]:
             best = measured
     assert best is not None
@@ -90,11 +93,11 @@ def accounting_overhead(calls: int = 200_000) -> float:
     accounted = fake._accounted(noop)
     best = []
     for _ in range(5):
-        inside = fake.cpu_seconds
+        inside = standin_seconds(fake)
         start = time.process_time()
         for _ in range(calls):
             accounted(1, 2)
-        with_accounting = time.process_time() - start - (fake.cpu_seconds - inside)
+        with_accounting = time.process_time() - start - (standin_seconds(fake) - inside)
         start = time.process_time()
         for _ in range(calls):
             noop(1, 2)
@@ -132,7 +135,7 @@ def cpu_round(scenario: str, overhead: float, cycles: int = 400) -> dict:
     """One round: the agent, then the naive loop, each on a fresh stand-in of the scenario."""
     # a simulated clock a second apart per cycle, so GPM averages are taken as in production
     # (back-to-back cycles under 100 ms would skip them)
-    clock = fake_nvml.ManualClock()
+    clock = ManualClock()
     agent = agent_for(scenario, blocking=False, clock=clock)
 
     def one_cycle(agent=agent, clock=clock) -> None:
@@ -186,7 +189,7 @@ from sidecar.sources.app_socket import AppState
 from sidecar.config import Config
 from sidecar.sources.nvml import NvmlSource
 from sidecar.simulate import fake_nvml
-from sidecar.simulate.fake_nvml import ManualClock
+from tests.manual_clock import ManualClock
 from sidecar.simulate.scenarios import build
 from sidecar.simulate.app import profile_messages
 from sidecar.sinks.stdout import prometheus_text

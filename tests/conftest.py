@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 
 from sidecar.simulate import fake_nvml
-from sidecar.simulate.fake_nvml import FakeGpu, FakeNvml, ManualClock
+from sidecar.simulate.fake_nvml import FakeGpu, FakeNvml
+from tests.manual_clock import ManualClock
 
 ROOT = Path(__file__).resolve().parent.parent
 

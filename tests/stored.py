@@ -10,7 +10,8 @@ from collections.abc import Iterable, Mapping
 
 import requests
 
-from sidecar.wire.remote_write import Encoder, compress
+from sidecar.wire.remote_write import compress
+from tests.write_requests import GroupedEncoder
 
 SeriesKey = tuple[str, tuple[tuple[str, str], ...]]
 HEADERS = {"Content-Type": "application/x-protobuf", "Content-Encoding": "snappy",
@@ -22,7 +23,7 @@ def push(url: str, series: Mapping[SeriesKey, list[tuple[int, float]]],
          per_request: int = 2000) -> int:
     """Every sample of ``series`` to the remote-write ``url``, ``per_request`` series a request;
     the number of samples sent. Raises on any answer but 2xx."""
-    encoder = Encoder()
+    encoder = GroupedEncoder()
     keys = list(series)
     sent = 0
     with requests.Session() as session:

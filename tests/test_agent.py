@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from sidecar.agent import Agent
 from sidecar.config import Config
-from sidecar.simulate.fake_nvml import ManualClock
 from sidecar.simulate.scenarios import build
 from sidecar.sources.app_socket import AppState
 from sidecar.sources.nvml import NvmlSource
+from tests.manual_clock import ManualClock
 from tests.test_app_socket import alloc, raw
 
 

@@ -13,7 +13,6 @@ import pytest
 
 from sidecar import protocol
 from sidecar.config import Config
-from sidecar.simulate.fake_nvml import ManualClock
 from sidecar.sources.app_socket import (
     AppSocket,
     AppState,
@@ -22,6 +21,7 @@ from sidecar.sources.app_socket import (
     bind_datagram,
 )
 from tests.conftest import send_datagram
+from tests.manual_clock import ManualClock
 from tests.waiting import until
 
 GPU = "GPU-0c4b24ac-fb68-413f-6f0c-54be2b5a94c7"

@@ -13,6 +13,7 @@ from sidecar.simulate import fake_nvml
 from sidecar.simulate.scenarios import FAULT_ECC_INDEX, build
 from sidecar.sinks.cadence import RESEND_S, Cadence
 from sidecar.sources.nvml import NvmlSource
+from tests.manual_clock import ManualClock
 from tests.receivers import Agent, VictoriaMetrics, running
 
 GPU = (("gpu_uuid", "GPU-1"),)
@@ -67,7 +68,7 @@ def test_a_rare_figure_is_sent_again_when_the_wall_clock_steps_back():
 def ecc_readings(rare_read_s: float, steps: list[float]) -> tuple[list[float], list[float]]:
     """The fault GPU's uncorrected ECC count as the source read it, and as the stand-in held it,
     at each step of a simulated clock (``hardware-fault``: it climbs 0.5 a second)."""
-    clock = fake_nvml.ManualClock()
+    clock = ManualClock()
     loaded = clock()  # the stand-in's driver loads now: its volatile counts start at 0
     fake_nvml.install(build("hardware-fault").nvml(clock=clock, throughput_blocking=False))
     source = NvmlSource(clock=clock, sleep=clock.advance, rare_read_s=rare_read_s)

@@ -22,10 +22,11 @@ import pytest
 from sidecar import metrics
 from sidecar.samples import GpuSample, gpu_labels, sample_series
 from sidecar.simulate import fake_nvml
-from sidecar.simulate.fake_nvml import FakeGpu, FakeMig, ManualClock, Signal
+from sidecar.simulate.fake_nvml import FakeGpu, FakeMig, Signal
 from sidecar.simulate.scenarios import DEFAULT_GPUS, build
 from sidecar.sources.nvml import NvmlSource
 from tests.conftest import ROOT
+from tests.manual_clock import ManualClock
 from tests.waiting import until
 
 FI_ENERGY = pynvml.NVML_FI_DEV_TOTAL_ENERGY_CONSUMPTION

@@ -30,10 +30,11 @@ from sidecar.samples import Series
 from sidecar.sinks.answers import FAILURE_REASONS
 from sidecar.sinks.http import HttpOptions
 from sidecar.sinks.remote_write import RemoteWriteSink
-from sidecar.wire.remote_write import Batch, Encoder, compress
+from sidecar.wire.remote_write import compress
 from tests.conftest import ROOT
 from tests.receivers import VM_REL, Agent, FaultProxy, VictoriaMetrics, running
 from tests.waiting import until
+from tests.write_requests import Batch, GroupedEncoder
 
 
 def args(url: str, spool: Path, *extra: str) -> list[str]:
@@ -414,7 +415,7 @@ def test_a_fifo_and_a_link_named_like_batches_neither_hang_the_agent_nor_send_fr
     outside = Spool(tmp_path / "outside", max_bytes=1 << 20)  # a valid batch, not this spool's
     left = Batch()
     left.add([Series("from_outside_the_spool", (), 1.0, 1_700_000_000_000)])
-    foreign = outside.put(compress(Encoder().write_request(left.series)), samples=1)
+    foreign = outside.put(compress(GroupedEncoder().write_request(left.series)), samples=1)
     outside.close()
     before = (os.lstat(foreign.path).st_ino, foreign.path.read_bytes())
     batches[1].unlink()
@@ -745,7 +746,7 @@ def test_a_spooled_batch_that_cannot_be_merged_is_sent_alone_and_the_rest_flows(
         spool.put(garbage, samples=3)  # e.g. written by an older version, or bit rot with its CRC
         good = Batch()
         good.add([Series("after_the_bad_one", (("k", "v"),), 2.5, 1_700_000_000_000)])
-        spool.put(compress(Encoder().write_request(good.series)), samples=1)
+        spool.put(compress(GroupedEncoder().write_request(good.series)), samples=1)
         sink.start()
         until(lambda: len(spool) == 0, what=lambda: f"an empty spool (at {len(spool)})")
         assert not sink.close(time.monotonic() + 2), "a batch set aside is not all delivered"
@@ -788,7 +789,7 @@ def test_the_spool_of_an_earlier_release_is_adopted_and_sent(tmp_path):
         old = Spool(tmp_path / "spool" / f"remote_write_{host_port}", max_bytes=1 << 20)
         left = Batch()
         left.add([Series("left_by_the_old_release", (), 7.0, 1_700_000_000_000)])
-        old.put(compress(Encoder().write_request(left.series)), samples=1)
+        old.put(compress(GroupedEncoder().write_request(left.series)), samples=1)
         old.close()
         agent = Agent(args(vm.write_url, tmp_path / "spool")).start()
         until(lambda: events(agent, "spool_adopted") and pushed(agent) > 0,

@@ -17,11 +17,12 @@ from sidecar.judge.verdict import Verdict, judge
 from sidecar.judge.window import summarize
 from sidecar.samples import GpuSample, gpu_labels, sample_series
 from sidecar.simulate import fake_nvml
-from sidecar.simulate.fake_nvml import FakeGpu, FakeNvml, ManualClock, Signal
+from sidecar.simulate.fake_nvml import FakeGpu, FakeNvml, Signal
 from sidecar.simulate.scenarios import GH200_C2C, build
 from sidecar.sources.nvml import NvmlSource
 from sidecar.sources.pcie import link_max_bytes_per_second
 from tests.conftest import run_cli
+from tests.manual_clock import ManualClock
 
 GEN4_X1 = link_max_bytes_per_second(4, 1) or 0.0
 GEN1_X1 = link_max_bytes_per_second(1, 1) or 0.0

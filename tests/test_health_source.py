@@ -12,10 +12,11 @@ import pytest
 from sidecar.metrics import RARE_READ_S
 from sidecar.samples import GpuSample, gpu_labels, sample_series
 from sidecar.simulate import fake_nvml
-from sidecar.simulate.fake_nvml import FakeMig, ManualClock
+from sidecar.simulate.fake_nvml import FakeMig
 from sidecar.simulate.scenarios import build
 from sidecar.sources.nvml import NvmlSource
 from sidecar.sources.pcie import link_max_bytes_per_second
+from tests.manual_clock import ManualClock
 from tests.waiting import until
 
 

@@ -26,9 +26,9 @@ import pytest
 from sidecar import protocol
 from sidecar.agent import Agent as SidecarAgent
 from sidecar.config import Config
-from sidecar.simulate.fake_nvml import ManualClock
 from sidecar.sources.app_socket import AppState
 from tests.conftest import ROOT, run_cli
+from tests.manual_clock import ManualClock
 from tests.receivers import Agent, VictoriaMetrics, running
 from tests.waiting import until
 

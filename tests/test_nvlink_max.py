@@ -18,9 +18,10 @@ import pytest
 
 from sidecar.samples import GpuSample, gpu_labels, sample_series
 from sidecar.simulate import fake_nvml
-from sidecar.simulate.fake_nvml import FakeGpu, FakeNvml, ManualClock
+from sidecar.simulate.fake_nvml import FakeGpu, FakeNvml
 from sidecar.simulate.scenarios import build
 from sidecar.sources.nvml import NvmlSource
+from tests.manual_clock import ManualClock
 
 MAX = "gpu_nvlink_link_max_bytes_per_second"
 SHARES = ("gpu_nvlink_tx_bandwidth_util_ratio", "gpu_nvlink_rx_bandwidth_util_ratio")

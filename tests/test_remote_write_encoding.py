@@ -11,8 +11,9 @@ from hypothesis import strategies as st
 
 from sidecar.samples import Series
 from sidecar.wire import protobuf, remote_write
-from sidecar.wire.remote_write import Batch, Encoder, compress, decompress, encode_labels, varint
+from sidecar.wire.remote_write import Encoder, compress, decompress, encode_labels, varint
 from tests.prompb import Label, Sample, TimeSeries, WriteRequest
+from tests.write_requests import Batch, GroupedEncoder
 
 
 def decode(body: bytes) -> dict[tuple[str, tuple], list[tuple[int, float]]]:
@@ -74,7 +75,7 @@ def test_batch_round_trips_through_protobuf_and_snappy_block_format():
     batch.add([Series("gpu_utilization_ratio", labels, 0.5, 1000),
                Series("gpu_memory_used_bytes", labels, 2.0**53, 1000)])
     batch.add([Series("gpu_utilization_ratio", labels, 0.75, 2000)])
-    body = compress(Encoder().write_request(batch.series))
+    body = compress(GroupedEncoder().write_request(batch.series))
     # snappy *block* format: decodable by the raw decoder, not the framed one
     raw = bytes(cramjam.snappy.decompress_raw(body))
     assert decode(raw) == {
@@ -87,7 +88,7 @@ def test_batch_round_trips_through_protobuf_and_snappy_block_format():
 def test_out_of_order_samples_are_sorted_per_series():
     batch = Batch()
     batch.add([Series("x", (), 2.0, 2000), Series("x", (), 1.0, 1000)])
-    assert decode(Encoder().write_request(batch.series)) == {("x", ()): [(1000, 1.0), (2000, 2.0)]}
+    assert decode(GroupedEncoder().write_request(batch.series)) == {("x", ()): [(1000, 1.0), (2000, 2.0)]}
 
 
 STALE_NAN = struct.unpack("<d", struct.pack("<Q", 0x7FF0000000000002))[0]
@@ -119,7 +120,7 @@ def test_encoder_agrees_with_protobuf_for_any_series(items):
         key = (name, tuple(sorted(labels.items())))
         batch.add([Series(name, key[1], value, ts)])
         expected.setdefault(key, []).append((ts, value))
-    got = decode(Encoder().write_request(batch.series))
+    got = decode(GroupedEncoder().write_request(batch.series))
     assert set(got) == set(expected)
     for key, points in expected.items():
         want = sorted(points, key=lambda p: p[0])

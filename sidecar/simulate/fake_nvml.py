@@ -22,8 +22,9 @@ A driver that retired the calls nvml.h 13 marks ``DEPRECATED(13.0)`` is one mode
 successor answers as usual.
 
 Xid events are scheduled on the simulated clock; ``nvmlEventSetWait_v2`` blocks on a condition
-for at most its timeout in real time and wakes early when an event falls due (or when a
-``ManualClock`` is moved), as the real call sleeps until an event arrives.
+for at most its timeout in real time and wakes early when an event falls due (or when a clock
+with a ``watch`` method, as the tests' ``ManualClock``, is moved), as the real call sleeps until
+an event arrives.
 """
 
 from __future__ import annotations
@@ -34,7 +35,6 @@ import math
 import os
 import threading
 import time
-import weakref
 from collections import Counter
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -390,7 +390,7 @@ class FakeNvml:
         self.calls: Counter[str] = Counter()
         self._lock = threading.Lock()
         self._inflight = 0
-        self._spent: list[float] = []
+        self.spent: list[float] = []  # account_cpu: each call's CPU seconds inside the stand-in
         self._devices: dict[int, tuple[int, FakeGpu, FakeMig | None]] = {}
         self._gpm_tables: dict[tuple[int, int | None], dict[int, tuple[Signal, float]]] = {}
         self.max_concurrent_throughput = 0
@@ -425,7 +425,7 @@ class FakeNvml:
         """Count the CPU time spent inside the stand-in, which emulates C code in Python, so a
         benchmark can tell it apart from the CPU time of the code under test."""
         thread_time = time.thread_time
-        spent = self._spent
+        spent = self.spent
 
         def timed(*args: object) -> int:
             start = thread_time()
@@ -434,14 +434,6 @@ class FakeNvml:
             return result
 
         return timed
-
-    @property
-    def cpu_seconds(self) -> float:
-        return sum(self._spent)
-
-    @property
-    def accounted_calls(self) -> int:
-        return len(self._spent)
 
     # -- helpers -----------------------------------------------------------------------------
 
@@ -1303,28 +1295,3 @@ def uninstall() -> None:
     with _install_lock:
         _installed.fake = None
         pynvml.nvmlLib = None
-
-
-@dataclass(frozen=True)
-class ManualClock:
-    """A clock tests move by hand; shared by the fake library and the agent. Moving it wakes
-    whatever the stand-in has blocked on the simulated time (an event-set wait)."""
-
-    _now: list[float] = field(default_factory=lambda: [1000.0])
-    _watchers: list[weakref.WeakMethod] = field(default_factory=list, compare=False, repr=False)
-
-    def __call__(self) -> float:
-        return self._now[0]
-
-    def watch(self, method: Callable[[], object]) -> None:
-        """Call the bound ``method`` after each move (held weakly)."""
-        self._watchers.append(weakref.WeakMethod(method))  # type: ignore[arg-type]
-
-    def advance(self, seconds: float) -> None:
-        self._now[0] += seconds
-        for ref in list(self._watchers):
-            method = ref()
-            if method is None:
-                self._watchers.remove(ref)
-            else:
-                method()

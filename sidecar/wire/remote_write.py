@@ -16,7 +16,6 @@ timestamps in milliseconds.
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
 
 import cramjam
 
@@ -50,7 +49,7 @@ def encode_labels(name: str, labels: Labels) -> bytes:
                     for k, v in pairs)
 
 
-def _sample_head(tail: bytes) -> bytes:
+def sample_head(tail: bytes) -> bytes:
     """What comes before a Sample's value: the TimeSeries.samples tag, the Sample's length (its
     value and ``tail``, the encoded timestamp) and the value's tag."""
     return TIMESERIES_SAMPLES + bytes((_SAMPLE_VALUE_SIZE + len(tail),)) + SAMPLE_VALUE
@@ -59,27 +58,10 @@ def _sample_head(tail: bytes) -> bytes:
 SeriesKey = tuple[str, Labels]
 
 
-@dataclass
-class Batch:
-    """Samples accumulated between flushes, grouped by series, in arrival order."""
-
-    series: dict[SeriesKey, list[tuple[int, float]]] = field(default_factory=dict)
-    samples: int = 0
-
-    def add(self, items: Iterable[Series]) -> None:
-        for s in items:
-            self.series.setdefault((s.name, s.labels), []).append((s.timestamp_ms, s.value))
-            self.samples += 1
-
-    def __len__(self) -> int:
-        return self.samples
-
-
 class Encoder:
     """Encodes batches; remembers the label block of each series it has seen."""
 
     def __init__(self, max_cached_series: int = 50_000) -> None:
-        self._labels: dict[SeriesKey, bytes] = {}
         self._prefixes: dict[tuple[str, Labels, int], bytes] = {}
         self._max = max_cached_series
 
@@ -104,38 +86,12 @@ class Encoder:
             prefix = prefixes.get(key)
             if prefix is None:
                 labels = encode_labels(s.name, s.labels)
-                sample = _sample_head(tail)
+                sample = sample_head(tail)
                 # the TimeSeries: its tag and length, then its labels and its one sample
                 size = len(labels) + len(sample) + DOUBLE.size + width
                 prefix = prefixes[key] = WRITE_REQUEST_TIMESERIES + varint(size) + labels + sample
             out += (prefix, pack(s.value), tail)
         return b"".join(out)
-
-    def write_request(self, series: dict[SeriesKey, list[tuple[int, float]]]) -> bytes:
-        """A batch grouped by series, one TimeSeries each with its samples in order: the
-        compact form, for bodies built in one go (tests, the encoding benchmark)."""
-        if len(self._labels) > self._max:
-            self._labels.clear()
-        pack = DOUBLE.pack
-        # every series of a cycle shares its timestamp: encode the parts around the value once
-        framing: dict[int, tuple[bytes, bytes]] = {}
-        parts: list[bytes] = []
-        for key, points in series.items():
-            label_block = self._labels.get(key)
-            if label_block is None:
-                label_block = self._labels[key] = encode_labels(*key)
-            if any(points[i][0] > points[i + 1][0] for i in range(len(points) - 1)):
-                points = sorted(points, key=lambda p: p[0])
-            chunks = [label_block]
-            for ts, value in points:
-                frame = framing.get(ts)
-                if frame is None:
-                    tail = SAMPLE_TIMESTAMP + varint(ts)
-                    frame = framing[ts] = (_sample_head(tail), tail)
-                chunks.append(frame[0] + pack(value) + frame[1])
-            parts.append(length_delimited(WRITE_REQUEST_TIMESERIES, b"".join(chunks)))
-        return b"".join(parts)
-
 
 def compress(payload: bytes) -> bytes:
     """Snappy *block* format, as remote-write requires (not the framed stream format)."""
