@@ -70,6 +70,7 @@ class Agent:
         self.verdicts: dict[str, Verdict] = {}  # each GPU's current verdict (CURRENT_S)
         self._verdicts_seen: dict[str, dict[str, float]] = {}  # uuid -> kind -> last current
         self._readable: set[str] = set()  # the GPUs read in the cycle last judged
+        self._first_seen: dict[str, float] = {}  # uuid -> when the window first had it
         self.source = source
         self.engine = engine
         self.app = app
@@ -261,8 +262,14 @@ class Agent:
         # can be read changed (a lost GPU is said at once); in between the verdict holds, so
         # judging costs one cycle in a bucket, not every one
         readable = {uuid for uuid, f in cycle.items() if f.available}
+        # ...and every cycle while a GPU is newer than the verdict's window: its first cycles
+        # lack what needs two readings (rates) or the app (its figures), and a verdict taken on
+        # them must not hold for a bucket (a short Job would be judged on nothing)
+        for uuid in cycle.keys() - self._first_seen.keys():
+            self._first_seen[uuid] = now
+        young = any(now - self._first_seen[uuid] < CURRENT_S for uuid in cycle)
         if (self.recent.add(cycle, now) or cycle.keys() != self.verdicts.keys()
-                or readable != self._readable):
+                or readable != self._readable or young):
             self.verdicts, _ = self.recent.verdicts(CURRENT_S, now)
             self._readable = readable
         out: list[Series] = []

@@ -392,3 +392,30 @@ def test_status_shows_the_current_verdict_the_table_and_diagnose_give(tmp_path):
     assert shown.returncode == 0, shown.stdout + shown.stderr
     assert re.search(r"verdict pcie", shown.stdout), shown.stdout
     assert set(verdicts(proc.stdout).values()) == {"pcie"}
+
+
+def test_a_new_gpus_verdict_is_judged_again_each_cycle_until_its_window_is_whole():
+    """A GPU's first cycle lacks what needs two readings (rates) or the app: its verdict is not
+    held for a bucket on that cycle, but taken again from the next one (a short Job, a GPU
+    announced late, would otherwise be judged on nothing for 15 s)."""
+    from sidecar.agent import Agent as Running
+    from sidecar.config import Config
+    from sidecar.judge.series import figures_of
+    from sidecar.samples import Series
+    from sidecar.sources.app_socket import AppState
+
+    now = [1000.0]
+    agent = Running(Config(gpus="visible"), source=None, app=AppState(), sinks=[],
+                    clock=lambda: now[0], recent=Recent())
+    labels = (("gpu_index", "0"), ("gpu_name", "Simulated X"), ("gpu_uuid", "GPU-1"))
+
+    def cycle(*figures: tuple[str, float]) -> dict[str, float]:
+        series = [Series("gpu_sidecar_gpu_available", labels, 1.0, 0),
+                  *(Series(name, labels, value, 0) for name, value in figures)]
+        out = agent._judge(figures_of(series), 0)
+        return {dict(s.labels)["verdict"]: s.value for s in out if s.value == 1}
+
+    assert cycle(("gpu_utilization_ratio", 0.9)) == {"none": 1.0}  # no rates yet
+    now[0] += 1
+    saturated = (("gpu_utilization_ratio", 0.9), ("gpu_pcie_rx_bandwidth_util_ratio", 1.0))
+    assert cycle(*saturated) == {"pcie": 1.0}  # the next cycle, not the next bucket
