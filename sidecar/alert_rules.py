@@ -2,7 +2,7 @@
 
     python -m sidecar.alert_rules            # writes deploy/alerts/ and k8s/monitoring/
 
-A verdict's alert rules are part of its rule (``sidecar.views.verdict.RULES``, ``alerts``); the
+A verdict's alert rules are part of its rule (``sidecar.judge.rules.RULES``, ``alerts``); the
 alerts that are no verdict's (the agent's health, a Job's summary) are a template here. Neither
 is a file read back, so that a threshold exists in one place;
 ``tests/test_deploy.py`` fails when the files in the repository differ from what this renders,
@@ -27,14 +27,14 @@ _HEADER = """\
 # traffic, NVLink-C2C saturated on Grace), the serving engine's (a full KV cache, queueing) and
 # the agent's own health. Tested with
 # `promtool test rules deploy/alerts/gpu-sidecar.tests.yml`.
-# Generated from sidecar/views/verdict.py (RULES) and sidecar/thresholds.py by
+# Generated from sidecar/judge/rules/ (RULES) and sidecar/thresholds.py by
 # `python -m sidecar.alert_rules`: edit there, not here.
 # The same groups, as a PrometheusRule for the Prometheus Operator: k8s/monitoring/.
 """
 
 _OPERATOR_HEADER = """\
 # The rules of deploy/alerts/gpu-sidecar.rules.yml for the Prometheus Operator, generated with
-# them from sidecar/views/verdict.py and sidecar/thresholds.py by
+# them from sidecar/judge/rules/ and sidecar/thresholds.py by
 # `python -m sidecar.alert_rules`. Select it with your
 # Prometheus's ruleSelector (label role: alert-rules).
 apiVersion: monitoring.coreos.com/v1
@@ -95,24 +95,26 @@ _OTHER_GROUPS = """\
 
   - name: gpu-sidecar.batch
     rules:
-      - alert: GPUJobRunPCIeBound
-        # from the run summary a Job's agent sends at its end (--batch-job): the Job's last run
-        # kept a GPU's PCIe link saturated for most of its time. It stays while that summary is
-        # the newest (the Pushgateway keeps it; remote-write makes it stale after 5 minutes)
+      - alert: GPUJobRunBottleneck
+        # from the run summary a Job's agent sends at its end (--batch-job): the agent's verdict
+        # on a GPU was one bottleneck for most of the Job's last run. It stays while that summary
+        # is the newest (the Pushgateway keeps it; remote-write makes it stale after 5 minutes)
         expr: |
-          max by (namespace, job_name, gpu_uuid) (
-            gpu_run_above_threshold_ratio{condition="pcie_saturated"}
+          max by (namespace, job_name, gpu_uuid, condition) (
+            gpu_run_above_threshold_ratio{condition!="none"}
           ) > %(job_saturated_share)s
         for: 0m
         labels:
           severity: info
         annotations:
-          summary: "Job {{ $labels.job_name }} PCIe-bound for {{ $value | humanizePercentage }} of its run"
+          summary: >-
+            Job {{ $labels.job_name }}: {{ $labels.condition }} for
+            {{ $value | humanizePercentage }} of its run
           description: >-
-            The last run of Job {{ $labels.job_name }} ({{ $labels.namespace }}) kept GPU
-            {{ $labels.gpu_uuid }} above %(pcie_percent)s %% of its PCIe link for most of the run:
-            the copies, not the kernels, set its duration. Pinned host memory, prefetching the
-            next batch, or fewer host-device round trips shorten it.
+            For most of the last run of Job {{ $labels.job_name }} ({{ $labels.namespace }}) the
+            agent's verdict on GPU {{ $labels.gpu_uuid }} was {{ $labels.condition }}: that layer,
+            not the work, set the run's duration. `gpu-sidecar diagnose --query-url` over the
+            run's time range gives the figures and the remedy.
 
   - name: gpu-sidecar.agent
     rules:
@@ -244,7 +246,7 @@ def _values(t: Thresholds) -> dict[str, object]:
 
 
 def _groups() -> str:
-    """The rule groups as a template: each verdict rule's alerts (``views.verdict.RULES``, in
+    """The rule groups as a template: each verdict rule's alerts (``judge.rules.RULES``, in
     precedence order) in its layer's group (the engine's apart, every other one in
     ``gpu-sidecar.gpu``), then the alerts that are no verdict's."""
     gpu = [r.alerts for r in RULES if r.alerts and r.layer != "engine"]

@@ -550,11 +550,10 @@ TABLE: tuple[MetricSpec, ...] = (
     _m("gpu_run_mean_ratio", "gauge", "ratio", "run", "agent: the cycles' series",
        "Mean over the run's samples of the ratio named by label figure.",
        otel="gpu.run.mean"),
-    _m("gpu_run_above_threshold_ratio", "gauge", "ratio", "run", "agent, sidecar/thresholds.py",
-       "Share of the samples beyond the alert rules' threshold, by label condition: pcie_saturated "
-       "(either direction above the PCIe threshold), fragmented (allocator fragmentation above its "
-       "threshold on a cache above its minimum size), low_occupancy (SM occupancy below its threshold, "
-       "whatever the latency).",
+    _m("gpu_run_above_threshold_ratio", "gauge", "ratio", "run", "agent: its gpu_verdict",
+       "Share of the run's samples in which each verdict kind (label condition: every kind of "
+       "the verdict's precedence, and none) was the agent's verdict on the GPU, as its "
+       "gpu_verdict series said it; 0 for a kind judged and never found.",
        otel="gpu.run.above_threshold"),
     _m("gpu_run_alloc_retries", "gauge", "retries", "run", "app",
        "Allocator retries the app's counters show at the end of the run, a restart of the counter "

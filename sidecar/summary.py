@@ -3,8 +3,9 @@
 A Job's history in a time-series database answers "how did it go" only while someone keeps the
 Job's time range, the dashboard and the thresholds in mind; the summary answers it in a few
 series pushed once, at the end, keyed by the Job: the peak and the mean of each ratio, the share
-of the run a GPU spent beyond each alert threshold (``sidecar.thresholds``, the shipped rules'),
-the allocator's retries and OOMs, and the p99 request latency over the run.
+of the run each verdict kind was the GPU's verdict (the agent's own, as its ``gpu_verdict``
+series say it: the one judge, ``sidecar.judge``, every kind of ``PRECEDENCE``), the allocator's
+retries and OOMs, and the p99 request latency over the run.
 
 It reads the series each cycle emits, so the summary is by construction a function of what the
 sinks received (and what the test reads back from stdout). Memory is constant in the length of
@@ -29,10 +30,10 @@ from typing import Any
 
 import structlog
 
+from sidecar.judge.rules import PRECEDENCE
 from sidecar.judge.window import histogram_quantile as quantile
 from sidecar.log import Episodes
 from sidecar.samples import Labels, Series, with_labels
-from sidecar.thresholds import THRESHOLDS, Thresholds
 
 # the ratios of the three layers whose peak and mean the summary keeps
 RATIOS = (
@@ -43,16 +44,15 @@ RATIOS = (
 # counters whose increase over the run the summary reports
 COUNTERS = {"gpu_allocator_alloc_retries_total": "gpu_run_alloc_retries",
             "gpu_allocator_ooms_total": "gpu_run_ooms"}
-# conditions of the alert rules a single cycle can show (PCIe; fragmentation on a large cache;
-# low occupancy, which the rule pairs with a slow p99, reported here on its own)
-CONDITIONS = ("pcie_saturated", "fragmented", "low_occupancy")
-_RESERVED = "gpu_allocator_reserved_bytes"
+# the agent's verdict each cycle (its gpu_verdict series at 1): every kind, and none
+KINDS = (*PRECEDENCE, "none")
+_VERDICT = "gpu_verdict"
 _AVAILABLE = "gpu_sidecar_gpu_available"  # 0 in a cycle the GPU was selected but not read
 _BUCKET = "inference_request_duration_seconds_bucket"
 # the serving engine's (the pod's): the run's latency on a GPU whose app publishes none
 _ENGINE_BUCKET = "engine_request_duration_seconds_bucket"
-_WATCHED = frozenset((*RATIOS, *COUNTERS, _RESERVED, _AVAILABLE))
-STATE_VERSION = 1
+_WATCHED = frozenset((*RATIOS, *COUNTERS, _AVAILABLE))
+STATE_VERSION = 2  # 2: the verdicts' kinds, not three conditions of the summary's own
 
 log = structlog.get_logger("sidecar.summary")
 
@@ -76,12 +76,12 @@ class _GpuRun:
     peak: dict[str, float] = field(default_factory=dict)
     total: dict[str, float] = field(default_factory=dict)
     seen: dict[str, int] = field(default_factory=dict)
-    beyond: dict[str, int] = field(default_factory=dict)  # condition -> cycles it held
-    judged: dict[str, int] = field(default_factory=dict)  # condition -> cycles with its inputs
+    verdicts: dict[str, int] = field(default_factory=dict)  # kind -> cycles it was the verdict
+    judged: int = 0  # cycles with a verdict
     counters: dict[str, _Increase] = field(default_factory=dict)
     buckets: dict[float, _Increase] = field(default_factory=dict)  # upper bound -> increase
 
-    def add(self, figures: dict[str, float], t: Thresholds) -> None:
+    def add(self, figures: dict[str, float]) -> None:
         if figures.get(_AVAILABLE) == 0.0:
             self.unreadable += 1
             return
@@ -96,20 +96,10 @@ class _GpuRun:
         for name in COUNTERS:
             if name in figures:
                 self.counters.setdefault(name, _Increase()).see(figures[name])
-        tx = figures.get("gpu_pcie_tx_bandwidth_util_ratio")
-        rx = figures.get("gpu_pcie_rx_bandwidth_util_ratio")
-        occupancy = figures.get("gpu_sm_occupancy_ratio")
-        fragmentation = figures.get("gpu_memory_fragmentation_ratio")
-        verdicts = {
-            "pcie_saturated": None if tx is None and rx is None else t.pcie_saturated(tx, rx),
-            "fragmented": None if fragmentation is None else
-            t.fragmented(fragmentation, figures.get(_RESERVED)),
-            "low_occupancy": None if occupancy is None else t.low_occupancy(occupancy),
-        }
-        for condition, held in verdicts.items():
-            if held is not None:
-                self.judged[condition] = self.judged.get(condition, 0) + 1
-                self.beyond[condition] = self.beyond.get(condition, 0) + held
+
+    def see_verdict(self, kind: str) -> None:
+        self.judged += 1
+        self.verdicts[kind] = self.verdicts.get(kind, 0) + 1
 
     def add_buckets(self, counts: dict[float, float]) -> None:
         if self.buckets.keys() != counts.keys():
@@ -129,7 +119,7 @@ class _GpuRun:
     def state(self) -> dict[str, Any]:
         # written out by hand: dataclasses.asdict deep-copies, some fifty times slower
         return {"cycles": self.cycles, "unreadable": self.unreadable, "peak": self.peak,
-                "total": self.total, "seen": self.seen, "beyond": self.beyond,
+                "total": self.total, "seen": self.seen, "verdicts": self.verdicts,
                 "judged": self.judged,
                 "counters": {k: [c.last, c.total] for k, c in self.counters.items()},
                 "buckets": [[b, c.last, c.total] for b, c in self.buckets.items()]}
@@ -142,8 +132,8 @@ class _GpuRun:
                    for b, last, total in state["buckets"]}
         return cls(cycles=int(state["cycles"]), unreadable=int(state["unreadable"]),
                    peak=_floats(state["peak"]), total=_floats(state["total"]),
-                   seen=_ints(state["seen"]), beyond=_ints(state["beyond"]),
-                   judged=_ints(state["judged"]), counters=counters, buckets=buckets)
+                   seen=_ints(state["seen"]), verdicts=_ints(state["verdicts"]),
+                   judged=int(state["judged"]), counters=counters, buckets=buckets)
 
 
 def _floats(d: dict[str, Any]) -> dict[str, float]:
@@ -163,12 +153,10 @@ def is_summary(name: str) -> bool:
 class RunSummary:
     """Fed every cycle's series; ``series`` gives the summary at the end of the run."""
 
-    def __init__(self, job_name: str, pod_labels: Labels, thresholds: Thresholds = THRESHOLDS,
-                 *, index: str = "") -> None:
+    def __init__(self, job_name: str, pod_labels: Labels, *, index: str = "") -> None:
         # the Job and, for an Indexed Job's pod, its completion index
         self.job: Labels = (("job_name", job_name), *((("job_index", index),) if index else ()))
         self.labels = tuple(sorted((*pod_labels, *self.job)))
-        self.thresholds = thresholds
         self.start_ms: int | None = None
         self.end_ms: int | None = None
         self._gpus: dict[Labels, _GpuRun] = {}
@@ -190,11 +178,15 @@ class RunSummary:
         figures: dict[Labels, dict[str, float]] = {}
         buckets: dict[Labels, dict[float, float]] = {}
         engine: dict[float, float] = {}  # summed over endpoints and models
+        verdicts: dict[Labels, str] = {}  # a GPU's labels -> the agent's verdict this cycle
         ts = None
         for s in series:
             ts = s.timestamp_ms
             if s.name in _WATCHED:
                 figures.setdefault(s.labels, {})[s.name] = s.value
+            elif s.name == _VERDICT and s.value == 1:
+                gpu = tuple(p for p in s.labels if p[0] != "verdict")
+                verdicts[gpu] = dict(s.labels).get("verdict", "")
             elif s.name == _BUCKET:
                 gpu, bound = self._bucket_of(s.labels)
                 buckets.setdefault(gpu, {})[bound] = s.value
@@ -211,7 +203,9 @@ class RunSummary:
             self.start_ms = ts
         self.end_ms = ts
         for labels, figs in figures.items():
-            self._gpu(labels).add(figs, self.thresholds)
+            self._gpu(labels).add(figs)
+        for labels, kind in verdicts.items():
+            self._gpu(labels).see_verdict(kind)
         for labels, counts in buckets.items():
             self._gpu(labels).add_buckets(counts)
 
@@ -265,11 +259,11 @@ class RunSummary:
                     out.append(Series("gpu_run_max_ratio", figure, run.peak[name], ts))
                     out.append(Series("gpu_run_mean_ratio", figure,
                                       run.total[name] / run.seen[name], ts))
-            for condition in CONDITIONS:
-                if run.judged.get(condition):
+            if run.judged:  # every kind, 0 for those never the verdict: judged, not found
+                for kind in KINDS:
                     out.append(Series("gpu_run_above_threshold_ratio",
-                                      with_labels(labels, condition=condition),
-                                      run.beyond[condition] / run.judged[condition], ts))
+                                      with_labels(labels, condition=kind),
+                                      run.verdicts.get(kind, 0) / run.judged, ts))
             for counter, name in COUNTERS.items():
                 if counter in run.counters:
                     out.append(Series(name, labels, run.counters[counter].total, ts))

@@ -25,8 +25,8 @@ class Thresholds:
     occupancy_ratio: float = 0.3
     # ...a p99 request latency above this objective (seconds; set your own)
     p99_latency_s: float = 0.25
-    # a batch Job whose run summary shows PCIe beyond its threshold for more than this share
-    # of the run was IO-bound (the "batch" alert on gpu_run_above_threshold_ratio)
+    # a batch Job whose run summary shows one verdict kind for more than this share of the run
+    # was bound by that layer (the "batch" alert, GPUJobRunBottleneck)
     job_saturated_share: float = 0.5
     # -- health and link (the ``hardware-fault``, ``throttled``, ``pcie-degraded`` and ``c2c``
     # verdicts and their alerts; see the methods below for why each line is where it is)

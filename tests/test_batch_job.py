@@ -18,9 +18,9 @@ from pathlib import Path
 
 import pytest
 
+from sidecar.judge.rules import PRECEDENCE
 from sidecar.samples import Series
 from sidecar.summary import Checkpoint, RunSummary, quantile
-from sidecar.thresholds import THRESHOLDS
 from tests.conftest import ROOT
 from tests.receivers import Agent, Prometheus, Pushgateway, VictoriaMetrics, running
 from tests.waiting import until
@@ -97,11 +97,11 @@ def hist_quantile(q: float, buckets: dict[str, float]) -> float:
 
 def expected_summary(rows: list[tuple[str, tuple, int, float]], job: str, pod: str) -> dict:
     """The summary the stdout record implies, keyed like the agent's series."""
-    t = THRESHOLDS
     by_cycle: dict[tuple, dict[int, dict[str, float]]] = defaultdict(lambda: defaultdict(dict))
     last_buckets: dict[tuple, dict[str, float]] = defaultdict(dict)
     unreadable: dict[tuple, int] = defaultdict(int)
     bucket_ts: dict[tuple, int] = {}
+    verdicts: dict[tuple, list[str]] = defaultdict(list)
     last_ts = max(ts for name, _, ts, _ in rows)
     first_ts = min(ts for name, _, ts, _ in rows)
     for name, labels, ts, value in rows:
@@ -115,6 +115,10 @@ def expected_summary(rows: list[tuple[str, tuple, int, float]], job: str, pod: s
                 last_buckets[gpu][dict(labels)["le"]] = value
         elif name == "gpu_sidecar_gpu_available":
             unreadable[labels] += value == 0
+        elif name == "gpu_verdict":  # the agent's verdict this cycle: the one at 1
+            if value == 1:
+                gpu = tuple(p for p in labels if p[0] != "verdict")
+                verdicts[gpu].append(dict(labels)["verdict"])
         elif "gpu_uuid" in dict(labels) and "pid" not in dict(labels):
             by_cycle[labels][ts][name] = value
 
@@ -135,21 +139,11 @@ def expected_summary(rows: list[tuple[str, tuple, int, float]], job: str, pod: s
             if values:
                 out[key("gpu_run_max_ratio", gpu, ("figure", name))] = max(values)
                 out[key("gpu_run_mean_ratio", gpu, ("figure", name))] = sum(values) / len(values)
-        # a GPU's first cycle has no rates yet (they need two readings): not judged
-        pcie = [max(c.get("gpu_pcie_tx_bandwidth_util_ratio", 0),
-                    c.get("gpu_pcie_rx_bandwidth_util_ratio", 0)) > t.pcie_util_ratio
-                for c in cycles.values()
-                if {"gpu_pcie_tx_bandwidth_util_ratio", "gpu_pcie_rx_bandwidth_util_ratio"} & set(c)]
-        frag = [c["gpu_memory_fragmentation_ratio"] > t.fragmentation_ratio
-                and c["gpu_allocator_reserved_bytes"] > t.fragmentation_min_reserved_bytes
-                for c in cycles.values() if "gpu_memory_fragmentation_ratio" in c]
-        occ = [c["gpu_sm_occupancy_ratio"] < t.occupancy_ratio
-               for c in cycles.values() if "gpu_sm_occupancy_ratio" in c]
-        for condition, held in (("pcie_saturated", pcie), ("fragmented", frag),
-                                ("low_occupancy", occ)):
-            if held:
-                out[key("gpu_run_above_threshold_ratio", gpu, ("condition", condition))] = \
-                    sum(held) / len(held)
+        # the share of the cycles each kind was the agent's verdict, every kind named
+        said = verdicts[gpu]
+        for kind in (*PRECEDENCE, "none"):
+            out[key("gpu_run_above_threshold_ratio", gpu, ("condition", kind))] = \
+                said.count(kind) / len(said)
         final = cycles[max(cycles)]
         out[key("gpu_run_alloc_retries", gpu)] = final["gpu_allocator_alloc_retries_total"]
         out[key("gpu_run_ooms", gpu)] = final["gpu_allocator_ooms_total"]
@@ -168,6 +162,25 @@ def assert_summary(got: dict, want: dict) -> None:
         assert got[k] == pytest.approx(v, rel=1e-9, abs=1e-12), k
 
 
+def run_verdict(printed: dict) -> str:
+    """The kind that was the agent's verdict for the largest share of the run (of one GPU)."""
+    shares = {dict(labels)["condition"]: v for (n, labels), v in printed.items()
+              if n == "gpu_run_above_threshold_ratio"}
+    assert set(shares) == {*PRECEDENCE, "none"}  # every kind named, found or not
+    return max(shares, key=shares.__getitem__)
+
+
+@pytest.mark.parametrize(("scenario", "kind"), [("nvlink-saturated", "nvlink"),
+                                                ("throttled", "throttled")])
+def test_a_jobs_summary_names_the_verdict_its_gpu_had_for_most_of_the_run(tmp_path, scenario,
+                                                                          kind):
+    """Any kind, not three the summary knows: the agent's own verdict each cycle."""
+    run = job_run(tmp_path, scenario, "train-3", "train-3-a")
+    printed = printed_summary(run)
+    assert_summary(printed, expected_summary(run.sampled(), "train-3", "train-3-a"))
+    assert run_verdict(printed) == kind
+
+
 def summary_groups(pgw: Pushgateway) -> list[dict]:
     return [g for g in pgw.groups() if "job_name" in g["labels"]]
 
@@ -181,8 +194,7 @@ def test_a_job_leaves_one_group_with_its_summary_and_a_rerun_replaces_it(tmp_pat
         printed = printed_summary(first)
         want = expected_summary(first.sampled(), "embed-2026-11-30", "embed-abcde")
         assert_summary(printed, want)
-        assert any(v == 1.0 for (n, labels), v in printed.items()
-                   if n == "gpu_run_above_threshold_ratio" and ("condition", "pcie_saturated") in labels)
+        assert run_verdict(printed) == "pcie"
 
         groups = pgw.groups()
         assert [g["labels"] for g in groups] == [
@@ -215,8 +227,7 @@ def test_a_job_leaves_one_group_with_its_summary_and_a_rerun_replaces_it(tmp_pat
             "embed-2026-11-30", "eval-7"]
         printed = printed_summary(other)
         assert_summary(printed, expected_summary(other.sampled(), "eval-7", "eval-7-xyz"))
-        assert any(v == 1.0 for (n, labels), v in printed.items()
-                   if n == "gpu_run_above_threshold_ratio" and ("condition", "fragmented") in labels)
+        assert run_verdict(printed) == "fragmentation"
 
 
 def test_parallel_pods_of_an_indexed_job_keep_a_group_each(tmp_path):

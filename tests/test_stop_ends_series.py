@@ -188,7 +188,7 @@ def test_a_batch_jobs_run_summary_outlives_the_stop_for_the_look_back(tmp_path):
         assert summary, "the last cycle carried no run summary"
         until(lambda: not instant(prom, "gpu_verdict", last + 1), timeout=20,
               what="the Job's verdicts ended at its stop")
-        # read after the run (GPUJobRunPCIeBound): current for the look-back, as before
+        # read after the run (GPUJobRunBottleneck): current for the look-back, as before
         after = {(r["metric"]["__name__"], tuple(sorted(
                  (k, v) for k, v in r["metric"].items() if k != "__name__")))
                  for r in instant(prom, '{__name__=~"gpu_run_.+"}', last + 240_000)}

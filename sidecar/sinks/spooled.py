@@ -11,8 +11,7 @@ import struct
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable, Mapping
-from typing import Protocol
+from collections.abc import Callable
 
 import structlog
 import tenacity
@@ -23,8 +22,9 @@ from sidecar.durability.spool import STATES, URL_CONFIRMED, Spool, SpooledBatch
 from sidecar.log import Episodes, log_count
 from sidecar.samples import Labels, Series
 from sidecar.sinks import IDLE_WAIT_S
-from sidecar.sinks.answers import BODY_LOGGED, Held, Policy, Refused, Response, Retryable, mask
+from sidecar.sinks.answers import BODY_LOGGED, Held, Refused, Response, Retryable, mask
 from sidecar.sinks.cadence import Cadence
+from sidecar.sinks.codec import Codec
 from sidecar.sinks.http import Http, HttpOptions
 from sidecar.summary import is_summary
 from sidecar.urls import redact_url as redact
@@ -36,63 +36,6 @@ STALE_NAN: float = struct.unpack("<d", struct.pack("<Q", STALE_NAN_BITS))[0]
 # a series last sent this long before the newest sample is stale at every receiver already
 # (Prometheus' look-back, VictoriaMetrics' longest): a clean stop's markers need not end it
 LOOKBACK_MS = 300_000
-
-
-class OpenBatch(Protocol):
-    """The cycles of the batch being filled, kept until it is sealed into the spool."""
-
-    def add(self, record: bytes) -> None: ...
-
-    def seal(self) -> bytes:
-        """The batch's body, compressed: every record added, in order, as one request."""
-        ...
-
-
-class RecordsBatch:
-    """An open batch kept as its records, joined and compressed whole when sealed."""
-
-    def __init__(self, compress: Callable[[bytes], bytes]) -> None:
-        self._records: list[bytes] = []
-        self._compress = compress
-
-    def add(self, record: bytes) -> None:
-        self._records.append(record)
-
-    def seal(self) -> bytes:
-        return self._compress(b"".join(self._records))
-
-
-class Codec(Protocol):
-    """What a spooled protocol decides; the pipeline (``SpooledSink``) is the same for all."""
-
-    kind: str  # names the logger: sidecar.<kind>
-    headers: Mapping[str, str]  # sent with every request (content type and encoding)
-    policy: Policy  # what its receivers' answers mean (sidecar.sinks.answers)
-    drop_reasons: tuple[str, ...]  # reasons of its own for gpu_sidecar_samples_dropped_total
-    dropped: Mapping[str, int]  # samples the codec itself could not send, by reason
-    # its receivers are told that a series ended (a clean stop's ``SpooledSink.end_series``)
-    ends_series: bool
-
-    def cycle(self, series: list[Series]) -> bytes:
-        """One cycle as a whole uncompressed request: requests joined are one request."""
-        ...
-
-    def ended(self, series: list[Series]) -> bytes:
-        """A cycle that ends these series (their values are ``STALE_NAN``): remote-write sends
-        the marker as the value, OTLP flags each point NO_RECORDED_VALUE."""
-        ...
-
-    def compress(self, payload: bytes) -> bytes: ...
-
-    def open_batch(self) -> OpenBatch:
-        """An empty open batch, which keeps the cycles' records as suits the compression."""
-        ...
-
-    def decompress(self, body: bytes) -> bytes: ...
-
-    def partial(self, response: Response) -> tuple[int, str] | None:
-        """What a 2xx answer says was dropped all the same: (points rejected, message)."""
-        ...
 
 
 class SpooledSink:
@@ -107,9 +50,18 @@ class SpooledSink:
     receiver returns, the backlog is sent merged into requests of up to ``max_batch_samples``, in
     order, so a receiver slower than the push interval is caught up rather than left behind.
 
-    What differs between protocols is the ``Codec``: how a cycle is encoded (each cycle as a
-    whole request, so that requests joined are one request), how the open batch keeps its cycles
-    and a body is compressed, the headers, and what the receiver's answers mean."""
+    What differs between protocols is the ``Codec`` (``sidecar.sinks.codec``): how a cycle is
+    encoded (each cycle as a whole request, so that requests joined are one request), how the
+    open batch keeps its cycles and a body is compressed, the headers, and what the receiver's
+    answers mean."""
+
+    # what happens to batches left at exit: the next start sends them, unless the spool is a
+    # temporary directory (a demo's) that goes with this run (the wiring sets these per sink)
+    left_in_spool_effect = "sent by the next start on this spool"
+    set_aside_effect = ("refused by the receiver for their data in this run: not delivered, kept "
+                        "for a person to look at")
+    set_aside_hint = ("once the cause is fixed, `gpu-sidecar resend-rejected` with the same "
+                      "configuration sends them again")
 
     def __init__(
         self,
@@ -157,13 +109,6 @@ class SpooledSink:
         self._url_confirmed = (spool.dir / URL_CONFIRMED).exists()
         self.last_push_seconds = 0.0
         self.last_success_time = 0.0
-        # what happens to batches left at exit: the next start sends them, unless the spool is
-        # a temporary directory (a demo's) that goes with this run
-        self.left_in_spool_effect = "sent by the next start on this spool"
-        self.set_aside_effect = ("refused by the receiver for their data in this run: not "
-                                 "delivered, kept for a person to look at")
-        self.set_aside_hint = ("once the cause is fixed, `gpu-sidecar resend-rejected` with the "
-                               "same configuration sends them again")
         self._lock = threading.Lock()
         self._wake = threading.Event()
         self._stop = threading.Event()
@@ -242,7 +187,7 @@ class SpooledSink:
         with self._lock:
             newest, sent = self._newest_ms, self._sent
             self._sent = {}
-        # a batch Job's run summary is read after the run (GPUJobRunPCIeBound): it goes stale
+        # a batch Job's run summary is read after the run (GPUJobRunBottleneck): it goes stale
         # with the look-back, as it always did
         ended = [Series(name, labels, STALE_NAN, newest + 1)
                  for (name, labels), at in sent.items()
@@ -409,13 +354,7 @@ class SpooledSink:
 
     def _deliver(self, batches: list[SpooledBatch]) -> None:
         head = batches[0]
-        body, samples = head.body, head.samples
-        if len(batches) > 1:
-            try:  # requests are cycles joined: a merged backlog is its batches joined
-                body = self.codec.compress(b"".join(self.codec.decompress(b.body) for b in batches))
-                samples = sum(b.samples for b in batches)
-            except Exception:  # a batch we cannot read back: send the head alone, as written
-                batches = [head]
+        batches, body, samples = self._merged(batches)
         attempts = 0
         response: Response | None = None
         try:
@@ -434,23 +373,45 @@ class SpooledSink:
                     finally:
                         self.spool.in_flight([])
         except Refused as exc:  # about the data itself (Policy.data_refusals): others are Held
-            if len(batches) > 1:  # find the batch the receiver objects to; the others go on
-                for b in batches:
-                    self._deliver([b])
-                    if self.spool.holds(b.seq) or self._stop.is_set():
-                        return  # not delivered (stopping, or past the deadline): keep the order
-                return
-            self.failures[f"http_{exc.status}"] += 1
-            aside = self.spool.set_aside(head)
-            self.set_aside_this_run += 1
-            self.samples_set_aside_this_run += head.samples
-            log_count("batch_refused", self.failures[f"http_{exc.status}"], sink=self.name,
-                      url=redact(self.url), status=exc.status, receiver_said=str(exc),
-                      hint=exc.hint, samples=head.samples, set_aside=str(aside),
-                      effect="later batches keep flowing")
+            self._refused(batches, exc)
             return
         except Retryable:
             return  # stopping, or the batch left the spool; the loop decides what is next
+        self._delivered(batches, samples, attempts, response)
+
+    def _merged(self, batches: list[SpooledBatch]) -> tuple[list[SpooledBatch], bytes, int]:
+        """(the batches sent, the body, its samples): requests are cycles joined, so a merged
+        backlog is its batches joined; one that cannot be read back is sent alone, as written."""
+        head = batches[0]
+        if len(batches) > 1:
+            try:
+                body = self.codec.compress(b"".join(self.codec.decompress(b.body) for b in batches))
+                return batches, body, sum(b.samples for b in batches)
+            except Exception:  # a batch we cannot read back: send the head alone, as written
+                pass
+        return [head], head.body, head.samples
+
+    def _refused(self, batches: list[SpooledBatch], exc: Refused) -> None:
+        """The receiver refused the request for its data: in a merged request, each batch is
+        sent alone to find the one it objects to (the others go on); that one is set aside."""
+        if len(batches) > 1:
+            for b in batches:
+                self._deliver([b])
+                if self.spool.holds(b.seq) or self._stop.is_set():
+                    return  # not delivered (stopping, or past the deadline): keep the order
+            return
+        head = batches[0]
+        self.failures[f"http_{exc.status}"] += 1
+        aside = self.spool.set_aside(head)
+        self.set_aside_this_run += 1
+        self.samples_set_aside_this_run += head.samples
+        log_count("batch_refused", self.failures[f"http_{exc.status}"], sink=self.name,
+                  url=redact(self.url), status=exc.status, receiver_said=str(exc),
+                  hint=exc.hint, samples=head.samples, set_aside=str(aside),
+                  effect="later batches keep flowing")
+
+    def _delivered(self, batches: list[SpooledBatch], samples: int, attempts: int,
+                   response: Response | None) -> None:
         # accepted: the batches leave the spool before anything else is read of the answer,
         # so that nothing going wrong afterwards can send them again
         for b in batches:
@@ -463,8 +424,8 @@ class SpooledSink:
         self.last_success_time = time.time()
         if self._failing_since is not None:
             self.log.info("receiver_recovered", sink=self.name,
-                     outage_s=round(time.monotonic() - self._failing_since, 1), attempts=attempts,
-                     backlog_batches=len(self.spool))
+                          outage_s=round(time.monotonic() - self._failing_since, 1),
+                          attempts=attempts, backlog_batches=len(self.spool))
             self._failing_since = None
         if response is not None:
             try:
