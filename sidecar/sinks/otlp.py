@@ -25,8 +25,9 @@ from sidecar import __version__, metrics
 from sidecar.durability.spool import Spool
 from sidecar.samples import Series
 from sidecar.sinks.answers import OTLP, Response, is_protobuf
+from sidecar.sinks.codec import RecordsBatch
 from sidecar.sinks.http import HttpOptions
-from sidecar.sinks.spooled import RecordsBatch, SpooledSink
+from sidecar.sinks.spooled import SpooledSink
 from sidecar.urls import sink_label
 from sidecar.wire import otlp
 
