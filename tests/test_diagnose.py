@@ -162,13 +162,14 @@ def windows():
     from sidecar import wiring
     from sidecar.agent import Agent
     from sidecar.commands.diagnose import sample_window
+    from sidecar.recent import Recent
     from sidecar.signals import STOP
 
     out = {}
     for scenario in ("pcie-saturated", "fragmented", "low-occupancy"):
         cfg = config.Config(simulate=scenario, interval=0.5)
         with wiring.simulated_paths(cfg) as cfg, wiring.sampling(cfg) as (source, _, state):
-            agent = Agent(cfg, source=source, app=state, sinks=[])
+            agent = Agent(cfg, source=source, app=state, sinks=[], recent=Recent())
             out[scenario] = sample_window(agent, 1.0, 0.5, STOP)[0].windows()
     return out
 

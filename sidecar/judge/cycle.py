@@ -50,9 +50,9 @@ def _row(sample: GpuSample) -> dict[str, object]:
         if (figure := FIELD_OF.get(name)) is not None:
             row[figure] = float(value)
     app = sample.app
-    for name, value in app_values(app):
-        if value is not None and (figure := FIELD_OF.get(name)) is not None:
-            row[figure] = float(value)
+    for name, given in app_values(app):
+        if given is not None and (figure := FIELD_OF.get(name)) is not None:
+            row[figure] = float(given)
     if app.latency is not None:
         hist = app.latency
         row["latency"] = (shared_bounds((*map(float, hist.bounds), _INF)),

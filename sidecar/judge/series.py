@@ -63,11 +63,11 @@ def figures_of(series: Iterable[Series]) -> dict[str, Figures]:
         if field_ is not None:
             row[field_] = s.value
         elif name == _BUCKET:
-            buckets.setdefault(row["uuid"], []).append((float(labels["le"]), s.value))
+            buckets.setdefault(labels["gpu_uuid"], []).append((float(labels["le"]), s.value))
         elif name == "gpu_sidecar_gpu_available":
             row["available"] = s.value == 1
         elif name == _XID and labels.get("xid", "").isdigit():
-            xids.setdefault(row["uuid"], []).append((int(labels["xid"]), s.value))
+            xids.setdefault(labels["gpu_uuid"], []).append((int(labels["xid"]), s.value))
     for uuid, pairs in buckets.items():
         pairs.sort()
         rows[uuid]["latency"] = (shared_bounds(tuple(b for b, _ in pairs)),
