@@ -373,7 +373,7 @@ class SpooledSink:
                     finally:
                         self.spool.in_flight([])
         except Refused as exc:  # about the data itself (Policy.data_refusals): others are Held
-            self._refused(batches, exc)
+            self._refused_for_data(batches, exc)
             return
         except Retryable:
             return  # stopping, or the batch left the spool; the loop decides what is next
@@ -391,7 +391,7 @@ class SpooledSink:
                 pass
         return [head], head.body, head.samples
 
-    def _refused(self, batches: list[SpooledBatch], exc: Refused) -> None:
+    def _refused_for_data(self, batches: list[SpooledBatch], exc: Refused) -> None:
         """The receiver refused the request for its data: in a merged request, each batch is
         sent alone to find the one it objects to (the others go on); that one is set aside."""
         if len(batches) > 1:
