@@ -5,7 +5,7 @@ where it comes from, what it means, its OpenTelemetry name (and fixed attributes
 dcgm-exporter counterpart, and, for a figure NVML gives per GPU, the field it fills in the
 sample's layer (``field``), the field the verdict reads it as (``figure``) or, for a share, the
 two series it divides (``ratio_of``). Everything else that names a figure is built from here:
-the sample layers (``sidecar.samples``), the verdict's ``Figures`` (``sidecar.views.verdict``),
+the sample layers (``sidecar.samples``), the verdict's ``Figures`` (``sidecar.judge.figures``),
 the OTLP names (``OTEL``), ``DCGM_FIELDS`` and ``docs/metrics.md`` (rendered by
 ``sidecar.views.reference``; a test fails when the committed file differs).
 

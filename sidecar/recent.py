@@ -1,9 +1,10 @@
 """The running agent's recent window: what ``diagnose`` beside the agent, ``status``, the live
 table and the ``gpu_verdict`` series judge.
 
-Every figure a verdict needs (NVML, health, app, engine) is read back from each cycle's series
-(``verdict.figures_of``, so what is judged is what was exported) and folded into time buckets of
-running aggregates (``verdict.Summary``). A question over the last D seconds merges the buckets
+Every figure a verdict needs (NVML, health, app, engine) comes as each cycle's ``Figures``, taken
+by the agent from its samples (``judge.cycle``: the values its series carry, no round trip
+through them), and is folded into time buckets of running aggregates (``judge.window.Summary``,
+the one window). A question over the last D seconds merges the buckets
 that D spans, which gives what one summary over those cycles gives. Memory is bounded by the
 number of buckets times the GPUs, whatever the interval: ``WINDOW_S / BUCKET_S`` buckets of one
 small aggregate per GPU (docs/diagnose.md gives the measured size).

@@ -234,7 +234,7 @@ def test_the_stand_in_torch_has_the_real_names_with_the_real_signatures():
 
 def test_the_installed_torch_reads_the_allocator_setting_under_both_names():
     """PYTORCH_ALLOC_CONF since 2.8, PYTORCH_CUDA_ALLOC_CONF still read as the older name: the
-    fragmentation remedy names both (sidecar/views/verdict.py)."""
+    fragmentation remedy names both (sidecar/judge/rules/memory.py)."""
     lib = Path(torch.__file__).parent / "lib"
     c10 = next(lib.glob("libc10.so*"), None)
     assert c10 is not None, f"no libc10 in {lib}"

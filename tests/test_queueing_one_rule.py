@@ -1,6 +1,6 @@
 """The queueing verdict is one rule (issues #44, #45): the agent's own verdict, ``diagnose
 --query-url``, the shipped ``GPUEngineQueueing`` alert and ``fleet``'s deciding figure take the
-queue's share of the request time the same way (sidecar/views/verdict.py, ``queue_share_promql``),
+queue's share of the request time the same way (sidecar/judge/rules/engine.py, ``queue_share_promql``),
 on what real agents reading a vLLM V1 capture's text stored in a real VictoriaMetrics and a real
 Prometheus. Each shape is the 2026 capture's families under a load, served growing (every read
 adds the same requests again, so every window holds the same shape):

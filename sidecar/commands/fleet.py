@@ -65,7 +65,7 @@ SEEN_STEPS = 3000  # the last-seen subquery's steps over the window, at most ...
 SEEN_STEP_MIN_S = 0.1  # ... and at least this far apart
 
 
-# kind -> its deciding figure, each read from its rule (sidecar.views.verdict.RULES): a kind
+# kind -> its deciding figure, each read from its rule (sidecar.judge.rules.RULES): a kind
 # without one is listed with no figure
 DECIDING: dict[str, Deciding] = {r.kind: r.deciding for r in RULES if r.deciding is not None}
 FIXED_QUERIES = 4  # verdicts, kinds in the window, older agents, last seen
@@ -84,7 +84,7 @@ def per_line(expr: str) -> str:
 
 def _expand(expr: str, select: Sequence[tuple[str, str, str]], rng: str,
             t: Thresholds) -> str:
-    """Fill in each placeholder selector (``verdict.stored``): its name, the --select
+    """Fill in each placeholder selector (``judge.rule.stored``): its name, the --select
     matchers, the range; per pod and GPU."""
     out = per_line(expr)
     while "@@SEL:" in out:

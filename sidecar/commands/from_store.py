@@ -4,7 +4,7 @@ series the agents stored in long-term storage, for a window that may be hours ol
 The store is asked for the raw samples of the window (a range selector in an instant query: one
 query for the GPU series, one for the engine's and the agent's own, whatever the number of
 GPUs), so each stored cycle is rebuilt exactly as the agent exported it and read back through
-``verdict.figures_of``: one mapping from series to figures, one judge, one set of thresholds for
+``judge.series.figures_of``: one mapping from series to figures, one judge, one set of thresholds for
 the three sources. What the store cannot give as the agent had it is said, never smoothed over:
 
 - a counter that went backwards (the agent or the app restarted) counts on from its previous
@@ -12,7 +12,7 @@ the three sources. What the store cannot give as the agent had it is said, never
 - cycles missing for longer than three intervals are a gap, said with its times; nothing is
   filled in (a raw selector, not ``query_range``'s five-minute look-back, which would repeat the
   last value across a gap and keep an old process's series alive beside the new one's);
-- a layer with no series is "not judged" (``verdict.judge``'s notes), never healthy.
+- a layer with no series is "not judged" (``judge.verdict.judge``'s notes), never healthy.
 
 Then, for each finding and for p99, **when it started**: the judge on a trailing window
 (``onset_window``) slid over the cycles gives the first time from which each finding held to
