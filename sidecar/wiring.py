@@ -359,24 +359,8 @@ TEMPORARY_SET_ASIDE_HINT = ("give --spool-dir to keep what a receiver refuses, f
 
 def _run(cfg: config.Config, *, temporary_spool: bool = False) -> int:
     import gc
-    import shlex
-    import sys
 
-    from sidecar.sinks.stdout import resolve
-
-    # a simulated agent's socket is private (a temporary directory): how to ask it, once
-    ask = {command: f"gpu-sidecar {command} --socket {shlex.quote(cfg.socket)}"
-           for command in ("status", "diagnose")} if cfg.simulate else {}
-    if resolve(cfg.output, sys.stdout) == "table":  # a person at a terminal: the table speaks
-        log.info("starting", version=__version__, **ask)
-        log.debug("configuration", config=config.describe(cfg))
-    else:  # a pod's log: the whole configuration, once
-        log.info("starting", version=__version__, config=config.describe(cfg), **ask)
-    if cfg.insecure_skip_verify:
-        log.warning("tls_verification_disabled",
-                    effect="receivers' certificates are not checked: anyone on the path can read "
-                           "and change what is pushed",
-                    hint="give the receiver's CA with --ca-file instead of --insecure-skip-verify")
+    _log_start(cfg)
     stop = signals.STOP
     signals.install()  # already done by the entry point; again for callers of main()
     # the injected publisher: placed once NVML is open, before the socket is bound (the socket
@@ -386,11 +370,7 @@ def _run(cfg: config.Config, *, temporary_spool: bool = False) -> int:
             engines(cfg, scenario) as engine, contextlib.ExitStack() as stack:
         sinks = build_sinks(cfg, cfg.spool_dir)
         if temporary_spool:
-            for sink in sinks:
-                if hasattr(sink, "left_in_spool_effect"):
-                    sink.left_in_spool_effect = TEMPORARY_SPOOL_EFFECT  # type: ignore[attr-defined]
-                    sink.set_aside_effect = TEMPORARY_SET_ASIDE_EFFECT  # type: ignore[attr-defined]
-                    sink.set_aside_hint = TEMPORARY_SET_ASIDE_HINT  # type: ignore[attr-defined]
+            _spool_goes_with_the_run(sinks)
         mode = "simulated" if scenario is not None else ("nvml" if source else "app-only")
         # a Job's run summary so far, beside the spool: an agent restarted mid-run goes on with it
         checkpoint = (Checkpoint(Path(cfg.spool_dir) / "run-summary.json", cfg.push_interval)
@@ -422,20 +402,7 @@ def _run(cfg: config.Config, *, temporary_spool: bool = False) -> int:
         deadline = time.monotonic() + cfg.shutdown_timeout
         if not cfg.once:
             log.info("stopping", signals=_signal_names(), shutdown_timeout_s=cfg.shutdown_timeout)
-        if not cfg.once:
-            agent.stopping = True  # its gpu_sidecar_up 0 tells a clean stop from a kill
-            agent.cycle(last=True)
-            # then every series it sent ends at the receivers that take staleness markers
-            # (remote-write), so a verdict at 1 and its alerts end now, not 5 minutes later
-            for sink in sinks:
-                end_series = getattr(sink, "end_series", None)
-                try:
-                    if end_series is not None:
-                        end_series()
-                except Exception:  # never costs the flush below: the series go stale as before
-                    log.exception("series_end_failed", sink=sink.name,
-                                  effect="its series stay current until the receiver's "
-                                         "look-back runs out (5 minutes in Prometheus)")
+            _last_cycle(agent, sinks)
         for sink in sinks:
             sink.begin_close(deadline)
         delivered = all([sink.close(deadline) for sink in sinks])
@@ -444,6 +411,55 @@ def _run(cfg: config.Config, *, temporary_spool: bool = False) -> int:
                  all_delivered=delivered, shutdown_s=round(time.monotonic() - deadline
                                                            + cfg.shutdown_timeout, 3))
     return 0
+
+
+def _log_start(cfg: config.Config) -> None:
+    """The start-up lines: the configuration (whole in a pod's log, at debug beside the live
+    table), how to ask a simulated agent, and a warning when TLS is not verified."""
+    import shlex
+    import sys
+
+    from sidecar.sinks.stdout import resolve
+
+    # a simulated agent's socket is private (a temporary directory): how to ask it, once
+    ask = {command: f"gpu-sidecar {command} --socket {shlex.quote(cfg.socket)}"
+           for command in ("status", "diagnose")} if cfg.simulate else {}
+    if resolve(cfg.output, sys.stdout) == "table":  # a person at a terminal: the table speaks
+        log.info("starting", version=__version__, **ask)
+        log.debug("configuration", config=config.describe(cfg))
+    else:  # a pod's log: the whole configuration, once
+        log.info("starting", version=__version__, config=config.describe(cfg), **ask)
+    if cfg.insecure_skip_verify:
+        log.warning("tls_verification_disabled",
+                    effect="receivers' certificates are not checked: anyone on the path can read "
+                           "and change what is pushed",
+                    hint="give the receiver's CA with --ca-file instead of --insecure-skip-verify")
+
+
+def _spool_goes_with_the_run(sinks: Sequence[Sink]) -> None:
+    """A temporary spool (a demo's) goes with this run: the spooled sinks say so at exit."""
+    for sink in sinks:
+        if hasattr(sink, "left_in_spool_effect"):
+            sink.left_in_spool_effect = TEMPORARY_SPOOL_EFFECT  # type: ignore[attr-defined]
+            sink.set_aside_effect = TEMPORARY_SET_ASIDE_EFFECT  # type: ignore[attr-defined]
+            sink.set_aside_hint = TEMPORARY_SET_ASIDE_HINT  # type: ignore[attr-defined]
+
+
+def _last_cycle(agent: Agent, sinks: Sequence[Sink]) -> None:
+    """A clean stop's last cycle (its gpu_sidecar_up 0 tells a clean stop from a kill), then
+    every series it sent ends at the receivers that take staleness markers (remote-write), so a
+    verdict at 1 and its alerts end now, not 5 minutes later."""
+    agent.stopping = True
+    agent.cycle(last=True)
+    for sink in sinks:
+        end_series = getattr(sink, "end_series", None)
+        try:
+            if end_series is not None:
+                end_series()
+        except Exception:  # never costs the flush after it: the series go stale as before
+            log.exception("series_end_failed", sink=sink.name,
+                          effect="its series stay current until the receiver's "
+                                 "look-back runs out (5 minutes in Prometheus)")
 
 
 class _NotAnswering:
