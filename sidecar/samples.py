@@ -46,7 +46,10 @@ class GpuIdentity:
 
 
 LAYERS: tuple[type[Layer], ...] = (ComputeLayer, MemoryLayer, IoLayer, HealthLayer)
-_UNREAD = tuple(layer() for layer in LAYERS)  # every figure absent: a sample's defaults
+# every figure absent: a sample's defaults, typed layer by layer (one tuple type for all four
+# would not say which is which)
+_UNREAD: tuple[ComputeLayer, MemoryLayer, IoLayer, HealthLayer] = (
+    ComputeLayer(), MemoryLayer(), IoLayer(), HealthLayer())
 
 
 def layer_figures(layer: Layer) -> Iterator[tuple[str, float]]:

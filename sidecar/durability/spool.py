@@ -34,6 +34,7 @@ receiver's spool lives (``directories``); the names their users import stay impo
 
 from __future__ import annotations
 
+import builtins  # Spool.put's body: in the class, ``bytes`` is its method Spool.bytes
 import contextlib
 import errno
 import fcntl
@@ -313,7 +314,7 @@ class Spool(MemoryHold):
         with self._lock:
             return seq in self._index
 
-    def put(self, body: bytes, samples: int, *, seq: int | None = None,
+    def put(self, body: builtins.bytes, samples: int, *, seq: int | None = None,
             journaled: tuple[Path, int] | None = None) -> SpooledBatch | None:
         """Write a batch durably, or hold it in memory when the disk refuses; returns None when
         it could not be kept at all (counted).

@@ -112,6 +112,14 @@ def inject_dir(cfg: config.Config) -> Path:
     return Path(cfg.inject_dir) if cfg.inject_dir else Path(cfg.socket).parent / "python"
 
 
+def _set_constant(text: str, key: str, value: object) -> tuple[str, int]:
+    """``text`` with its first line ``KEY = ...`` made ``KEY = repr(value)``, and how many lines
+    that was (0 or 1). The line is returned by a function, not given as a template, so that a
+    backslash in the value is never read as a group reference."""
+    line = f"{key} = {value!r}"
+    return re.subn(rf"^{key} = .*$", lambda _m: line, text, count=1, flags=re.M)
+
+
 def render(cfg: config.Config) -> dict[str, bytes]:
     """The payload's files, the publisher's with this agent's constants: its release, the
     protocol's version and bounds, the publish interval (each agent interval, at least as often
@@ -136,8 +144,7 @@ def render(cfg: config.Config) -> dict[str, bytes]:
         if name == PUBLISHER_MODULE:
             text = data.decode("utf-8")
             for key, value in values.items():
-                text, n = re.subn(rf"^{key} = .*$", lambda _m, k=key, v=value: f"{k} = {v!r}",
-                                  text, count=1, flags=re.M)
+                text, n = _set_constant(text, key, value)
                 if n != 1:
                     raise RuntimeError(f"payload {name} has no line '{key} = ...' to set")
             data = text.encode()
@@ -308,8 +315,9 @@ def remove(directory: Path) -> bool:
 def inventory(directory: Path) -> Inventory:
     """Which of the directory's entries the agent placed, by their marks (never by a name
     alone, never following a link)."""
-    ours, foreign = [], []
-    created = None
+    ours: list[str] = []
+    foreign: list[str] = []
+    created: bool | None = None
     uid = os.geteuid()
     for entry in sorted(os.listdir(directory)):
         path = directory / entry

@@ -22,6 +22,7 @@ from prometheus_client.registry import Collector
 from sidecar.simulate.app import lognormal_cdf
 from sidecar.simulate.scenarios import EngineProfile
 
+_HOST = "127.0.0.1"  # the demo's endpoint is for this machine's agent only
 _Z99 = 2.3263478740408408
 # vLLM's default bucket bounds (vllm/v1/metrics/loggers.py and buckets.py, 0.33)
 REQUEST_LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0,
@@ -110,15 +111,14 @@ class SimulatedEngine:
             def log_message(self, format: str, *args: object) -> None:
                 pass  # the agent's log is structured; the demo's requests are not news
 
-        self._server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self._server = ThreadingHTTPServer((_HOST, 0), Handler)
         self._server.daemon_threads = True
         self._thread = threading.Thread(target=self._server.serve_forever, name="simulated-engine",
                                         daemon=True)
 
     @property
     def url(self) -> str:
-        host, port = self._server.server_address[:2]
-        return f"http://{host}:{port}/metrics"
+        return f"http://{_HOST}:{self._server.server_port}/metrics"
 
     def start(self) -> None:
         self._thread.start()

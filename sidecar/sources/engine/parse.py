@@ -298,7 +298,7 @@ def figures_of(chunks: Iterable[bytes]) -> tuple[EngineFigures | None, set[str]]
 
 
 def map_engine(engine: Engine, samples: Samples) -> EngineFigures:
-    figures: dict[str, dict[str, LatencyHistogram | float]] = {}
+    figures: dict[str, Mapping[str, LatencyHistogram | float]] = {}
     left_out: list[str] = []
     models: set[str] = set()
     spell = _spellings(engine, samples)
@@ -306,6 +306,7 @@ def map_engine(engine: Engine, samples: Samples) -> EngineFigures:
         fam = next((f for f in fams if _present(f, samples)), None)
         if fam is None:
             continue
+        by_model: Mapping[str, LatencyHistogram | float]
         if fam.kind == "histogram":
             by_model = _histograms(fam, samples, engine.model_label, spell)
             if any(len(h.bounds) > MAX_BUCKETS for h in by_model.values()):
@@ -320,7 +321,7 @@ def map_engine(engine: Engine, samples: Samples) -> EngineFigures:
         else:
             by_model = _numbers(fam, samples, engine, take_max=ours in _TAKE_MAX, spell=spell)
         models.update(by_model)
-        figures[ours] = by_model  # type: ignore[assignment]
+        figures[ours] = by_model
     if len(models) > MAX_MODELS:
         keep = set(sorted(models)[:MAX_MODELS])
         figures = {k: {m: v for m, v in by.items() if m in keep} for k, by in figures.items()}

@@ -325,7 +325,9 @@ def read_health(device: Any, caps: HealthCaps, values: dict[tuple[int, int], Any
         totals = ClockEventTotals(t=now, ns=ns) if len(ns) == len(caps.counters) else None
         figures.update(_shares(previous, totals))
     figures["last_xid"] = last_xid
-    return HealthLayer(**figures), totals if totals is not None else previous
+    # the fields are named at run time, by the tables: the checker sees every value as a float,
+    # where each count's is NVML's int (its scale is the int 1)
+    return HealthLayer(**figures), totals if totals is not None else previous  # type: ignore[arg-type]
 
 
 def _shares(previous: ClockEventTotals | None,
