@@ -35,7 +35,6 @@ GH200_C2C = GH200_C2C_LINKS * GH200_C2C_LINK_MB_PER_SECOND * 1e6  # 447 GB/s per
 # (the stand-in's default, fake_nvml.FakeGpu.nvlink_speed_mbps): 478 GB/s per direction
 NVLINK4 = 18 * 26562 * 1e6
 TP_DEGREE = 8  # nvlink-saturated: one tensor-parallel group over the node's 8 GPUs
-DEGRADED_APP = {"latency_median_s": 0.14, "latency_p99_s": 0.26}
 
 
 @dataclass(frozen=True)
@@ -51,6 +50,9 @@ class AppProfile:
     latency_p99_s: float = 0.090
     requests_per_second: float = 40.0
     publishes_latency: bool = True  # False: a server whose latency only its engine reports
+
+
+DEGRADED_APP = AppProfile(latency_median_s=0.14, latency_p99_s=0.26)  # frozen: shared by scenarios
 
 
 @dataclass(frozen=True)
@@ -327,7 +329,7 @@ def _throttled(name: str, n: int) -> Scenario:
                     memory_temperature=Signal(72.0, 0.02, 67),
                     clock_events=((REASON_SW_POWER_CAP, DutyCycle(POWER_CAP_SHARE, 5.0)),))
               for i in range(n)),
-        AppProfile(**DEGRADED_APP),
+        DEGRADED_APP,
     )
 
 
@@ -343,7 +345,7 @@ def _pcie_degraded(name: str, n: int) -> Scenario:
                     pcie_correctable_errors_per_second=2.0,
                     pcie_l0_recovery_per_second=0.05)
               for i in range(n)),
-        AppProfile(**DEGRADED_APP),
+        DEGRADED_APP,
     )
 
 
@@ -360,7 +362,7 @@ def _hardware_fault(name: str, n: int) -> Scenario:
     return Scenario(
         name, f"GPU {xid} reports Xid 79 twice and falls off the bus at {FAULT_LOST_AT_S:g} "
         f"s; GPU {ecc}'s uncorrected ECC errors climb with a row remap pending.",
-        tuple(gpus_), AppProfile(**DEGRADED_APP))
+        tuple(gpus_), DEGRADED_APP)
 
 
 def _grace_hopper(name: str, n: int) -> Scenario:
@@ -370,7 +372,7 @@ def _grace_hopper(name: str, n: int) -> Scenario:
         "of it, PCIe idle; p99 latency degraded.",
         tuple(_gh200(name, i, utilization=Signal(94, 0.02, 29),
                      c2c_rx=Signal(0.90 * GH200_C2C, 0.02, 19)) for i in range(n)),
-        AppProfile(**DEGRADED_APP),
+        DEGRADED_APP,
     )
 
 
@@ -384,7 +386,7 @@ def _nvlink_saturated(name: str, n: int) -> Scenario:
         tuple(_h200(name, i, utilization=Signal(95, 0.02, 29), sm_occupancy=Signal(48, 0.05, 37),
                     nvlink_tx=Signal(0.90 * NVLINK4, 0.02, 53),
                     nvlink_rx=Signal(0.88 * NVLINK4, 0.02, 59)) for i in range(n)),
-        AppProfile(**DEGRADED_APP),
+        DEGRADED_APP,
     )
 
 
