@@ -20,6 +20,7 @@ import requests
 import yaml
 
 from sidecar import alert_rules, config
+from sidecar.judge.rules import RULES
 from sidecar.metrics import BY_NAME
 from sidecar.sources.engine.families import ENGINES
 from sidecar.thresholds import THRESHOLDS
@@ -433,6 +434,25 @@ def test_rule_files_are_rendered_from_the_one_set_of_thresholds():
     assert (ROOT / alert_rules.RULES_FILE).read_text() == alert_rules.rules(), \
         "regenerate with: python -m sidecar.alert_rules"
     assert (ROOT / alert_rules.OPERATOR_FILE).read_text() == alert_rules.prometheus_rule()
+
+
+def test_the_promtool_cases_are_rendered_from_the_rules():
+    """The committed cases are the rules' own (``alert_tests``, in precedence order) and those
+    of the alerts that are no verdict's: the file promtool runs above is what the rules hold."""
+    assert (ROOT / alert_rules.TESTS_FILE).read_text() == alert_rules.tests(), \
+        "regenerate with: python -m sidecar.alert_rules ."
+    names = [c["name"] for c in yaml.safe_load(alert_rules.tests())["tests"]]
+    of_rules = [c["name"] for r in RULES if r.alert_tests for c in yaml.safe_load(r.alert_tests)]
+    assert of_rules and names[:len(of_rules)] == of_rules
+
+
+@pytest.mark.parametrize("r", [r for r in RULES if r.alerts], ids=lambda r: r.kind)
+def test_every_alert_of_a_rule_is_named_by_its_own_cases(r):
+    """A verdict's alert comes with its promtool cases in its own rule: one that no case of
+    ``alert_tests`` names is untested (the whole file's cases would not say whose they are)."""
+    defined = re.findall(r"^      - alert: (\w+)$", r.alerts, re.M)
+    named = set(re.findall(r"^ +alertname: (\w+)$", r.alert_tests, re.M))
+    assert defined and [a for a in defined if a not in named] == []
 
 
 def rule(rules: dict, name: str) -> dict:

@@ -7,15 +7,18 @@ the real-GPU check's steps) are complete."""
 from __future__ import annotations
 
 import ast
+import dataclasses
 import re
 import shlex
 from pathlib import Path
 
 import pytest
 
+from sidecar import alert_rules
 from sidecar.judge.rules import PRECEDENCE
 from sidecar.metrics import METRICS
 from sidecar.simulate.scenarios import SCENARIOS
+from sidecar.thresholds import THRESHOLDS
 from sidecar.views.reference import render_markdown
 from tests.conftest import ROOT
 
@@ -211,6 +214,20 @@ def test_every_verdict_has_a_row_and_the_precedence_is_the_codes():
     said = text[text.index("in this order:"):]
     said = said[:said.index("(")]
     assert re.findall(r"`([a-z0-9-]+)`", said) == list(PRECEDENCE)
+
+
+def test_the_verdict_table_is_rendered_from_the_rules():
+    """The table and its precedence sentence are the rules' (``doc_when``, ``doc_todo``, in
+    ``RULES`` order) with the thresholds of ``sidecar/thresholds.py``: a changed threshold
+    changes its row."""
+    text = (DOCS / "diagnose.md").read_text()
+    assert alert_rules.diagnose_doc(text) == text, \
+        "docs/diagnose.md's verdict table is stale: run `python -m sidecar.alert_rules .`"
+    changed = alert_rules.diagnose_doc(
+        text, dataclasses.replace(THRESHOLDS, pcie_util_ratio=0.65, queue_share_ratio=0.6))
+    row = next(line for line in changed.splitlines() if line.startswith("| `pcie` |"))
+    assert "TX or RX > 65 % of the link maximum" in row
+    assert "the engine's queue time at least 60 % of it" in changed
 
 
 def test_the_gpu_check_page_lists_every_step_of_the_script():

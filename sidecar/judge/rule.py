@@ -1,6 +1,6 @@
 """One verdict kind, whole: ``Rule`` (its condition, evidence, remedy, threshold in words, alert
-rules and deciding figure in long-term storage) and ``Deciding``; and the helpers the rules'
-texts and queries share.
+rules and their promtool cases, docs row and deciding figure in long-term storage) and
+``Deciding``; and the helpers the rules' texts and queries share.
 """
 
 from __future__ import annotations
@@ -57,9 +57,12 @@ class Rule:
     """One verdict kind, whole: where it stands (``RULES`` is in precedence order), its layer,
     table cell and title, when it holds on a window (``found``, against a threshold of
     ``sidecar.thresholds``), the figures behind it (``evidence``), what to do (``remedy``), its
-    threshold in words (the head of diagnose's report) and its alert rules (PromQL with the
-    thresholds as ``%(name)s``, rendered by ``sidecar.alert_rules``), and its deciding figure in
-    long-term storage (``deciding``: what ``gpu-sidecar fleet`` prints beside the GPU).
+    threshold in words (the head of diagnose's report), its alert rules (PromQL with the
+    thresholds as ``%(name)s``, rendered by ``sidecar.alert_rules``) with their promtool cases
+    (``alert_tests``: every alert of ``alerts`` is named by one of them), its row in
+    docs/diagnose.md's verdict table (``doc_when``, ``doc_todo``; rendered by the same command,
+    the thresholds in ``doc_when`` as in ``alerts``), and its deciding figure in long-term
+    storage (``deciding``: what ``gpu-sidecar fleet`` prints beside the GPU).
     ``alone``: judged only where no rule before it found anything (queueing: any other finding
     explains why requests wait).
 
@@ -75,5 +78,8 @@ class Rule:
     evidence: Callable[[Window, Thresholds], str | tuple[str, str, str]]
     threshold: Callable[[Thresholds], str] | None = None  # None: no threshold (a lost GPU)
     alerts: str = ""  # alert rules in the group of its layer ("" : none of its own)
+    alert_tests: str = ""  # promtool cases of ``alerts`` (YAML, literal): gpu-sidecar.tests.yml
+    doc_when: str = ""  # docs/diagnose.md's "when (window)" cell, thresholds as %(name)s
+    doc_todo: str = ""  # docs/diagnose.md's "what to do" cell (literal)
     deciding: Deciding | None = None  # fleet's figure (None: the GPU is listed without one)
     alone: bool = False

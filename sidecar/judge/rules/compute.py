@@ -26,6 +26,8 @@ LOW_OCCUPANCY = (
              ("gpu_uuid",),
              lambda v, t: f"SM occupancy {pct(at(v))} (below {t.occupancy_ratio:.0%}), p99 "
                           f"{ms(at(v, 1))} (above {ms(t.p99_latency_s)})"),
+         doc_when="SM occupancy < %(occupancy_percent)s %% **and** p99 > %(p99_latency_s)s s",
+         doc_todo="batching, CUDA graphs, kernel fusion",
          alerts="""\
       - alert: GPULowOccupancyAndSlowRequests
         # low occupancy alone is normal for small models; it matters when latency suffers too.
@@ -58,5 +60,89 @@ LOW_OCCUPANCY = (
           description: >-
             GPU {{ $labels.gpu_uuid }} keeps its SMs mostly empty while p99 latency is above the
             objective: small, fragmented kernels; consider batching, CUDA graphs or fusion.
-""")
+""",
+         alert_tests="""\
+  - name: low occupancy fires only with degraded p99 latency
+    interval: 1m
+    input_series:
+      # slow: every request between 0.3 and 0.5 s; occupancy 18 %
+      - series: 'gpu_sm_occupancy_ratio{namespace="ml",pod="slow-0",gpu_uuid="GPU-s",gpu_name="H200",gpu_index="0"}'
+        values: '0.18x30'
+      - series: 'inference_request_duration_seconds_bucket{namespace="ml",pod="slow-0",gpu_uuid="GPU-s",gpu_name="H200",gpu_index="0",le="0.1"}'
+        values: '0x30'
+      - series: 'inference_request_duration_seconds_bucket{namespace="ml",pod="slow-0",gpu_uuid="GPU-s",gpu_name="H200",gpu_index="0",le="0.3"}'
+        values: '0x30'
+      - series: 'inference_request_duration_seconds_bucket{namespace="ml",pod="slow-0",gpu_uuid="GPU-s",gpu_name="H200",gpu_index="0",le="0.5"}'
+        values: '0+600x30'
+      - series: 'inference_request_duration_seconds_bucket{namespace="ml",pod="slow-0",gpu_uuid="GPU-s",gpu_name="H200",gpu_index="0",le="+Inf"}'
+        values: '0+600x30'
+      # fast: the same low occupancy, but every request under 0.1 s: a small model, no alert
+      - series: 'gpu_sm_occupancy_ratio{namespace="ml",pod="fast-0",gpu_uuid="GPU-f",gpu_name="H200",gpu_index="0"}'
+        values: '0.18x30'
+      - series: 'inference_request_duration_seconds_bucket{namespace="ml",pod="fast-0",gpu_uuid="GPU-f",gpu_name="H200",gpu_index="0",le="0.1"}'
+        values: '0+600x30'
+      - series: 'inference_request_duration_seconds_bucket{namespace="ml",pod="fast-0",gpu_uuid="GPU-f",gpu_name="H200",gpu_index="0",le="0.3"}'
+        values: '0+600x30'
+      - series: 'inference_request_duration_seconds_bucket{namespace="ml",pod="fast-0",gpu_uuid="GPU-f",gpu_name="H200",gpu_index="0",le="0.5"}'
+        values: '0+600x30'
+      - series: 'inference_request_duration_seconds_bucket{namespace="ml",pod="fast-0",gpu_uuid="GPU-f",gpu_name="H200",gpu_index="0",le="+Inf"}'
+        values: '0+600x30'
+      # slow but busy SMs (occupancy 70 %): not this alert's business
+      - series: 'gpu_sm_occupancy_ratio{namespace="ml",pod="busy-0",gpu_uuid="GPU-b",gpu_name="H200",gpu_index="0"}'
+        values: '0.7x30'
+      - series: 'inference_request_duration_seconds_bucket{namespace="ml",pod="busy-0",gpu_uuid="GPU-b",gpu_name="H200",gpu_index="0",le="0.5"}'
+        values: '0+600x30'
+      - series: 'inference_request_duration_seconds_bucket{namespace="ml",pod="busy-0",gpu_uuid="GPU-b",gpu_name="H200",gpu_index="0",le="+Inf"}'
+        values: '0+600x30'
+    alert_rule_test:
+      - eval_time: 8m
+        alertname: GPULowOccupancyAndSlowRequests
+        exp_alerts: []   # pending: the condition holds from 1m on, and must for 10m
+      - eval_time: 20m
+        alertname: GPULowOccupancyAndSlowRequests
+        exp_alerts:
+          - exp_labels: {severity: warning, namespace: ml, pod: slow-0, gpu_uuid: GPU-s}
+            exp_annotations:
+              summary: "Low SM occupancy with slow requests on slow-0"
+              description: "GPU GPU-s keeps its SMs mostly empty while p99 latency is above the objective: small, fragmented kernels; consider batching, CUDA graphs or fusion."
+
+  - name: low occupancy with the engine's latency, where the app publishes none
+    interval: 1m
+    input_series:
+      # eng-0: the app publishes no latency; the engine's p99 is about 5 s
+      - series: 'gpu_sm_occupancy_ratio{namespace="ml",pod="eng-0",gpu_uuid="GPU-e",gpu_name="H200",gpu_index="0"}'
+        values: '0.18x30'
+      - series: 'engine_request_duration_seconds_bucket{namespace="ml",pod="eng-0",engine="vllm",endpoint="127.0.0.1:8000",model="m",le="0.3"}'
+        values: '0x30'
+      - series: 'engine_request_duration_seconds_bucket{namespace="ml",pod="eng-0",engine="vllm",endpoint="127.0.0.1:8000",model="m",le="5.0"}'
+        values: '0+600x30'
+      - series: 'engine_request_duration_seconds_bucket{namespace="ml",pod="eng-0",engine="vllm",endpoint="127.0.0.1:8000",model="m",le="+Inf"}'
+        values: '0+600x30'
+      # app-0: the app's own latency is fast: it is the one judged, the engine's slow one is not
+      - series: 'gpu_sm_occupancy_ratio{namespace="ml",pod="app-0",gpu_uuid="GPU-p",gpu_name="H200",gpu_index="0"}'
+        values: '0.18x30'
+      - series: 'inference_request_duration_seconds_bucket{namespace="ml",pod="app-0",gpu_uuid="GPU-p",gpu_name="H200",gpu_index="0",le="0.1"}'
+        values: '0+600x30'
+      - series: 'inference_request_duration_seconds_bucket{namespace="ml",pod="app-0",gpu_uuid="GPU-p",gpu_name="H200",gpu_index="0",le="+Inf"}'
+        values: '0+600x30'
+      - series: 'inference_request_duration_seconds_count{namespace="ml",pod="app-0",gpu_uuid="GPU-p",gpu_name="H200",gpu_index="0"}'
+        values: '0+600x30'
+      - series: 'engine_request_duration_seconds_bucket{namespace="ml",pod="app-0",engine="vllm",endpoint="127.0.0.1:8000",model="m",le="0.3"}'
+        values: '0x30'
+      - series: 'engine_request_duration_seconds_bucket{namespace="ml",pod="app-0",engine="vllm",endpoint="127.0.0.1:8000",model="m",le="5.0"}'
+        values: '0+600x30'
+      - series: 'engine_request_duration_seconds_bucket{namespace="ml",pod="app-0",engine="vllm",endpoint="127.0.0.1:8000",model="m",le="+Inf"}'
+        values: '0+600x30'
+    alert_rule_test:
+      - eval_time: 8m
+        alertname: GPULowOccupancyAndSlowRequests
+        exp_alerts: []   # pending
+      - eval_time: 20m
+        alertname: GPULowOccupancyAndSlowRequests
+        exp_alerts:
+          - exp_labels: {severity: warning, namespace: ml, pod: eng-0, gpu_uuid: GPU-e}
+            exp_annotations:
+              summary: "Low SM occupancy with slow requests on eng-0"
+              description: "GPU GPU-e keeps its SMs mostly empty while p99 latency is above the objective: small, fragmented kernels; consider batching, CUDA graphs or fusion."
+""")  # noqa: E501
 )

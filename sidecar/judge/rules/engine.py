@@ -119,6 +119,10 @@ KV_CACHE = (
              ("namespace", "pod"),
              lambda v, t: f"KV cache {pct(at(v))} in use (at least "
                           f"{t.kv_cache_full_ratio:.0%})"),
+         doc_when=("the serving engine's KV cache >= %(kv_cache_percent)s %% in use while "
+                   "requests were preempted or waited (`--engine-metrics-url`)"),
+         doc_todo=("more room for the KV cache (vLLM `--gpu-memory-utilization`, a shorter "
+                   "`--max-model-len`, fewer `--max-num-seqs`, an FP8 KV cache), or more replicas"),
          alerts="""\
       - alert: GPUEngineKVCacheFull
         # the serving engine's KV cache (--engine-metrics-url) at %(kv_cache_percent)s %% or more
@@ -144,7 +148,36 @@ KV_CACHE = (
             The {{ $labels.engine }} engine of {{ $labels.pod }} has no KV-cache room left and
             preempts or queues requests: raise gpu_memory_utilization, shorten max_model_len,
             lower the number of concurrent sequences, or add replicas.
-""")
+""",
+         alert_tests="""\
+  - name: a full KV cache fires while requests are preempted or wait, not when full alone
+    interval: 1m
+    input_series:
+      # kv-0: 95 % with preemptions; full-0: 97 % with nothing preempted or waiting
+      - series: 'engine_kv_cache_usage_ratio{namespace="ml",pod="kv-0",engine="vllm",endpoint="127.0.0.1:8000",model="m"}'
+        values: '0.95x20'
+      - series: 'engine_preemptions_total{namespace="ml",pod="kv-0",engine="vllm",endpoint="127.0.0.1:8000",model="m"}'
+        values: '0+2x20'
+      - series: 'engine_requests_waiting{namespace="ml",pod="kv-0",engine="vllm",endpoint="127.0.0.1:8000",model="m"}'
+        values: '0x20'
+      - series: 'engine_kv_cache_usage_ratio{namespace="ml",pod="full-0",engine="vllm",endpoint="127.0.0.1:8000",model="m"}'
+        values: '0.97x20'
+      - series: 'engine_preemptions_total{namespace="ml",pod="full-0",engine="vllm",endpoint="127.0.0.1:8000",model="m"}'
+        values: '7x20'
+      - series: 'engine_requests_waiting{namespace="ml",pod="full-0",engine="vllm",endpoint="127.0.0.1:8000",model="m"}'
+        values: '0x20'
+    alert_rule_test:
+      - eval_time: 3m
+        alertname: GPUEngineKVCacheFull
+        exp_alerts: []   # pending
+      - eval_time: 10m
+        alertname: GPUEngineKVCacheFull
+        exp_alerts:
+          - exp_labels: {severity: warning, namespace: ml, pod: kv-0, engine: vllm, endpoint: "127.0.0.1:8000", model: m}
+            exp_annotations:
+              summary: "KV cache of m on kv-0 at 95%"
+              description: "The vllm engine of kv-0 has no KV-cache room left and preempts or queues requests: raise gpu_memory_utilization, shorten max_model_len, lower the number of concurrent sequences, or add replicas."
+""")  # noqa: E501
 )
 
 
@@ -168,6 +201,10 @@ QUEUEING = (
                 f"{stored(name + '_bucket', pod=True)})))" for name in (_QUEUE, _REQUEST))),
              ("namespace", "pod"),
              _queueing_deciding),
+         doc_when=("p99 > %(p99_latency_s)s s with the engine's queue time at least "
+                   "%(queue_share_part)s of it, and nothing above found (`--engine-metrics-url`)"),
+         doc_todo=("a larger batch budget (vLLM `--max-num-seqs`, `--max-num-batched-tokens`), or "
+                   "more replicas"),
          alerts="""\
       - alert: GPUEngineQueueing
         # requests spend at least %(queue_share_percent)s %% of their time waiting in the engine's
@@ -197,5 +234,222 @@ QUEUEING = (
             The {{ $labels.engine }} engine of {{ $labels.pod }} admits requests too slowly for
             the traffic: raise the batch budget (max_num_seqs, max_num_batched_tokens) if the
             GPU has room, or add replicas.
-""", alone=True)
+""",
+         alert_tests="""\
+  - name: queueing fires when the queue is most of p99, not when it is small or the KV cache is full
+    interval: 1m
+    input_series:
+      - series: 'engine_request_duration_seconds_bucket{namespace="ml",pod="q-0",engine="vllm",endpoint="127.0.0.1:8000",model="m",le="1.0"}'
+        values: '0x30'
+      - series: 'engine_request_duration_seconds_bucket{namespace="ml",pod="q-0",engine="vllm",endpoint="127.0.0.1:8000",model="m",le="5.0"}'
+        values: '0+10x30'
+      - series: 'engine_request_duration_seconds_bucket{namespace="ml",pod="q-0",engine="vllm",endpoint="127.0.0.1:8000",model="m",le="10.0"}'
+        values: '0+100x30'
+      - series: 'engine_request_duration_seconds_bucket{namespace="ml",pod="q-0",engine="vllm",endpoint="127.0.0.1:8000",model="m",le="+Inf"}'
+        values: '0+100x30'
+      - series: 'engine_request_queue_duration_seconds_bucket{namespace="ml",pod="q-0",engine="vllm",endpoint="127.0.0.1:8000",model="m",le="1.0"}'
+        values: '0x30'
+      - series: 'engine_request_queue_duration_seconds_bucket{namespace="ml",pod="q-0",engine="vllm",endpoint="127.0.0.1:8000",model="m",le="5.0"}'
+        values: '0+10x30'
+      - series: 'engine_request_queue_duration_seconds_bucket{namespace="ml",pod="q-0",engine="vllm",endpoint="127.0.0.1:8000",model="m",le="10.0"}'
+        values: '0+100x30'
+      - series: 'engine_request_queue_duration_seconds_bucket{namespace="ml",pod="q-0",engine="vllm",endpoint="127.0.0.1:8000",model="m",le="+Inf"}'
+        values: '0+100x30'
+      - series: 'engine_kv_cache_usage_ratio{namespace="ml",pod="q-0",engine="vllm",endpoint="127.0.0.1:8000",model="m"}'
+        values: '0.5x30'
+      - series: 'engine_request_duration_seconds_bucket{namespace="ml",pod="q-ok",engine="vllm",endpoint="127.0.0.1:8000",model="m",le="1.0"}'
+        values: '0x30'
+      - series: 'engine_request_duration_seconds_bucket{namespace="ml",pod="q-ok",engine="vllm",endpoint="127.0.0.1:8000",model="m",le="5.0"}'
+        values: '0+10x30'
+      - series: 'engine_request_duration_seconds_bucket{namespace="ml",pod="q-ok",engine="vllm",endpoint="127.0.0.1:8000",model="m",le="10.0"}'
+        values: '0+100x30'
+      - series: 'engine_request_duration_seconds_bucket{namespace="ml",pod="q-ok",engine="vllm",endpoint="127.0.0.1:8000",model="m",le="+Inf"}'
+        values: '0+100x30'
+      - series: 'engine_request_queue_duration_seconds_bucket{namespace="ml",pod="q-ok",engine="vllm",endpoint="127.0.0.1:8000",model="m",le="1.0"}'
+        values: '0+100x30'
+      - series: 'engine_request_queue_duration_seconds_bucket{namespace="ml",pod="q-ok",engine="vllm",endpoint="127.0.0.1:8000",model="m",le="5.0"}'
+        values: '0+100x30'
+      - series: 'engine_request_queue_duration_seconds_bucket{namespace="ml",pod="q-ok",engine="vllm",endpoint="127.0.0.1:8000",model="m",le="10.0"}'
+        values: '0+100x30'
+      - series: 'engine_request_queue_duration_seconds_bucket{namespace="ml",pod="q-ok",engine="vllm",endpoint="127.0.0.1:8000",model="m",le="+Inf"}'
+        values: '0+100x30'
+      - series: 'engine_kv_cache_usage_ratio{namespace="ml",pod="q-ok",engine="vllm",endpoint="127.0.0.1:8000",model="m"}'
+        values: '0.5x30'
+      - series: 'engine_request_duration_seconds_bucket{namespace="ml",pod="q-kv",engine="vllm",endpoint="127.0.0.1:8000",model="m",le="1.0"}'
+        values: '0x30'
+      - series: 'engine_request_duration_seconds_bucket{namespace="ml",pod="q-kv",engine="vllm",endpoint="127.0.0.1:8000",model="m",le="5.0"}'
+        values: '0+10x30'
+      - series: 'engine_request_duration_seconds_bucket{namespace="ml",pod="q-kv",engine="vllm",endpoint="127.0.0.1:8000",model="m",le="10.0"}'
+        values: '0+100x30'
+      - series: 'engine_request_duration_seconds_bucket{namespace="ml",pod="q-kv",engine="vllm",endpoint="127.0.0.1:8000",model="m",le="+Inf"}'
+        values: '0+100x30'
+      - series: 'engine_request_queue_duration_seconds_bucket{namespace="ml",pod="q-kv",engine="vllm",endpoint="127.0.0.1:8000",model="m",le="1.0"}'
+        values: '0x30'
+      - series: 'engine_request_queue_duration_seconds_bucket{namespace="ml",pod="q-kv",engine="vllm",endpoint="127.0.0.1:8000",model="m",le="5.0"}'
+        values: '0+10x30'
+      - series: 'engine_request_queue_duration_seconds_bucket{namespace="ml",pod="q-kv",engine="vllm",endpoint="127.0.0.1:8000",model="m",le="10.0"}'
+        values: '0+100x30'
+      - series: 'engine_request_queue_duration_seconds_bucket{namespace="ml",pod="q-kv",engine="vllm",endpoint="127.0.0.1:8000",model="m",le="+Inf"}'
+        values: '0+100x30'
+      - series: 'engine_kv_cache_usage_ratio{namespace="ml",pod="q-kv",engine="vllm",endpoint="127.0.0.1:8000",model="m"}'
+        values: '0.95x30'
+    alert_rule_test:
+      - eval_time: 8m
+        alertname: GPUEngineQueueing
+        exp_alerts: []   # pending
+      - eval_time: 20m
+        alertname: GPUEngineQueueing
+        exp_alerts:
+          - exp_labels: {severity: warning, namespace: ml, pod: q-0, engine: vllm, endpoint: "127.0.0.1:8000", model: m}
+            exp_annotations:
+              summary: "m on q-0: 100% queued"
+              description: "The vllm engine of q-0 admits requests too slowly for the traffic: raise the batch budget (max_num_seqs, max_num_batched_tokens) if the GPU has room, or add replicas."
+
+  # vLLM V1's shapes, with its request phases (queue, prefill, decode sums) beside the buckets.
+  # The queue's share is taken as diagnose takes it (sidecar/views/verdict.py,
+  # queue_share_promql): p99 over p99 where the queue's p99 lies above its first bucket's bound;
+  # within it, an interpolation (vLLM's first bound is 0.3 s), the engine's own split of its
+  # requests' time. 100 requests a minute each:
+  # - v-fast: queues ~4 ms, prefills ~20 ms, decodes ~300 ms: the queue's p99 interpolates to
+  #   0.297 s, 60 % of the request p99 (0.497 s, above the objective), so p99 over p99 fired;
+  #   the phases say the queue holds 1.2 % of the time: no queueing (tests/test_engine_captures.py,
+  #   the same case for diagnose);
+  # - v-wait: queues 5-10 s (p99 9.94 s, above the first bound) of a 10-15 s request (p99 14.9 s):
+  #   p99 over p99, 67 %: fires;
+  # - v-first: queues ~0.25 s, within the first bucket, of a ~0.37 s request: the phases say the
+  #   queue holds 68 % of the time: fires;
+  # - v-quick: queues most of the time but the request p99 (0.198 s) meets the objective: no alert
+  - name: queueing is judged as diagnose judges it, by the phases where the queue's p99 is within its first bucket
+    interval: 1m
+    input_series:
+      - series: 'engine_request_queue_duration_seconds_bucket{namespace="ml",pod="v-fast",engine="vllm",endpoint="127.0.0.1:8000",model="m",le="0.3"}'
+        values: '0+100x30'
+      - series: 'engine_request_queue_duration_seconds_bucket{namespace="ml",pod="v-fast",engine="vllm",endpoint="127.0.0.1:8000",model="m",le="0.5"}'
+        values: '0+100x30'
+      - series: 'engine_request_queue_duration_seconds_bucket{namespace="ml",pod="v-fast",engine="vllm",endpoint="127.0.0.1:8000",model="m",le="0.8"}'
+        values: '0+100x30'
+      - series: 'engine_request_queue_duration_seconds_bucket{namespace="ml",pod="v-fast",engine="vllm",endpoint="127.0.0.1:8000",model="m",le="+Inf"}'
+        values: '0+100x30'
+      - series: 'engine_request_queue_duration_seconds_sum{namespace="ml",pod="v-fast",engine="vllm",endpoint="127.0.0.1:8000",model="m"}'
+        values: '0+0.4x30'
+      - series: 'engine_request_duration_seconds_bucket{namespace="ml",pod="v-fast",engine="vllm",endpoint="127.0.0.1:8000",model="m",le="0.3"}'
+        values: '0+30x30'
+      - series: 'engine_request_duration_seconds_bucket{namespace="ml",pod="v-fast",engine="vllm",endpoint="127.0.0.1:8000",model="m",le="0.5"}'
+        values: '0+100x30'
+      - series: 'engine_request_duration_seconds_bucket{namespace="ml",pod="v-fast",engine="vllm",endpoint="127.0.0.1:8000",model="m",le="0.8"}'
+        values: '0+100x30'
+      - series: 'engine_request_duration_seconds_bucket{namespace="ml",pod="v-fast",engine="vllm",endpoint="127.0.0.1:8000",model="m",le="+Inf"}'
+        values: '0+100x30'
+      - series: 'engine_request_prefill_seconds_total{namespace="ml",pod="v-fast",engine="vllm",endpoint="127.0.0.1:8000",model="m"}'
+        values: '0+2x30'
+      - series: 'engine_request_decode_seconds_total{namespace="ml",pod="v-fast",engine="vllm",endpoint="127.0.0.1:8000",model="m"}'
+        values: '0+30x30'
+      - series: 'engine_kv_cache_usage_ratio{namespace="ml",pod="v-fast",engine="vllm",endpoint="127.0.0.1:8000",model="m"}'
+        values: '0.3x30'
+      - series: 'engine_request_queue_duration_seconds_bucket{namespace="ml",pod="v-wait",engine="vllm",endpoint="127.0.0.1:8000",model="m",le="0.3"}'
+        values: '0+0x30'
+      - series: 'engine_request_queue_duration_seconds_bucket{namespace="ml",pod="v-wait",engine="vllm",endpoint="127.0.0.1:8000",model="m",le="0.5"}'
+        values: '0+0x30'
+      - series: 'engine_request_queue_duration_seconds_bucket{namespace="ml",pod="v-wait",engine="vllm",endpoint="127.0.0.1:8000",model="m",le="5.0"}'
+        values: '0+10x30'
+      - series: 'engine_request_queue_duration_seconds_bucket{namespace="ml",pod="v-wait",engine="vllm",endpoint="127.0.0.1:8000",model="m",le="10.0"}'
+        values: '0+100x30'
+      - series: 'engine_request_queue_duration_seconds_bucket{namespace="ml",pod="v-wait",engine="vllm",endpoint="127.0.0.1:8000",model="m",le="+Inf"}'
+        values: '0+100x30'
+      - series: 'engine_request_queue_duration_seconds_sum{namespace="ml",pod="v-wait",engine="vllm",endpoint="127.0.0.1:8000",model="m"}'
+        values: '0+800x30'
+      - series: 'engine_request_duration_seconds_bucket{namespace="ml",pod="v-wait",engine="vllm",endpoint="127.0.0.1:8000",model="m",le="0.3"}'
+        values: '0+0x30'
+      - series: 'engine_request_duration_seconds_bucket{namespace="ml",pod="v-wait",engine="vllm",endpoint="127.0.0.1:8000",model="m",le="5.0"}'
+        values: '0+0x30'
+      - series: 'engine_request_duration_seconds_bucket{namespace="ml",pod="v-wait",engine="vllm",endpoint="127.0.0.1:8000",model="m",le="10.0"}'
+        values: '0+50x30'
+      - series: 'engine_request_duration_seconds_bucket{namespace="ml",pod="v-wait",engine="vllm",endpoint="127.0.0.1:8000",model="m",le="15.0"}'
+        values: '0+100x30'
+      - series: 'engine_request_duration_seconds_bucket{namespace="ml",pod="v-wait",engine="vllm",endpoint="127.0.0.1:8000",model="m",le="+Inf"}'
+        values: '0+100x30'
+      - series: 'engine_request_prefill_seconds_total{namespace="ml",pod="v-wait",engine="vllm",endpoint="127.0.0.1:8000",model="m"}'
+        values: '0+5x30'
+      - series: 'engine_request_decode_seconds_total{namespace="ml",pod="v-wait",engine="vllm",endpoint="127.0.0.1:8000",model="m"}'
+        values: '0+200x30'
+      - series: 'engine_kv_cache_usage_ratio{namespace="ml",pod="v-wait",engine="vllm",endpoint="127.0.0.1:8000",model="m"}'
+        values: '0.3x30'
+      - series: 'engine_request_queue_duration_seconds_bucket{namespace="ml",pod="v-first",engine="vllm",endpoint="127.0.0.1:8000",model="m",le="0.3"}'
+        values: '0+100x30'
+      - series: 'engine_request_queue_duration_seconds_bucket{namespace="ml",pod="v-first",engine="vllm",endpoint="127.0.0.1:8000",model="m",le="0.5"}'
+        values: '0+100x30'
+      - series: 'engine_request_queue_duration_seconds_bucket{namespace="ml",pod="v-first",engine="vllm",endpoint="127.0.0.1:8000",model="m",le="0.8"}'
+        values: '0+100x30'
+      - series: 'engine_request_queue_duration_seconds_bucket{namespace="ml",pod="v-first",engine="vllm",endpoint="127.0.0.1:8000",model="m",le="+Inf"}'
+        values: '0+100x30'
+      - series: 'engine_request_queue_duration_seconds_sum{namespace="ml",pod="v-first",engine="vllm",endpoint="127.0.0.1:8000",model="m"}'
+        values: '0+25x30'
+      - series: 'engine_request_duration_seconds_bucket{namespace="ml",pod="v-first",engine="vllm",endpoint="127.0.0.1:8000",model="m",le="0.3"}'
+        values: '0+10x30'
+      - series: 'engine_request_duration_seconds_bucket{namespace="ml",pod="v-first",engine="vllm",endpoint="127.0.0.1:8000",model="m",le="0.5"}'
+        values: '0+100x30'
+      - series: 'engine_request_duration_seconds_bucket{namespace="ml",pod="v-first",engine="vllm",endpoint="127.0.0.1:8000",model="m",le="0.8"}'
+        values: '0+100x30'
+      - series: 'engine_request_duration_seconds_bucket{namespace="ml",pod="v-first",engine="vllm",endpoint="127.0.0.1:8000",model="m",le="+Inf"}'
+        values: '0+100x30'
+      - series: 'engine_request_prefill_seconds_total{namespace="ml",pod="v-first",engine="vllm",endpoint="127.0.0.1:8000",model="m"}'
+        values: '0+2x30'
+      - series: 'engine_request_decode_seconds_total{namespace="ml",pod="v-first",engine="vllm",endpoint="127.0.0.1:8000",model="m"}'
+        values: '0+10x30'
+      - series: 'engine_kv_cache_usage_ratio{namespace="ml",pod="v-first",engine="vllm",endpoint="127.0.0.1:8000",model="m"}'
+        values: '0.3x30'
+      - series: 'engine_request_queue_duration_seconds_bucket{namespace="ml",pod="v-quick",engine="vllm",endpoint="127.0.0.1:8000",model="m",le="0.1"}'
+        values: '0+60x30'
+      - series: 'engine_request_queue_duration_seconds_bucket{namespace="ml",pod="v-quick",engine="vllm",endpoint="127.0.0.1:8000",model="m",le="0.2"}'
+        values: '0+100x30'
+      - series: 'engine_request_queue_duration_seconds_bucket{namespace="ml",pod="v-quick",engine="vllm",endpoint="127.0.0.1:8000",model="m",le="0.3"}'
+        values: '0+100x30'
+      - series: 'engine_request_queue_duration_seconds_bucket{namespace="ml",pod="v-quick",engine="vllm",endpoint="127.0.0.1:8000",model="m",le="+Inf"}'
+        values: '0+100x30'
+      - series: 'engine_request_queue_duration_seconds_sum{namespace="ml",pod="v-quick",engine="vllm",endpoint="127.0.0.1:8000",model="m"}'
+        values: '0+10x30'
+      - series: 'engine_request_duration_seconds_bucket{namespace="ml",pod="v-quick",engine="vllm",endpoint="127.0.0.1:8000",model="m",le="0.1"}'
+        values: '0+50x30'
+      - series: 'engine_request_duration_seconds_bucket{namespace="ml",pod="v-quick",engine="vllm",endpoint="127.0.0.1:8000",model="m",le="0.2"}'
+        values: '0+100x30'
+      - series: 'engine_request_duration_seconds_bucket{namespace="ml",pod="v-quick",engine="vllm",endpoint="127.0.0.1:8000",model="m",le="0.3"}'
+        values: '0+100x30'
+      - series: 'engine_request_duration_seconds_bucket{namespace="ml",pod="v-quick",engine="vllm",endpoint="127.0.0.1:8000",model="m",le="+Inf"}'
+        values: '0+100x30'
+      - series: 'engine_request_prefill_seconds_total{namespace="ml",pod="v-quick",engine="vllm",endpoint="127.0.0.1:8000",model="m"}'
+        values: '0+2x30'
+      - series: 'engine_request_decode_seconds_total{namespace="ml",pod="v-quick",engine="vllm",endpoint="127.0.0.1:8000",model="m"}'
+        values: '0+5x30'
+      - series: 'engine_kv_cache_usage_ratio{namespace="ml",pod="v-quick",engine="vllm",endpoint="127.0.0.1:8000",model="m"}'
+        values: '0.3x30'
+    alert_rule_test:
+      - eval_time: 8m
+        alertname: GPUEngineQueueing
+        exp_alerts: []   # pending
+      - eval_time: 20m
+        alertname: GPUEngineQueueing
+        exp_alerts:
+          - exp_labels: {severity: warning, namespace: ml, pod: v-first, engine: vllm, endpoint: "127.0.0.1:8000", model: m}
+            exp_annotations:
+              summary: "m on v-first: 67.57% queued"
+              description: "The vllm engine of v-first admits requests too slowly for the traffic: raise the batch budget (max_num_seqs, max_num_batched_tokens) if the GPU has room, or add replicas."
+          - exp_labels: {severity: warning, namespace: ml, pod: v-wait, engine: vllm, endpoint: "127.0.0.1:8000", model: m}
+            exp_annotations:
+              summary: "m on v-wait: 66.74% queued"
+              description: "The vllm engine of v-wait admits requests too slowly for the traffic: raise the batch budget (max_num_seqs, max_num_batched_tokens) if the GPU has room, or add replicas."
+    promql_expr_test:
+      # v-fast is the case p99 over p99 gets wrong: 60 % of the request p99 ...
+      - expr: 'histogram_quantile(0.99, sum by (namespace, pod, engine, endpoint, model, le) (rate(engine_request_queue_duration_seconds_bucket{pod="v-fast"}[5m]))) / histogram_quantile(0.99, sum by (namespace, pod, engine, endpoint, model, le) (rate(engine_request_duration_seconds_bucket{pod="v-fast"}[5m]))) >= bool 0.5'
+        eval_time: 20m
+        exp_samples:
+          - labels: '{namespace="ml",pod="v-fast",engine="vllm",endpoint="127.0.0.1:8000",model="m"}'
+            value: 1
+      # ... because the queue's p99 lies within its first bucket, whose bound is the 1-quantile
+      # of the buckets set to 1
+      - expr: 'histogram_quantile(1, sum by (namespace, pod, engine, endpoint, model, le) (rate(engine_request_queue_duration_seconds_bucket{pod="v-fast"}[5m])) * 0 + 1)'
+        eval_time: 20m
+        exp_samples:
+          - labels: '{namespace="ml",pod="v-fast",engine="vllm",endpoint="127.0.0.1:8000",model="m"}'
+            value: 0.3
+""", alone=True)  # noqa: E501
 )

@@ -13,6 +13,8 @@ LOST = (
          found=lambda w, t: w.lost,
          evidence=lambda w, t: f"unreadable in {w.unreadable} of {w.samples + w.unreadable} "
                                "samples, including the last (alert GPUSidecarGPUUnavailable)",
+         doc_when="the GPU cannot be read at the end of the window",
+         doc_todo="`nvidia-smi`, `dmesg` (Xid 79), drain and reset",
          deciding=Deciding(
              (f"min by (gpu_uuid) (min_over_time({stored('gpu_sidecar_gpu_available')}))",),
              ("gpu_uuid",),

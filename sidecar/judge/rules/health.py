@@ -137,6 +137,9 @@ HARDWARE_FAULT = (
                            f"critical Xids {at(v):.0f}") + ", " + (
                  "uncorrected ECC not stored" if at(v, 1) is None else
                  f"uncorrected ECC {at(v, 1):.0f}") + " in the window"),
+         doc_when=("a critical Xid (%(critical_xids_list)s), an uncorrected ECC error or a failed "
+                   "row remap in the window"),
+         doc_todo="drain the node, reset the GPU, `dcgmi diag`, RMA if it recurs",
          alerts="""\
       - alert: GPUHardwareFault
         # the GPU itself failed: a critical Xid (%(critical_xids_list)s; the first
@@ -165,7 +168,70 @@ HARDWARE_FAULT = (
             {{ $labels.cause }}: its results may be wrong and it needs a reset or a replacement.
             Drain the node, reset the GPU (nvidia-smi -r) and run dcgmi diag; replace it if a
             row remap failed or the fault comes back. dmesg | grep -i xid has the driver's record.
-""")
+""",
+         alert_tests="""\
+  - name: a hardware fault fires at once on a critical Xid, an uncorrected ECC error or a failed remap
+    interval: 1m
+    input_series:
+      # as the agent sends an Xid count: absent until the GPU's first Xid of the code, then 1
+      - series: 'gpu_xid_errors_total{namespace="ml",pod="llm-0",gpu_uuid="GPU-a",xid="79"}'
+        values: '_x3 1x20'
+      # the app's fault (a graphics engine exception), however many: not the hardware's
+      - series: 'gpu_xid_errors_total{namespace="ml",pod="llm-0",gpu_uuid="GPU-b",xid="13"}'
+        values: '_x2 1 2 3x20'
+      # a row remap recorded (63): a pending remap, which GPURowRemapPending reports
+      - series: 'gpu_xid_errors_total{namespace="ml",pod="llm-0",gpu_uuid="GPU-f",xid="63"}'
+        values: '_x3 1x20'
+      - series: 'gpu_ecc_uncorrected_volatile_total{namespace="ml",pod="llm-0",gpu_uuid="GPU-c"}'
+        values: '0x5 2x20'
+      # corrected errors climbing: the hardware did its job, no fault
+      - series: 'gpu_ecc_corrected_volatile_total{namespace="ml",pod="llm-0",gpu_uuid="GPU-d"}'
+        values: '0+5x25'
+      - series: 'gpu_ecc_uncorrected_volatile_total{namespace="ml",pod="llm-0",gpu_uuid="GPU-d"}'
+        values: '3x25'   # from before the agent started: no increase, no alert
+      - series: 'gpu_row_remap_failed{namespace="ml",pod="llm-0",gpu_uuid="GPU-e"}'
+        values: '0x3 1x25'
+      - series: 'gpu_row_remap_pending{namespace="ml",pod="llm-0",gpu_uuid="GPU-f"}'
+        values: '0x3 1x25'
+      - series: 'gpu_row_remap_failed{namespace="ml",pod="llm-0",gpu_uuid="GPU-f"}'
+        values: '0x28'
+    alert_rule_test:
+      - eval_time: 2m
+        alertname: GPUHardwareFault
+        exp_alerts: []
+      - eval_time: 7m
+        alertname: GPUHardwareFault
+        exp_alerts:
+          - exp_labels: {severity: critical, namespace: ml, pod: llm-0, gpu_uuid: GPU-a, xid: "79", cause: "Xid 79"}
+            exp_annotations:
+              summary: "Hardware fault on GPU GPU-a of llm-0: Xid 79"
+              description: "GPU GPU-a (llm-0, ml) reported Xid 79: its results may be wrong and it needs a reset or a replacement. Drain the node, reset the GPU (nvidia-smi -r) and run dcgmi diag; replace it if a row remap failed or the fault comes back. dmesg | grep -i xid has the driver's record."
+          - exp_labels: {severity: critical, namespace: ml, pod: llm-0, gpu_uuid: GPU-c, cause: "uncorrected ECC errors"}
+            exp_annotations:
+              summary: "Hardware fault on GPU GPU-c of llm-0: uncorrected ECC errors"
+              description: "GPU GPU-c (llm-0, ml) reported uncorrected ECC errors: its results may be wrong and it needs a reset or a replacement. Drain the node, reset the GPU (nvidia-smi -r) and run dcgmi diag; replace it if a row remap failed or the fault comes back. dmesg | grep -i xid has the driver's record."
+          - exp_labels: {severity: critical, namespace: ml, pod: llm-0, gpu_uuid: GPU-e, cause: "a failed row remap"}
+            exp_annotations:
+              summary: "Hardware fault on GPU GPU-e of llm-0: a failed row remap"
+              description: "GPU GPU-e (llm-0, ml) reported a failed row remap: its results may be wrong and it needs a reset or a replacement. Drain the node, reset the GPU (nvidia-smi -r) and run dcgmi diag; replace it if a row remap failed or the fault comes back. dmesg | grep -i xid has the driver's record."
+      - eval_time: 20m
+        alertname: GPUHardwareFault
+        exp_alerts:   # no new Xid nor ECC error for 10 minutes; the failed remap stays
+          - exp_labels: {severity: critical, namespace: ml, pod: llm-0, gpu_uuid: GPU-e, cause: "a failed row remap"}
+            exp_annotations:
+              summary: "Hardware fault on GPU GPU-e of llm-0: a failed row remap"
+              description: "GPU GPU-e (llm-0, ml) reported a failed row remap: its results may be wrong and it needs a reset or a replacement. Drain the node, reset the GPU (nvidia-smi -r) and run dcgmi diag; replace it if a row remap failed or the fault comes back. dmesg | grep -i xid has the driver's record."
+      - eval_time: 2m
+        alertname: GPURowRemapPending
+        exp_alerts: []
+      - eval_time: 5m
+        alertname: GPURowRemapPending
+        exp_alerts:
+          - exp_labels: {severity: warning, namespace: ml, pod: llm-0, gpu_uuid: GPU-f}
+            exp_annotations:
+              summary: "GPU GPU-f of llm-0 waits for a reset to remap a memory row"
+              description: "A row remap of GPU GPU-f is pending: reset the GPU (nvidia-smi -r) once its work is drained to activate it. gpu_remapped_rows_uncorrectable and gpu_remapped_rows_correctable count the rows remapped so far."
+""")  # noqa: E501
 )
 
 
@@ -184,6 +250,11 @@ THROTTLED = (
              ("gpu_uuid",),
              lambda v, t: f"SM clock {pct(at(v))} of its maximum (below "
                           f"{t.throttle_clock_ratio:.0%})"),
+         doc_when=("a power-cap, thermal, HW-slowdown or power-brake limit for > "
+                   "%(throttle_percent)s %% of the window, utilization > %(busy_percent)s %%, SM "
+                   "clock < %(throttle_clock_percent)s %% of its maximum"),
+         doc_todo=("power cap: the power limit and the workload's power; thermal: airflow; HW "
+                   "slowdown: the board"),
          alerts="""\
       - alert: GPUClocksThrottled
         # a limiting reason for more than %(throttle_percent)s %% of 5 minutes on a busy GPU (utilization
@@ -212,5 +283,61 @@ THROTTLED = (
             cap: check the power limit (gpu_power_limit_watts) and the workload's power;
             thermal: the airflow (gpu_temperature_celsius); HW slowdown or power brake: the
             board and its power supply.
-""")
+""",
+         alert_tests="""\
+  - name: throttled clocks fire on a busy GPU held below its maximum, not idle, not sync boost alone
+    interval: 1m
+    input_series:
+      # busy, power-capped 90 % of the time, SM clock at 61 % of its maximum
+      - series: 'gpu_utilization_ratio{namespace="ml",pod="llm-0",gpu_uuid="GPU-t",gpu_name="H200",gpu_index="0"}'
+        values: '0.95x20'
+      - series: 'gpu_clocks_event_power_cap_ratio{namespace="ml",pod="llm-0",gpu_uuid="GPU-t",gpu_name="H200",gpu_index="0"}'
+        values: '0.9x20'
+      - series: 'gpu_clocks_event_sync_boost_ratio{namespace="ml",pod="llm-0",gpu_uuid="GPU-t",gpu_name="H200",gpu_index="0"}'
+        values: '0x20'
+      - series: 'gpu_sm_clock_hertz{namespace="ml",pod="llm-0",gpu_uuid="GPU-t",gpu_name="H200",gpu_index="0"}'
+        values: '1.2e9x20'
+      - series: 'gpu_sm_clock_max_hertz{namespace="ml",pod="llm-0",gpu_uuid="GPU-t",gpu_name="H200",gpu_index="0"}'
+        values: '1.98e9x20'
+      # idle with a HW slowdown reported and its clocks down: nothing to run, not throttled
+      - series: 'gpu_utilization_ratio{namespace="ml",pod="llm-0",gpu_uuid="GPU-i",gpu_name="H200",gpu_index="1"}'
+        values: '0.02x20'
+      - series: 'gpu_clocks_event_hw_slowdown_ratio{namespace="ml",pod="llm-0",gpu_uuid="GPU-i",gpu_name="H200",gpu_index="1"}'
+        values: '1x20'
+      - series: 'gpu_sm_clock_hertz{namespace="ml",pod="llm-0",gpu_uuid="GPU-i",gpu_name="H200",gpu_index="1"}'
+        values: '0.345e9x20'
+      - series: 'gpu_sm_clock_max_hertz{namespace="ml",pod="llm-0",gpu_uuid="GPU-i",gpu_name="H200",gpu_index="1"}'
+        values: '1.98e9x20'
+      # busy and slow, but held by sync boost alone: its group's slowest GPU is the one to look at
+      - series: 'gpu_utilization_ratio{namespace="ml",pod="llm-0",gpu_uuid="GPU-s",gpu_name="H200",gpu_index="2"}'
+        values: '0.95x20'
+      - series: 'gpu_clocks_event_sync_boost_ratio{namespace="ml",pod="llm-0",gpu_uuid="GPU-s",gpu_name="H200",gpu_index="2"}'
+        values: '1x20'
+      - series: 'gpu_clocks_event_power_cap_ratio{namespace="ml",pod="llm-0",gpu_uuid="GPU-s",gpu_name="H200",gpu_index="2"}'
+        values: '0x20'
+      - series: 'gpu_sm_clock_hertz{namespace="ml",pod="llm-0",gpu_uuid="GPU-s",gpu_name="H200",gpu_index="2"}'
+        values: '1.2e9x20'
+      - series: 'gpu_sm_clock_max_hertz{namespace="ml",pod="llm-0",gpu_uuid="GPU-s",gpu_name="H200",gpu_index="2"}'
+        values: '1.98e9x20'
+      # busy, at its power cap all the time, but within the boost range (96 % of the maximum)
+      - series: 'gpu_utilization_ratio{namespace="ml",pod="llm-0",gpu_uuid="GPU-n",gpu_name="H200",gpu_index="3"}'
+        values: '0.95x20'
+      - series: 'gpu_clocks_event_power_cap_ratio{namespace="ml",pod="llm-0",gpu_uuid="GPU-n",gpu_name="H200",gpu_index="3"}'
+        values: '1x20'
+      - series: 'gpu_sm_clock_hertz{namespace="ml",pod="llm-0",gpu_uuid="GPU-n",gpu_name="H200",gpu_index="3"}'
+        values: '1.9e9x20'
+      - series: 'gpu_sm_clock_max_hertz{namespace="ml",pod="llm-0",gpu_uuid="GPU-n",gpu_name="H200",gpu_index="3"}'
+        values: '1.98e9x20'
+    alert_rule_test:
+      - eval_time: 4m
+        alertname: GPUClocksThrottled
+        exp_alerts: []   # pending
+      - eval_time: 8m
+        alertname: GPUClocksThrottled
+        exp_alerts:
+          - exp_labels: {severity: warning, namespace: ml, pod: llm-0, gpu_uuid: GPU-t, gpu_name: H200, gpu_index: "0", reason: "power cap"}
+            exp_annotations:
+              summary: "GPU GPU-t clocks limited by power cap 90% of the time"
+              description: "The clocks of GPU GPU-t (llm-0) are held below 85 % of their maximum while it is busy: every kernel runs slower. Power cap: check the power limit (gpu_power_limit_watts) and the workload's power; thermal: the airflow (gpu_temperature_celsius); HW slowdown or power brake: the board and its power supply."
+""")  # noqa: E501
 )

@@ -55,6 +55,9 @@ PCIE_DEGRADED = (
              ("gpu_uuid",),
              lambda v, t: f"link trained at Gen{whole(at(v))} of its Gen{whole(at(v, 1))} "
                           "maximum"),
+         doc_when=("the link below its maximum generation or width in most samples while carrying "
+                   "> %(pcie_degraded_percent)s %% of the link as trained (both shares shown)"),
+         doc_todo="reseat the GPU, check the slot, riser and BIOS",
          alerts="""\
       - alert: GPUPcieLinkDegraded
         # the link trained below its maximum generation or width while either direction carries
@@ -82,7 +85,77 @@ PCIE_DEGRADED = (
             while trained below its maximum: compare gpu_pcie_link_current_generation/width
             with gpu_pcie_link_generation/width. Reseat the GPU, check the slot, the riser and
             the BIOS's PCIe settings.
-""")
+""",
+         alert_tests="""\
+  - name: a PCIe link below its maximum fires only while traffic flows
+    interval: 1m
+    input_series:
+      # a Gen5 x16 GPU whose link trained at Gen3 x8, host-to-device copies at 95 % of it
+      - series: 'gpu_pcie_link_generation{namespace="ml",pod="llm-0",gpu_uuid="GPU-g",gpu_name="H200",gpu_index="0"}'
+        values: '5x20'
+      - series: 'gpu_pcie_link_width{namespace="ml",pod="llm-0",gpu_uuid="GPU-g",gpu_name="H200",gpu_index="0"}'
+        values: '16x20'
+      - series: 'gpu_pcie_link_current_generation{namespace="ml",pod="llm-0",gpu_uuid="GPU-g",gpu_name="H200",gpu_index="0"}'
+        values: '3x20'
+      - series: 'gpu_pcie_link_current_width{namespace="ml",pod="llm-0",gpu_uuid="GPU-g",gpu_name="H200",gpu_index="0"}'
+        values: '8x20'
+      - series: 'gpu_pcie_rx_current_link_util_ratio{namespace="ml",pod="llm-0",gpu_uuid="GPU-g",gpu_name="H200",gpu_index="0"}'
+        values: '0.95x20'
+      - series: 'gpu_pcie_tx_current_link_util_ratio{namespace="ml",pod="llm-0",gpu_uuid="GPU-g",gpu_name="H200",gpu_index="0"}'
+        values: '0.1x20'
+      # the full generation on half the lanes, half of that link in use
+      - series: 'gpu_pcie_link_generation{namespace="ml",pod="llm-0",gpu_uuid="GPU-w",gpu_name="H200",gpu_index="1"}'
+        values: '5x20'
+      - series: 'gpu_pcie_link_width{namespace="ml",pod="llm-0",gpu_uuid="GPU-w",gpu_name="H200",gpu_index="1"}'
+        values: '16x20'
+      - series: 'gpu_pcie_link_current_generation{namespace="ml",pod="llm-0",gpu_uuid="GPU-w",gpu_name="H200",gpu_index="1"}'
+        values: '5x20'
+      - series: 'gpu_pcie_link_current_width{namespace="ml",pod="llm-0",gpu_uuid="GPU-w",gpu_name="H200",gpu_index="1"}'
+        values: '8x20'
+      - series: 'gpu_pcie_rx_current_link_util_ratio{namespace="ml",pod="llm-0",gpu_uuid="GPU-w",gpu_name="H200",gpu_index="1"}'
+        values: '0.5x20'
+      - series: 'gpu_pcie_tx_current_link_util_ratio{namespace="ml",pod="llm-0",gpu_uuid="GPU-w",gpu_name="H200",gpu_index="1"}'
+        values: '0.1x20'
+      # idle, trained down to Gen1 x16 to save power: never this alert
+      - series: 'gpu_pcie_link_generation{namespace="ml",pod="llm-0",gpu_uuid="GPU-i",gpu_name="H200",gpu_index="2"}'
+        values: '5x20'
+      - series: 'gpu_pcie_link_width{namespace="ml",pod="llm-0",gpu_uuid="GPU-i",gpu_name="H200",gpu_index="2"}'
+        values: '16x20'
+      - series: 'gpu_pcie_link_current_generation{namespace="ml",pod="llm-0",gpu_uuid="GPU-i",gpu_name="H200",gpu_index="2"}'
+        values: '1x20'
+      - series: 'gpu_pcie_link_current_width{namespace="ml",pod="llm-0",gpu_uuid="GPU-i",gpu_name="H200",gpu_index="2"}'
+        values: '16x20'
+      - series: 'gpu_pcie_rx_current_link_util_ratio{namespace="ml",pod="llm-0",gpu_uuid="GPU-i",gpu_name="H200",gpu_index="2"}'
+        values: '0.01x20'
+      - series: 'gpu_pcie_tx_current_link_util_ratio{namespace="ml",pod="llm-0",gpu_uuid="GPU-i",gpu_name="H200",gpu_index="2"}'
+        values: '0.002x20'
+      # at its maximum and busy (90 %): GPUPCIeSaturated's business, not a degraded link
+      - series: 'gpu_pcie_link_generation{namespace="ml",pod="llm-0",gpu_uuid="GPU-h",gpu_name="H200",gpu_index="3"}'
+        values: '5x20'
+      - series: 'gpu_pcie_link_width{namespace="ml",pod="llm-0",gpu_uuid="GPU-h",gpu_name="H200",gpu_index="3"}'
+        values: '16x20'
+      - series: 'gpu_pcie_link_current_generation{namespace="ml",pod="llm-0",gpu_uuid="GPU-h",gpu_name="H200",gpu_index="3"}'
+        values: '5x20'
+      - series: 'gpu_pcie_link_current_width{namespace="ml",pod="llm-0",gpu_uuid="GPU-h",gpu_name="H200",gpu_index="3"}'
+        values: '16x20'
+      - series: 'gpu_pcie_rx_current_link_util_ratio{namespace="ml",pod="llm-0",gpu_uuid="GPU-h",gpu_name="H200",gpu_index="3"}'
+        values: '0.9x20'
+    alert_rule_test:
+      - eval_time: 3m
+        alertname: GPUPcieLinkDegraded
+        exp_alerts: []   # pending
+      - eval_time: 7m
+        alertname: GPUPcieLinkDegraded
+        exp_alerts:
+          - exp_labels: {severity: warning, namespace: ml, pod: llm-0, gpu_uuid: GPU-g, gpu_name: H200, gpu_index: "0"}
+            exp_annotations:
+              summary: "PCIe link of GPU GPU-g below its maximum, at 95% of the link as trained"
+              description: "The PCIe link of GPU GPU-g (llm-0) carries traffic while trained below its maximum: compare gpu_pcie_link_current_generation/width with gpu_pcie_link_generation/width. Reseat the GPU, check the slot, the riser and the BIOS's PCIe settings."
+          - exp_labels: {severity: warning, namespace: ml, pod: llm-0, gpu_uuid: GPU-w, gpu_name: H200, gpu_index: "1"}
+            exp_annotations:
+              summary: "PCIe link of GPU GPU-w below its maximum, at 50% of the link as trained"
+              description: "The PCIe link of GPU GPU-w (llm-0) carries traffic while trained below its maximum: compare gpu_pcie_link_current_generation/width with gpu_pcie_link_generation/width. Reseat the GPU, check the slot, the riser and the BIOS's PCIe settings."
+""")  # noqa: E501
 )
 
 
@@ -104,6 +177,9 @@ PCIE = (
              (either("gpu_pcie_rx_bandwidth_util_ratio", "gpu_pcie_tx_bandwidth_util_ratio"),),
              ("gpu_uuid",),
              lambda v, t: f"PCIe {pct(at(v))} of the link (above {t.pcie_util_ratio:.0%})"),
+         doc_when="TX or RX > %(pcie_percent)s %% of the link maximum",
+         doc_todo=("pinned memory and `non_blocking` copies, prefetch on a side stream, keep data "
+                   "resident"),
          alerts="""\
       - alert: GPUPCIeSaturated
         # either direction above %(pcie_percent)s %% of the link maximum (the device's max generation x width,
@@ -121,7 +197,31 @@ PCIE = (
             Host-device copies on {{ $labels.pod }} use more than %(pcie_percent)s %% of the PCIe link: model
             loads, large batches or pageable copies. gpu_pcie_link_max_bytes_per_second shows the
             maximum used.
-""")
+""",
+         alert_tests="""\
+  - name: PCIe saturation in either direction fires after 3 minutes
+    interval: 1m
+    input_series:
+      - series: 'gpu_pcie_rx_bandwidth_util_ratio{namespace="ml",pod="llm-0",gpu_uuid="GPU-a",gpu_name="H200",gpu_index="0"}'
+        values: '0.3 0.3 0.91 0.92 0.9 0.9 0.9 0.9 0.9 0.9'
+      - series: 'gpu_pcie_tx_bandwidth_util_ratio{namespace="ml",pod="llm-0",gpu_uuid="GPU-a",gpu_name="H200",gpu_index="0"}'
+        values: '0.1x10'
+      - series: 'gpu_pcie_rx_bandwidth_util_ratio{namespace="ml",pod="llm-2",gpu_uuid="GPU-d",gpu_name="H200",gpu_index="0"}'
+        values: '0.79x10'
+      - series: 'gpu_pcie_tx_bandwidth_util_ratio{namespace="ml",pod="llm-2",gpu_uuid="GPU-d",gpu_name="H200",gpu_index="0"}'
+        values: '0.5x10'
+    alert_rule_test:
+      - eval_time: 4m
+        alertname: GPUPCIeSaturated
+        exp_alerts: []   # pending since 2m
+      - eval_time: 6m
+        alertname: GPUPCIeSaturated
+        exp_alerts:
+          - exp_labels: {severity: warning, namespace: ml, pod: llm-0, gpu_uuid: GPU-a, gpu_name: H200}
+            exp_annotations:
+              summary: "PCIe link of GPU GPU-a at 90%"
+              description: "Host-device copies on llm-0 use more than 80 % of the PCIe link: model loads, large batches or pageable copies. gpu_pcie_link_max_bytes_per_second shows the maximum used."
+""")  # noqa: E501
 )
 
 
@@ -143,6 +243,9 @@ C2C = (
              ("gpu_uuid",),
              lambda v, t: f"NVLink-C2C {pct(at(v))} of its maximum (above "
                           f"{t.pcie_util_ratio:.0%})"),
+         doc_when=("NVLink-C2C (Grace Hopper / Blackwell) TX or RX > %(pcie_percent)s %% of its "
+                   "maximum"),
+         doc_todo="keep data in HBM, prefetch managed memory",
          alerts="""\
       - alert: GPUC2CSaturated
         # Grace Hopper / Grace Blackwell: either direction of NVLink-C2C, the host link there,
@@ -160,7 +263,31 @@ C2C = (
             Host memory traffic of {{ $labels.pod }} uses more than %(pcie_percent)s %% of the C2C link to
             the Grace CPU: keep reused data in HBM, prefetch managed memory to the GPU, avoid
             oversubscribing HBM.
-""")
+""",
+         alert_tests="""\
+  - name: NVLink-C2C saturation on Grace fires after 3 minutes
+    interval: 1m
+    input_series:
+      - series: 'gpu_c2c_rx_bandwidth_util_ratio{namespace="ml",pod="llm-0",gpu_uuid="GPU-gh",gpu_name="GH200",gpu_index="0"}'
+        values: '0.2 0.9x12'
+      - series: 'gpu_c2c_tx_bandwidth_util_ratio{namespace="ml",pod="llm-0",gpu_uuid="GPU-gh",gpu_name="GH200",gpu_index="0"}'
+        values: '0.1x12'
+      - series: 'gpu_c2c_rx_bandwidth_util_ratio{namespace="ml",pod="llm-1",gpu_uuid="GPU-gk",gpu_name="GH200",gpu_index="0"}'
+        values: '0.6x12'
+      - series: 'gpu_c2c_tx_bandwidth_util_ratio{namespace="ml",pod="llm-1",gpu_uuid="GPU-gk",gpu_name="GH200",gpu_index="0"}'
+        values: '0.79x12'
+    alert_rule_test:
+      - eval_time: 3m
+        alertname: GPUC2CSaturated
+        exp_alerts: []   # pending since 1m
+      - eval_time: 5m
+        alertname: GPUC2CSaturated
+        exp_alerts:
+          - exp_labels: {severity: warning, namespace: ml, pod: llm-0, gpu_uuid: GPU-gh, gpu_name: GH200}
+            exp_annotations:
+              summary: "NVLink-C2C of GPU GPU-gh at 90%"
+              description: "Host memory traffic of llm-0 uses more than 80 % of the C2C link to the Grace CPU: keep reused data in HBM, prefetch managed memory to the GPU, avoid oversubscribing HBM."
+""")  # noqa: E501
 )
 
 
@@ -190,6 +317,12 @@ NVLINK = (
              ("gpu_uuid",),
              lambda v, t: f"NVLink {pct(at(v))} of its maximum (above "
                           f"{t.nvlink_util_ratio:.0%})"),
+         doc_when=("NVLink between the GPUs: TX or RX > %(nvlink_percent)s %% of the active "
+                   "links' maximum while utilization > %(busy_percent)s %% or p99 > "
+                   "%(p99_latency_s)s s"),
+         doc_todo=("a smaller tensor-parallel degree (more replicas, or pipeline parallelism "
+                   "across nodes) for a model that fits, overlap communication with compute, keep "
+                   "the TP group within one NVSwitch domain (`nvidia-smi topo -m`)"),
          alerts="""\
       - alert: GPUNVLinkSaturated
         # either direction of NVLink between the GPUs above %(nvlink_util_ratio)s of the active
@@ -222,5 +355,76 @@ NVLINK = (
             degree against the model size, overlap communication with compute, and keep the
             group on NVLink-connected GPUs (nvidia-smi topo -m). gpu_nvlink_link_max_bytes_per_second
             shows the maximum used.
-""")
+""",
+         alert_tests="""\
+  - name: NVLink saturation fires after 3 minutes on a busy GPU or with p99 up, not on an idle or a quiet link
+    interval: 1m
+    input_series:
+      # tensor parallel, busy: RX at 90 % of the links' maximum, utilization 95 %
+      - series: 'gpu_nvlink_rx_bandwidth_util_ratio{namespace="ml",pod="tp-0",gpu_uuid="GPU-t0",gpu_name="H200",gpu_index="0"}'
+        values: '0.2 0.9x12'
+      - series: 'gpu_nvlink_tx_bandwidth_util_ratio{namespace="ml",pod="tp-0",gpu_uuid="GPU-t0",gpu_name="H200",gpu_index="0"}'
+        values: '0.1 0.85x11'
+      - series: 'gpu_utilization_ratio{namespace="ml",pod="tp-0",gpu_uuid="GPU-t0",gpu_name="H200",gpu_index="0"}'
+        values: '0.95x12'
+      # the same link on a GPU that reads 30 % busy, but p99 is ~0.5 s: the latency arm
+      - series: 'gpu_nvlink_rx_bandwidth_util_ratio{namespace="ml",pod="tp-1",gpu_uuid="GPU-t1",gpu_name="H200",gpu_index="0"}'
+        values: '0.9x12'
+      - series: 'gpu_nvlink_tx_bandwidth_util_ratio{namespace="ml",pod="tp-1",gpu_uuid="GPU-t1",gpu_name="H200",gpu_index="0"}'
+        values: '0.9x12'
+      - series: 'gpu_utilization_ratio{namespace="ml",pod="tp-1",gpu_uuid="GPU-t1",gpu_name="H200",gpu_index="0"}'
+        values: '0.3x12'
+      - series: 'inference_request_duration_seconds_bucket{namespace="ml",pod="tp-1",gpu_uuid="GPU-t1",gpu_name="H200",gpu_index="0",le="0.1"}'
+        values: '0x12'
+      - series: 'inference_request_duration_seconds_bucket{namespace="ml",pod="tp-1",gpu_uuid="GPU-t1",gpu_name="H200",gpu_index="0",le="0.3"}'
+        values: '0x12'
+      - series: 'inference_request_duration_seconds_bucket{namespace="ml",pod="tp-1",gpu_uuid="GPU-t1",gpu_name="H200",gpu_index="0",le="0.5"}'
+        values: '0+600x12'
+      - series: 'inference_request_duration_seconds_bucket{namespace="ml",pod="tp-1",gpu_uuid="GPU-t1",gpu_name="H200",gpu_index="0",le="+Inf"}'
+        values: '0+600x12'
+      # an idle link on a busy GPU: not this alert's business
+      - series: 'gpu_nvlink_rx_bandwidth_util_ratio{namespace="ml",pod="idle-0",gpu_uuid="GPU-i",gpu_name="H200",gpu_index="0"}'
+        values: '0x12'
+      - series: 'gpu_nvlink_tx_bandwidth_util_ratio{namespace="ml",pod="idle-0",gpu_uuid="GPU-i",gpu_name="H200",gpu_index="0"}'
+        values: '0x12'
+      - series: 'gpu_utilization_ratio{namespace="ml",pod="idle-0",gpu_uuid="GPU-i",gpu_name="H200",gpu_index="0"}'
+        values: '0.95x12'
+      # a busy link below the line (79 %)
+      - series: 'gpu_nvlink_rx_bandwidth_util_ratio{namespace="ml",pod="below-0",gpu_uuid="GPU-l",gpu_name="H200",gpu_index="0"}'
+        values: '0.79x12'
+      - series: 'gpu_nvlink_tx_bandwidth_util_ratio{namespace="ml",pod="below-0",gpu_uuid="GPU-l",gpu_name="H200",gpu_index="0"}'
+        values: '0.7x12'
+      - series: 'gpu_utilization_ratio{namespace="ml",pod="below-0",gpu_uuid="GPU-l",gpu_name="H200",gpu_index="0"}'
+        values: '0.95x12'
+      # a full link on a quiet GPU with fast requests (a weight reshard): costs nothing yet
+      - series: 'gpu_nvlink_rx_bandwidth_util_ratio{namespace="ml",pod="quiet-0",gpu_uuid="GPU-q",gpu_name="H200",gpu_index="0"}'
+        values: '0.95x12'
+      - series: 'gpu_nvlink_tx_bandwidth_util_ratio{namespace="ml",pod="quiet-0",gpu_uuid="GPU-q",gpu_name="H200",gpu_index="0"}'
+        values: '0.95x12'
+      - series: 'gpu_utilization_ratio{namespace="ml",pod="quiet-0",gpu_uuid="GPU-q",gpu_name="H200",gpu_index="0"}'
+        values: '0.2x12'
+      - series: 'inference_request_duration_seconds_bucket{namespace="ml",pod="quiet-0",gpu_uuid="GPU-q",gpu_name="H200",gpu_index="0",le="0.1"}'
+        values: '0+600x12'
+      - series: 'inference_request_duration_seconds_bucket{namespace="ml",pod="quiet-0",gpu_uuid="GPU-q",gpu_name="H200",gpu_index="0",le="0.3"}'
+        values: '0+600x12'
+      - series: 'inference_request_duration_seconds_bucket{namespace="ml",pod="quiet-0",gpu_uuid="GPU-q",gpu_name="H200",gpu_index="0",le="0.5"}'
+        values: '0+600x12'
+      - series: 'inference_request_duration_seconds_bucket{namespace="ml",pod="quiet-0",gpu_uuid="GPU-q",gpu_name="H200",gpu_index="0",le="+Inf"}'
+        values: '0+600x12'
+    alert_rule_test:
+      - eval_time: 3m
+        alertname: GPUNVLinkSaturated
+        exp_alerts: []   # pending since 1m (tp-1: its p99 needs two points of the histogram)
+      - eval_time: 5m
+        alertname: GPUNVLinkSaturated
+        exp_alerts:
+          - exp_labels: {severity: warning, namespace: ml, pod: tp-0, gpu_uuid: GPU-t0, gpu_name: H200}
+            exp_annotations:
+              summary: "NVLink of GPU GPU-t0 at 90%"
+              description: "The GPUs of tp-0 exchange more over NVLink than its links carry: with tensor parallelism every layer waits for its all-reduce. Check the tensor-parallel degree against the model size, overlap communication with compute, and keep the group on NVLink-connected GPUs (nvidia-smi topo -m). gpu_nvlink_link_max_bytes_per_second shows the maximum used."
+          - exp_labels: {severity: warning, namespace: ml, pod: tp-1, gpu_uuid: GPU-t1, gpu_name: H200}
+            exp_annotations:
+              summary: "NVLink of GPU GPU-t1 at 90%"
+              description: "The GPUs of tp-1 exchange more over NVLink than its links carry: with tensor parallelism every layer waits for its all-reduce. Check the tensor-parallel degree against the model size, overlap communication with compute, and keep the group on NVLink-connected GPUs (nvidia-smi topo -m). gpu_nvlink_link_max_bytes_per_second shows the maximum used."
+""")  # noqa: E501
 )

@@ -27,6 +27,10 @@ FRAGMENTATION = (
              ("gpu_uuid",),
              lambda v, t: f"fragmentation {pct(at(v))} of a {gib(at(v, 1))} cache (above "
                           f"{t.fragmentation_ratio:.0%})"),
+         doc_when=("fragmentation > %(fragmentation_percent)s %% of an allocator cache > "
+                   "%(fragmentation_min_reserved_gib)s GiB"),
+         doc_todo=("`PYTORCH_ALLOC_CONF=expandable_segments:True` (`PYTORCH_CUDA_ALLOC_CONF` "
+                   "before PyTorch 2.8), bucketed batch shapes, `empty_cache()` between phases"),
          alerts="""\
       - alert: GPUMemoryFragmentationHigh
         # more than %(fragmentation_percent)s %% of the allocator's cache holds no tensor, on a
@@ -47,7 +51,43 @@ FRAGMENTATION = (
             gpu_allocator_largest_free_block_bytes; consider
             PYTORCH_ALLOC_CONF=expandable_segments:True (PYTORCH_CUDA_ALLOC_CONF before
             PyTorch 2.8).
-""")
+""",
+         alert_tests="""\
+  - name: fragmentation fires after 5 minutes, not for a small cache
+    interval: 1m
+    input_series:
+      - series: 'gpu_memory_fragmentation_ratio{namespace="ml",pod="llm-0",gpu_uuid="GPU-a",gpu_name="H200"}'
+        values: '0.65x15'
+      - series: 'gpu_allocator_reserved_bytes{namespace="ml",pod="llm-0",gpu_uuid="GPU-a",gpu_name="H200"}'
+        values: '68719476736x15'
+      - series: 'gpu_memory_fragmentation_ratio{namespace="ml",pod="tiny-0",gpu_uuid="GPU-b",gpu_name="H200"}'
+        values: '0.9x15'
+      - series: 'gpu_allocator_reserved_bytes{namespace="ml",pod="tiny-0",gpu_uuid="GPU-b",gpu_name="H200"}'
+        values: '536870912x15'
+    alert_rule_test:
+      - eval_time: 4m
+        alertname: GPUMemoryFragmentationHigh
+        exp_alerts: []   # pending
+      - eval_time: 6m
+        alertname: GPUMemoryFragmentationHigh
+        exp_alerts:
+          - exp_labels: {severity: warning, namespace: ml, pod: llm-0, gpu_uuid: GPU-a, gpu_name: H200}
+            exp_annotations:
+              summary: "GPU allocator cache 65% empty on llm-0"
+              description: "The caching allocator of llm-0 (ml) on GPU GPU-a holds memory that no tensor uses: large requests may need cudaMalloc, flushes and retries. Look at gpu_allocator_nonreleasable_ratio and gpu_allocator_largest_free_block_bytes; consider PYTORCH_ALLOC_CONF=expandable_segments:True (PYTORCH_CUDA_ALLOC_CONF before PyTorch 2.8)."
+
+  - name: fragmentation below half does not fire
+    interval: 1m
+    input_series:
+      - series: 'gpu_memory_fragmentation_ratio{namespace="ml",pod="llm-1",gpu_uuid="GPU-c"}'
+        values: '0.45x20'
+      - series: 'gpu_allocator_reserved_bytes{namespace="ml",pod="llm-1",gpu_uuid="GPU-c"}'
+        values: '68719476736x20'
+    alert_rule_test:
+      - eval_time: 15m
+        alertname: GPUMemoryFragmentationHigh
+        exp_alerts: []
+""")  # noqa: E501
 )
 
 
@@ -67,6 +107,8 @@ ALLOCATOR_RETRIES = (
              ("gpu_uuid",),
              lambda v, t: f"{count(at(v))} allocator retries, {count(at(v, 1))} OOMs in the "
                           "window"),
+         doc_when="any allocator retry or OOM",
+         doc_todo="lower the peak batch, the fragmentation remedies",
          alerts="""\
       - alert: GPUAllocatorRetrying
         # the direct symptom: cudaMalloc failed, the cache was flushed and the call retried
@@ -88,5 +130,35 @@ ALLOCATOR_RETRIES = (
         annotations:
           summary: "CUDA out-of-memory errors on {{ $labels.pod }}"
           description: "{{ $labels.pod }} raised {{ $value }} OOM errors on GPU {{ $labels.gpu_uuid }}."
-""")
+""",
+         alert_tests="""\
+  - name: allocator retries and OOMs fire at once
+    interval: 1m
+    input_series:
+      - series: 'gpu_allocator_alloc_retries_total{namespace="ml",pod="llm-0",gpu_uuid="GPU-a"}'
+        values: '0 0 0 2 4 4 4 4 4 4 4 4'
+      - series: 'gpu_allocator_ooms_total{namespace="ml",pod="llm-0",gpu_uuid="GPU-a"}'
+        values: '0 0 0 0 0 1 1 1 1 1 1 1 1 1 1'
+    alert_rule_test:
+      - eval_time: 2m
+        alertname: GPUAllocatorRetrying
+        exp_alerts: []
+      - eval_time: 4m
+        alertname: GPUAllocatorRetrying
+        exp_alerts:
+          - exp_labels: {severity: warning, namespace: ml, pod: llm-0, gpu_uuid: GPU-a}
+            exp_annotations:
+              summary: "GPU allocator retries on llm-0"
+              description: "llm-0 needed 4 allocation retries on GPU GPU-a in 5 minutes: each one synchronises the device and stalls requests."
+      - eval_time: 11m
+        alertname: GPUAllocatorRetrying
+        exp_alerts: []   # no new retries for 5 minutes
+      - eval_time: 6m
+        alertname: GPUOutOfMemory
+        exp_alerts:
+          - exp_labels: {severity: critical, namespace: ml, pod: llm-0, gpu_uuid: GPU-a}
+            exp_annotations:
+              summary: "CUDA out-of-memory errors on llm-0"
+              description: "llm-0 raised 1 OOM errors on GPU GPU-a."
+""")  # noqa: E501
 )
