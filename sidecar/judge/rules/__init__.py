@@ -53,10 +53,11 @@ findings are listed, and the table shows the first, in this order):
   not change the exit code, which says whether a bottleneck was found.
 
 Each kind is one ``Rule`` of ``RULES`` (in that order): its condition, evidence, remedy, table
-cell, title, threshold in words and alert rules; its threshold is a line of
-``sidecar.thresholds``. ``PRECEDENCE``, ``ALL_KINDS``, the threshold prose of diagnose's report
-(``threshold_prose``) and the shipped alert rules (``sidecar.alert_rules``) are read from
-``RULES``; ``kinds_of(layer)`` gives a layer's kinds.
+cell, title, threshold in words, alert rules and their promtool cases, and its row in
+docs/diagnose.md; its threshold is a line of ``sidecar.thresholds``. ``PRECEDENCE``,
+``ALL_KINDS``, the threshold prose of diagnose's report (``threshold_prose``), the shipped alert
+rules and their cases, and docs/diagnose.md's verdict table (``sidecar.alert_rules``) are read
+from ``RULES``; ``kinds_of(layer)`` gives a layer's kinds.
 
 The latency the seed's rule joins is the app's histogram (``sidecar.client``, per GPU) or, when
 the app publishes none, the engine's request latency (the pod's, applied to each of its GPUs);
