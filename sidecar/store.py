@@ -119,13 +119,8 @@ class Store:
         self.url = cfg.query_url.rstrip("/")
         self.shown = redact_url(self.url)
         self.timeout_s = cfg.query_timeout
-        self.http = Http(HttpOptions(
-            timeout_s=cfg.query_timeout, bearer_token_file=cfg.bearer_token_file,
-            basic_auth_user=cfg.basic_auth_user,
-            basic_auth_password_file=cfg.basic_auth_password_file, ca_file=cfg.ca_file,
-            cert_file=cfg.cert_file, key_file=cfg.key_file,
-            insecure_skip_verify=cfg.insecure_skip_verify, headers=cfg.header,
-            max_answer_bytes=ANSWER_MAX_BYTES))
+        self.http = Http(HttpOptions.of(cfg, timeout_s=cfg.query_timeout,
+                                        max_answer_bytes=ANSWER_MAX_BYTES))
         self.queries = 0
         self.seconds = 0.0  # spent waiting for answers
 

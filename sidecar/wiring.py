@@ -159,12 +159,7 @@ def http_options(cfg: config.Config) -> HttpOptions:
     """How the receivers are spoken to (imported here: a stdout-only agent loads no HTTP)."""
     from sidecar.sinks.http import HttpOptions
 
-    return HttpOptions(
-        timeout_s=cfg.push_timeout, bearer_token_file=cfg.bearer_token_file,
-        basic_auth_user=cfg.basic_auth_user, basic_auth_password_file=cfg.basic_auth_password_file,
-        ca_file=cfg.ca_file, cert_file=cfg.cert_file, key_file=cfg.key_file,
-        insecure_skip_verify=cfg.insecure_skip_verify, headers=cfg.header,
-        max_backoff_s=cfg.retry_max_backoff)
+    return HttpOptions.of(cfg)
 
 
 def _named(urls: Sequence[str], sink_name: Callable[[str], str]) -> list[tuple[str, str]]:

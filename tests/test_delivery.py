@@ -506,3 +506,25 @@ def test_query_values_and_every_secret_are_masked_in_what_a_receiver_echoes(tmp_
     for secret in ("pw-Zq81x", "hdr-77xq", "url-pw-5", "lic-9f8e", "42x",
                    base64.b64encode(b"alice:pw-Zq81x").decode()):
         assert secret not in str(err.value)
+
+
+def test_the_http_options_are_the_command_line_s_read_off_config_once(tmp_path):
+    """Every receiver option of ``Config`` reaches ``HttpOptions.of``; a store's query client
+    changes only what it overrides."""
+    from sidecar import wiring
+    from sidecar.config import Config
+    from sidecar.store import ANSWER_MAX_BYTES, Store
+
+    cfg = Config(push_timeout=3.5, retry_max_backoff=7.0, bearer_token_file="/t",
+                 basic_auth_user="u", basic_auth_password_file="/p", ca_file="/ca",
+                 cert_file="/c", key_file="/k", insecure_skip_verify=True,
+                 header=(("X-Scope-OrgID", "t1"),), query_url="http://127.0.0.1:9",
+                 query_timeout=12.0)
+    expected = HttpOptions(timeout_s=3.5, max_backoff_s=7.0, bearer_token_file="/t",
+                           basic_auth_user="u", basic_auth_password_file="/p", ca_file="/ca",
+                           cert_file="/c", key_file="/k", insecure_skip_verify=True,
+                           headers=(("X-Scope-OrgID", "t1"),))
+    assert HttpOptions.of(cfg) == wiring.http_options(cfg) == expected
+    store = Store(cfg)
+    assert store.http.options == HttpOptions.of(cfg, timeout_s=12.0,
+                                                max_answer_bytes=ANSWER_MAX_BYTES)

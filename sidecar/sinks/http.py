@@ -34,7 +34,7 @@ import threading
 import time
 import warnings
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 from urllib.parse import parse_qsl, unquote, urlsplit, urlunsplit
 
@@ -74,6 +74,20 @@ class HttpOptions:
     initial_backoff_s: float = 0.5
     max_backoff_s: float = Config.retry_max_backoff
     max_answer_bytes: int = ANSWER_MAX_BYTES  # an answer's body is read up to this, no further
+
+    @classmethod
+    def of(cls, cfg: Config, **overrides: Any) -> HttpOptions:
+        """The receivers' options as the command line gave them (``cfg``), the one place that
+        reads them off ``Config``; ``overrides`` for a client that differs (the store's query
+        timeout and answer bound). The fields stay declared here, each default ``Config``'s,
+        because tests and tools build options without a ``Config``."""
+        return replace(cls(
+            timeout_s=cfg.push_timeout, bearer_token_file=cfg.bearer_token_file,
+            basic_auth_user=cfg.basic_auth_user,
+            basic_auth_password_file=cfg.basic_auth_password_file, ca_file=cfg.ca_file,
+            cert_file=cfg.cert_file, key_file=cfg.key_file,
+            insecure_skip_verify=cfg.insecure_skip_verify, headers=cfg.header,
+            max_backoff_s=cfg.retry_max_backoff), **overrides)
 
 
 class SecretFile:
