@@ -38,6 +38,7 @@ import time
 from collections import Counter
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+from typing import Protocol, TypeVar
 
 import pynvml
 
@@ -334,13 +335,114 @@ class _Fn:
         return self._impl(*args)
 
 
-def _out(ref: object) -> object:
+_T_co = TypeVar("_T_co", covariant=True)
+
+
+class _Ref(Protocol[_T_co]):
+    """What ``ctypes.byref(x)`` hands the library: ``x`` is its ``_obj``. The stand-in's
+    parameters say which ctypes object pynvml passes by reference for each call."""
+
+    @property
+    def _obj(self) -> _T_co: ...
+
+
+class _Array(Protocol[_T_co]):
+    """A ctypes array of structures, as pynvml passes it."""
+
+    def __len__(self) -> int: ...
+    def __getitem__(self, index: int, /) -> _T_co: ...
+
+
+class _Int(Protocol):
+    """An integer out-parameter or argument: c_uint, c_int, c_ulonglong (an enum's too)."""
+
+    value: int
+
+
+class _PciInfo(Protocol):
+    busId: bytes
+
+
+class _Memory(Protocol):  # nvmlMemory_t
+    total: int
+    used: int
+    free: int
+
+
+class _MemoryV2(_Memory, Protocol):  # nvmlMemory_v2_t
+    version: int
+    reserved: int
+
+
+class _Utilization(Protocol):  # nvmlUtilization_t
+    gpu: int
+    memory: int
+
+
+class _ValueUnion(Protocol):  # nvmlValue_t, the members the stand-in writes
+    uiVal: int
+    ullVal: int
+
+
+class _FieldValue(Protocol):  # nvmlFieldValue_t
+    fieldId: int
+    scopeId: int
+    timestamp: int
+    latencyUsec: int
+    valueType: int
+    nvmlReturn: int
+    value: _ValueUnion
+
+
+class _TemperatureV(Protocol):  # nvmlTemperature_v1_t
+    version: int
+    sensorType: int
+    temperature: int
+
+
+class _C2cModeInfo(Protocol):  # nvmlC2cModeInfo_v1_t
+    isC2cEnabled: int
+
+
+class _EventData(Protocol):  # nvmlEventData_t
+    device: object
+    eventType: int
+    eventData: int
+    gpuInstanceId: int
+    computeInstanceId: int
+
+
+class _GpmSupport(Protocol):  # nvmlGpmSupport_t
+    version: int
+    isSupportedDevice: int
+
+
+class _GpmMetric(Protocol):  # nvmlGpmMetric_t
+    metricId: int
+    nvmlReturn: int
+    value: float
+
+
+class _GpmMetricsGet(Protocol):  # nvmlGpmMetricsGet_t
+    version: int
+    numMetrics: int
+    sample1: object
+    sample2: object
+    metrics: _Array[_GpmMetric]
+
+
+def _out(ref: _Ref[_T_co]) -> _T_co:
     """The ctypes object behind ``byref(x)``."""
-    return ref._obj  # type: ignore[attr-defined]
+    return ref._obj
 
 
-def _set_pointer(ref: object, value: int) -> None:
-    ctypes.c_void_p.from_address(ctypes.addressof(_out(ref))).value = value  # type: ignore[arg-type]
+def _int_of(arg: int | _Int) -> int:
+    """An integer argument, passed as a ctypes integer by pynvml or as an int by a test."""
+    return arg if isinstance(arg, int) else arg.value
+
+
+def _set_pointer(ref: _Ref[ctypes._CData], value: int) -> None:
+    ctypes.c_void_p.from_address(ctypes.addressof(_out(ref))).value = value
 
 
 def _pointer_value(ptr: object) -> int:
@@ -522,12 +624,12 @@ class FakeNvml:
         buf.value = self.driver_version.encode()
         return SUCCESS
 
-    def nvmlDeviceGetCount_v2(self, ref: object) -> int:
+    def nvmlDeviceGetCount_v2(self, ref: _Ref[_Int]) -> int:
         _out(ref).value = len(self.gpus)
         return SUCCESS
 
-    def nvmlDeviceGetHandleByIndex_v2(self, index: object, ref: object) -> int:
-        i = index.value  # type: ignore[attr-defined]
+    def nvmlDeviceGetHandleByIndex_v2(self, index: _Int, ref: _Ref[ctypes._CData]) -> int:
+        i = index.value
         if i >= len(self.gpus):
             return INVALID_ARGUMENT
         if self.is_lost(i):
@@ -535,7 +637,7 @@ class FakeNvml:
         _set_pointer(ref, self._handle(i))
         return SUCCESS
 
-    def nvmlDeviceGetHandleByUUID(self, uuid: object, ref: object) -> int:
+    def nvmlDeviceGetHandleByUUID(self, uuid: object, ref: _Ref[ctypes._CData]) -> int:
         wanted = uuid.value.decode()  # type: ignore[attr-defined]
         for i, gpu in enumerate(self.gpus):
             if gpu.uuid == wanted:
@@ -563,21 +665,21 @@ class FakeNvml:
         buf.value = (mig.uuid if mig else gpu.uuid).encode()
         return SUCCESS
 
-    def nvmlDeviceGetIndex(self, handle: object, ref: object) -> int:
+    def nvmlDeviceGetIndex(self, handle: object, ref: _Ref[_Int]) -> int:
         dev = self._device(handle)
         if isinstance(dev, int):
             return dev
         _out(ref).value = dev[0]
         return SUCCESS
 
-    def nvmlDeviceGetPciInfo_v3(self, handle: object, ref: object) -> int:
+    def nvmlDeviceGetPciInfo_v3(self, handle: object, ref: _Ref[_PciInfo]) -> int:
         dev = self._device(handle)
         if isinstance(dev, int):
             return dev
         _out(ref).busId = dev[1].pci_bus_id.encode()
         return SUCCESS
 
-    def nvmlDeviceGetArchitecture(self, handle: object, ref: object) -> int:
+    def nvmlDeviceGetArchitecture(self, handle: object, ref: _Ref[_Int]) -> int:
         dev = self._device(handle)
         if isinstance(dev, int):
             return dev
@@ -586,7 +688,7 @@ class FakeNvml:
 
     # -- MIG ---------------------------------------------------------------------------------
 
-    def nvmlDeviceGetMigMode(self, handle: object, current: object, pending: object) -> int:
+    def nvmlDeviceGetMigMode(self, handle: object, current: _Ref[_Int], pending: _Ref[_Int]) -> int:
         dev = self._gpu(handle, "nvmlDeviceGetMigMode")
         if isinstance(dev, int):
             return dev
@@ -596,24 +698,25 @@ class FakeNvml:
         _out(current).value = _out(pending).value = 1 if gpu.mig else 0
         return SUCCESS
 
-    def nvmlDeviceGetMaxMigDeviceCount(self, handle: object, ref: object) -> int:
+    def nvmlDeviceGetMaxMigDeviceCount(self, handle: object, ref: _Ref[_Int]) -> int:
         dev = self._gpu(handle, "nvmlDeviceGetMaxMigDeviceCount")
         if isinstance(dev, int):
             return dev
         _out(ref).value = 7 if dev[1].mig_capable else 0
         return SUCCESS
 
-    def nvmlDeviceGetMigDeviceHandleByIndex(self, handle: object, index: object, ref: object) -> int:
+    def nvmlDeviceGetMigDeviceHandleByIndex(self, handle: object, index: _Int,
+                                            ref: _Ref[ctypes._CData]) -> int:
         dev = self._gpu(handle, "nvmlDeviceGetMigDeviceHandleByIndex")
         if isinstance(dev, int):
             return dev
-        i = index.value  # type: ignore[attr-defined]
+        i = index.value
         if i >= len(dev[1].mig):
             return NOT_FOUND
         _set_pointer(ref, self._handle(dev[0], i))
         return SUCCESS
 
-    def nvmlDeviceGetGpuInstanceId(self, handle: object, ref: object) -> int:
+    def nvmlDeviceGetGpuInstanceId(self, handle: object, ref: _Ref[_Int]) -> int:
         dev = self._device(handle)
         if isinstance(dev, int):
             return dev
@@ -634,7 +737,7 @@ class FakeNvml:
             return mig.memory_total, 0, int(mig.memory_used.value(t))
         return gpu.memory_total, gpu.memory_driver_reserved, int(gpu.memory_used.value(t))
 
-    def nvmlDeviceGetMemoryInfo(self, handle: object, ref: object) -> int:
+    def nvmlDeviceGetMemoryInfo(self, handle: object, ref: _Ref[_Memory]) -> int:
         mem = self._memory(handle)
         if isinstance(mem, int):
             return mem
@@ -643,7 +746,7 @@ class FakeNvml:
         out.total, out.used, out.free = total, used + reserved, total - used - reserved
         return SUCCESS
 
-    def nvmlDeviceGetMemoryInfo_v2(self, handle: object, ref: object) -> int:
+    def nvmlDeviceGetMemoryInfo_v2(self, handle: object, ref: _Ref[_MemoryV2]) -> int:
         mem = self._memory(handle)
         if isinstance(mem, int):
             return mem
@@ -655,7 +758,7 @@ class FakeNvml:
         out.free = total - used - reserved
         return SUCCESS
 
-    def nvmlDeviceGetUtilizationRates(self, handle: object, ref: object) -> int:
+    def nvmlDeviceGetUtilizationRates(self, handle: object, ref: _Ref[_Utilization]) -> int:
         dev = self._device(handle)
         if isinstance(dev, int):
             return dev
@@ -669,33 +772,33 @@ class FakeNvml:
 
     # -- PCIe ----------------------------------------------------------------------------------
 
-    def _link(self, handle: object, attr: str, ref: object) -> int:
+    def _link(self, handle: object, attr: str, ref: _Ref[_Int]) -> int:
         dev = self._gpu(handle, attr)
         if isinstance(dev, int):
             return dev
         _out(ref).value = getattr(dev[1], attr)
         return SUCCESS
 
-    def nvmlDeviceGetMaxPcieLinkGeneration(self, handle: object, ref: object) -> int:
+    def nvmlDeviceGetMaxPcieLinkGeneration(self, handle: object, ref: _Ref[_Int]) -> int:
         return self._link(handle, "link_generation", ref)
 
-    def nvmlDeviceGetMaxPcieLinkWidth(self, handle: object, ref: object) -> int:
+    def nvmlDeviceGetMaxPcieLinkWidth(self, handle: object, ref: _Ref[_Int]) -> int:
         return self._link(handle, "link_width", ref)
 
-    def nvmlDeviceGetCurrPcieLinkGeneration(self, handle: object, ref: object) -> int:
+    def nvmlDeviceGetCurrPcieLinkGeneration(self, handle: object, ref: _Ref[_Int]) -> int:
         return self._link(handle, "current_link_generation", ref)
 
-    def nvmlDeviceGetCurrPcieLinkWidth(self, handle: object, ref: object) -> int:
+    def nvmlDeviceGetCurrPcieLinkWidth(self, handle: object, ref: _Ref[_Int]) -> int:
         return self._link(handle, "current_link_width", ref)
 
-    def nvmlDeviceGetPcieReplayCounter(self, handle: object, ref: object) -> int:
+    def nvmlDeviceGetPcieReplayCounter(self, handle: object, ref: _Ref[_Int]) -> int:
         dev = self._gpu(handle, "nvmlDeviceGetPcieReplayCounter")
         if isinstance(dev, int):
             return dev
         _out(ref).value = int(dev[1].replays_per_second * self.now())
         return SUCCESS
 
-    def nvmlDeviceGetPcieThroughput(self, handle: object, counter: object, ref: object) -> int:
+    def nvmlDeviceGetPcieThroughput(self, handle: object, counter: _Int, ref: _Ref[_Int]) -> int:
         dev = self._device(handle)
         if isinstance(dev, int):
             return dev
@@ -711,7 +814,7 @@ class FakeNvml:
             with self._lock:
                 self._inflight -= 1
         t = self.now()
-        which = counter.value  # type: ignore[attr-defined]
+        which = counter.value
         signal = dev[1].pcie_tx if which == pynvml.NVML_PCIE_UTIL_TX_BYTES else dev[1].pcie_rx
         start = max(0.0, t - THROUGHPUT_WINDOW_S)
         rate = signal.mean(start, t) if t > start else signal.value(t)
@@ -721,14 +824,15 @@ class FakeNvml:
     def pcie_counter(self, gpu: FakeGpu, signal: Signal, t: float) -> int:
         return (gpu.pcie_counter_offset + int(signal.integral(t))) % (1 << gpu.pcie_counter_bits)
 
-    def nvmlDeviceGetFieldValues(self, handle: object, count: object, ref: object) -> int:
+    def nvmlDeviceGetFieldValues(self, handle: object, count: _Int,
+                                 ref: _Ref[_Array[_FieldValue]]) -> int:
         dev = self._device(handle)
         if isinstance(dev, int):
             return dev
         _, gpu, mig = dev
         t = self.now()
         values = _out(ref)
-        for i in range(count.value):  # type: ignore[attr-defined]
+        for i in range(count.value):
             fv = values[i]
             fv.timestamp = int(time.time() * 1e6)
             fv.latencyUsec = 0
@@ -852,7 +956,7 @@ class FakeNvml:
 
     # -- clocks, power, temperature ------------------------------------------------------------
 
-    def _clock(self, handle: object, kind: object, ref: object, maximum: bool) -> int:
+    def _clock(self, handle: object, kind: object, ref: _Ref[_Int], maximum: bool) -> int:
         dev = self._physical(handle)
         if isinstance(dev, int):
             return dev
@@ -869,10 +973,10 @@ class FakeNvml:
         _out(ref).value = top if maximum else round(current.value(self.now()))  # MHz
         return SUCCESS
 
-    def nvmlDeviceGetClockInfo(self, handle: object, kind: object, ref: object) -> int:
+    def nvmlDeviceGetClockInfo(self, handle: object, kind: object, ref: _Ref[_Int]) -> int:
         return self._clock(handle, kind, ref, maximum=False)
 
-    def nvmlDeviceGetMaxClockInfo(self, handle: object, kind: object, ref: object) -> int:
+    def nvmlDeviceGetMaxClockInfo(self, handle: object, kind: object, ref: _Ref[_Int]) -> int:
         return self._clock(handle, kind, ref, maximum=True)
 
     def active_reasons(self, gpu: FakeGpu, t: float) -> int:
@@ -886,7 +990,7 @@ class FakeNvml:
             mask |= pynvml.nvmlClocksEventReasonGpuIdle
         return mask & gpu.supported_clock_events
 
-    def _reasons(self, handle: object, ref: object, supported: bool) -> int:
+    def _reasons(self, handle: object, ref: _Ref[_Int], supported: bool) -> int:
         dev = self._physical(handle)
         if isinstance(dev, int):
             return dev
@@ -895,17 +999,17 @@ class FakeNvml:
             else self.active_reasons(gpu, self.now())
         return SUCCESS
 
-    def nvmlDeviceGetCurrentClocksEventReasons(self, handle: object, ref: object) -> int:
+    def nvmlDeviceGetCurrentClocksEventReasons(self, handle: object, ref: _Ref[_Int]) -> int:
         return self._reasons(handle, ref, supported=False)
 
-    def nvmlDeviceGetSupportedClocksEventReasons(self, handle: object, ref: object) -> int:
+    def nvmlDeviceGetSupportedClocksEventReasons(self, handle: object, ref: _Ref[_Int]) -> int:
         return self._reasons(handle, ref, supported=True)
 
     # the deprecated names of the same two calls, which older drivers have instead
-    def nvmlDeviceGetCurrentClocksThrottleReasons(self, handle: object, ref: object) -> int:
+    def nvmlDeviceGetCurrentClocksThrottleReasons(self, handle: object, ref: _Ref[_Int]) -> int:
         return self._reasons(handle, ref, supported=False)
 
-    def nvmlDeviceGetSupportedClocksThrottleReasons(self, handle: object, ref: object) -> int:
+    def nvmlDeviceGetSupportedClocksThrottleReasons(self, handle: object, ref: _Ref[_Int]) -> int:
         return self._reasons(handle, ref, supported=True)
 
     def power_usage_mw(self, gpu: FakeGpu, t: float) -> int:
@@ -917,21 +1021,21 @@ class FakeNvml:
             watts = gpu.power.value(t)
         return round(watts * 1000)
 
-    def nvmlDeviceGetPowerUsage(self, handle: object, ref: object) -> int:
+    def nvmlDeviceGetPowerUsage(self, handle: object, ref: _Ref[_Int]) -> int:
         dev = self._physical(handle)
         if isinstance(dev, int):
             return dev
         _out(ref).value = self.power_usage_mw(dev[1], self.now())
         return SUCCESS
 
-    def nvmlDeviceGetEnforcedPowerLimit(self, handle: object, ref: object) -> int:
+    def nvmlDeviceGetEnforcedPowerLimit(self, handle: object, ref: _Ref[_Int]) -> int:
         dev = self._physical(handle)
         if isinstance(dev, int):
             return dev
         _out(ref).value = round(dev[1].power_limit * 1000)  # mW
         return SUCCESS
 
-    def nvmlDeviceGetTemperature(self, handle: object, sensor: object, ref: object) -> int:
+    def nvmlDeviceGetTemperature(self, handle: object, sensor: object, ref: _Ref[_Int]) -> int:
         dev = self._physical(handle)
         if isinstance(dev, int):
             return dev
@@ -940,7 +1044,7 @@ class FakeNvml:
         _out(ref).value = round(dev[1].temperature.value(self.now()))  # °C
         return SUCCESS
 
-    def nvmlDeviceGetTemperatureV(self, handle: object, ref: object) -> int:
+    def nvmlDeviceGetTemperatureV(self, handle: object, ref: _Ref[_TemperatureV]) -> int:
         """The successor of nvmlDeviceGetTemperature: an ``nvmlTemperature_v1_t`` (version,
         sensorType in, temperature out as a signed int, °C); another struct version is
         ARGUMENT_VERSION_MISMATCH, another sensor INVALID_ARGUMENT (the GPU's is the one every
@@ -959,7 +1063,7 @@ class FakeNvml:
     # -- ECC and row remapping -------------------------------------------------------------------
 
     def nvmlDeviceGetTotalEccErrors(self, handle: object, error_type: object,
-                                    counter_type: object, ref: object) -> int:
+                                    counter_type: object, ref: _Ref[_Int]) -> int:
         dev = self._physical(handle)
         if isinstance(dev, int):
             return dev
@@ -977,7 +1081,7 @@ class FakeNvml:
         _out(ref).value = self.ecc_count(gpu, corrected, volatile, self.now())
         return SUCCESS
 
-    def nvmlDeviceGetEccMode(self, handle: object, current: object, pending: object) -> int:
+    def nvmlDeviceGetEccMode(self, handle: object, current: _Ref[_Int], pending: _Ref[_Int]) -> int:
         """ECC mode, current and pending: enabled on a GPU with ECC (the data-centre Hopper
         captures print "Enabled" for both), NOT_SUPPORTED on one without."""
         dev = self._physical(handle)
@@ -988,8 +1092,8 @@ class FakeNvml:
         _out(current).value = _out(pending).value = pynvml.NVML_FEATURE_ENABLED
         return SUCCESS
 
-    def nvmlDeviceGetRemappedRows(self, handle: object, corr: object, unc: object,
-                                  pending: object, failure: object) -> int:
+    def nvmlDeviceGetRemappedRows(self, handle: object, corr: _Ref[_Int], unc: _Ref[_Int],
+                                  pending: _Ref[_Int], failure: _Ref[_Int]) -> int:
         dev = self._physical(handle)
         if isinstance(dev, int):
             return dev
@@ -1002,7 +1106,7 @@ class FakeNvml:
 
     # -- NVLink ----------------------------------------------------------------------------------
 
-    def nvmlDeviceGetNvLinkState(self, handle: object, link: object, ref: object) -> int:
+    def nvmlDeviceGetNvLinkState(self, handle: object, link: object, ref: _Ref[_Int]) -> int:
         """NVML_FEATURE_ENABLED for an active link, DISABLED for one down; NOT_SUPPORTED on a
         GPU without NVLink (or a link it does not have), INVALID_ARGUMENT past NVML's maximum."""
         dev = self._physical(handle)
@@ -1019,7 +1123,7 @@ class FakeNvml:
 
     # -- NVLink-C2C ------------------------------------------------------------------------------
 
-    def nvmlDeviceGetC2cModeInfoV(self, handle: object, ref: object) -> int:
+    def nvmlDeviceGetC2cModeInfoV(self, handle: object, ref: _Ref[_C2cModeInfo]) -> int:
         """Enabled on a GPU with NVLink-C2C to a Grace CPU; disabled (answered, 0) on other
         Hopper and later GPUs, as ``nvidia-smi -q`` prints "GPU C2C Mode : Disabled" on an H100
         SXM and an H200 (tests/realworld/); NOT_SUPPORTED before Hopper."""
@@ -1034,7 +1138,7 @@ class FakeNvml:
 
     # -- events (Xid) ----------------------------------------------------------------------------
 
-    def nvmlEventSetCreate(self, ref: object) -> int:
+    def nvmlEventSetCreate(self, ref: _Ref[ctypes._CData]) -> int:
         with self._events:
             addr = next(_EVENT_SET_ADDRESSES)  # unique across stand-ins, as pointers are
             self._event_sets[addr] = _EventSet()
@@ -1047,20 +1151,20 @@ class FakeNvml:
             self._events.notify_all()
         return SUCCESS if gone is not None else INVALID_ARGUMENT
 
-    def nvmlDeviceGetSupportedEventTypes(self, handle: object, ref: object) -> int:
+    def nvmlDeviceGetSupportedEventTypes(self, handle: object, ref: _Ref[_Int]) -> int:
         dev = self._physical(handle)
         if isinstance(dev, int):
             return dev
         _out(ref).value = dev[1].supported_event_types
         return SUCCESS
 
-    def nvmlDeviceRegisterEvents(self, handle: object, event_types: object,
+    def nvmlDeviceRegisterEvents(self, handle: object, event_types: int | _Int,
                                  event_set: object) -> int:
         """Record ``event_types`` of the GPU in the set from now on: events before this call
         are not recorded. A MIG instance's handle is NOT_SUPPORTED (nvml.h: no per-instance
         event reporting with MIG device handles; register the parent, whose Xids carry the
         instance ids); a type the GPU lacks is NOT_SUPPORTED and registers nothing."""
-        types = getattr(event_types, "value", event_types)
+        types = _int_of(event_types)
         dev = self._physical(handle)
         if isinstance(dev, int):
             return dev
@@ -1103,11 +1207,12 @@ class FakeNvml:
                 upcoming = event[0]
         return due, upcoming
 
-    def nvmlEventSetWait_v2(self, event_set: object, ref: object, timeout_ms: object) -> int:
+    def nvmlEventSetWait_v2(self, event_set: object, ref: _Ref[_EventData],
+                            timeout_ms: int | _Int) -> int:
         """Deliver the earliest due event, else sleep until one falls due, but no longer than
         ``timeout_ms`` of real time (TIMEOUT). Events already due are delivered even after
         their GPU fell off the bus; once none is due, a lost GPU in the set is GPU_IS_LOST."""
-        deadline = time.monotonic() + getattr(timeout_ms, "value", timeout_ms) / 1000
+        deadline = time.monotonic() + _int_of(timeout_ms) / 1000
         addr = _pointer_value(event_set)
         with self._events:
             while True:
@@ -1137,7 +1242,7 @@ class FakeNvml:
 
     # -- GPM -----------------------------------------------------------------------------------
 
-    def nvmlGpmQueryDeviceSupport(self, handle: object, ref: object) -> int:
+    def nvmlGpmQueryDeviceSupport(self, handle: object, ref: _Ref[_GpmSupport]) -> int:
         dev = self._gpu(handle, "nvmlGpmQueryDeviceSupport")
         if isinstance(dev, int):
             return dev
@@ -1147,7 +1252,7 @@ class FakeNvml:
         out.isSupportedDevice = int(dev[1].has_gpm)
         return SUCCESS
 
-    def nvmlGpmSampleAlloc(self, ref: object) -> int:
+    def nvmlGpmSampleAlloc(self, ref: _Ref[ctypes._CData]) -> int:
         with self._lock:
             self._next_gpm += 16
             addr = self._next_gpm
@@ -1212,7 +1317,7 @@ class FakeNvml:
                 }
         return signals
 
-    def nvmlGpmMetricsGet(self, ref: object) -> int:
+    def nvmlGpmMetricsGet(self, ref: _Ref[_GpmMetricsGet]) -> int:
         mg = _out(ref)
         if mg.version != pynvml.NVML_GPM_METRICS_GET_VERSION:
             return pynvml.NVML_ERROR_ARGUMENT_VERSION_MISMATCH
