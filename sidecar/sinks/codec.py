@@ -37,13 +37,36 @@ class RecordsBatch:
 class Codec(Protocol):
     """What a spooled protocol decides; the pipeline (``SpooledSink``) is the same for all."""
 
-    kind: str  # names the logger: sidecar.<kind>
-    headers: Mapping[str, str]  # sent with every request (content type and encoding)
-    policy: Policy  # what its receivers' answers mean (sidecar.sinks.answers)
-    drop_reasons: tuple[str, ...]  # reasons of its own for gpu_sidecar_samples_dropped_total
-    dropped: Mapping[str, int]  # samples the codec itself could not send, by reason
-    # its receivers are told that a series ended (a clean stop's ``SpooledSink.end_series``)
-    ends_series: bool
+    # read-only members (properties), so that a codec's own narrower types fit them
+    @property
+    def kind(self) -> str:
+        """Names the logger: sidecar.<kind>."""
+        ...
+
+    @property
+    def headers(self) -> Mapping[str, str]:
+        """Sent with every request (content type and encoding)."""
+        ...
+
+    @property
+    def policy(self) -> Policy:
+        """What its receivers' answers mean (sidecar.sinks.answers)."""
+        ...
+
+    @property
+    def drop_reasons(self) -> tuple[str, ...]:
+        """Reasons of its own for gpu_sidecar_samples_dropped_total."""
+        ...
+
+    @property
+    def dropped(self) -> Mapping[str, int]:
+        """Samples the codec itself could not send, by reason."""
+        ...
+
+    @property
+    def ends_series(self) -> bool:
+        """Its receivers are told that a series ended (a clean stop's ``end_series``)."""
+        ...
 
     def cycle(self, series: list[Series]) -> bytes:
         """One cycle as a whole uncompressed request: requests joined are one request."""

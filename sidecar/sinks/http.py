@@ -33,7 +33,7 @@ import ssl
 import threading
 import time
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, replace
 from typing import Any
 from urllib.parse import parse_qsl, unquote, urlsplit, urlunsplit
@@ -374,7 +374,7 @@ class Http:
         self.session.close()
 
     def request(self, method: str, url: str, *, data: bytes | None = None,
-                headers: dict[str, str] | None = None) -> Response:
+                headers: Mapping[str, str] | None = None) -> Response:
         """One request, within ``--push-timeout`` (cut to the shutdown deadline); redirects are
         never followed. Raises ``Retryable`` when no answer came."""
         parts = urlsplit(url)
@@ -396,7 +396,7 @@ class Http:
         with self._lock:
             return self._send(method, url, target, parts, data, sent, watch)
 
-    def _headers(self, parts: Any, extra: dict[str, str] | None) -> dict[str, str]:
+    def _headers(self, parts: Any, extra: Mapping[str, str] | None) -> dict[str, str]:
         sent = {**self.headers(), **(extra or {})}
         auth = self.auth()
         if auth is None and parts.username is not None:  # credentials in the URL
@@ -428,7 +428,7 @@ class Http:
             outcome = self._exchange(method, url, target, data, headers, watch)
             if isinstance(outcome, Response):
                 return outcome
-            kind, exc = outcome
+            kind, error = outcome
             if kind == "stale" and not retried_stale and watch.left() > 0:
                 # the receiver closed the kept connection as the request went out: once more,
                 # on a new connection (only ever once: see the module's docstring)
@@ -438,7 +438,7 @@ class Http:
                 index += 1  # nothing was sent: the name's next address
                 continue
             self._resolver.forget(host, port)
-            raise self._failure(kind, exc, watch, url)
+            raise self._failure(kind, error, watch, url)
 
     def _exchange(self, method: str, url: str, target: str, data: bytes | None,
                   headers: dict[str, str], watch: _Watch

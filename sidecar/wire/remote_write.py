@@ -107,7 +107,8 @@ def join_compressed(blocks: Sequence[bytes]) -> bytes:
     payload's length (a varint) and then elements that copy only from earlier in the same
     block, so the elements of several blocks, after the length of all their payloads, are a
     block of the whole."""
-    total, parts = 0, [b""]
+    total = 0
+    parts: list[bytes | memoryview] = [b""]  # the first: the total's varint, once it is known
     for block in blocks:
         length, start = read_varint(block, 0)
         total += length
