@@ -373,6 +373,11 @@ def _run(cfg: config.Config, *, temporary_spool: bool = False) -> int:
         recent = Recent()
         agent = Agent(cfg, source=source, app=state, sinks=sinks, mode=mode, checkpoint=checkpoint,
                       engine=engine, recent=recent)
+        from sidecar.sinks.stdout import StdoutSink
+
+        for sink in sinks:  # the live table shows the agent's verdicts whole
+            if isinstance(sink, StdoutSink):
+                sink.follow(lambda: agent.verdicts)
         from sidecar.status_file import StatusWriter, status_path
 
         agent.on_cycle = StatusWriter(status_path(cfg.socket), agent)
