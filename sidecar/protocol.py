@@ -336,7 +336,8 @@ def _latency(body: dict[str, Any], pid: int, gpu: str, max_buckets: int) -> Late
         if c < previous:
             raise Rejected("inconsistent", "cumulative counts must never decrease")
         previous = c
-    if type(total) not in (int, float) or not math.isfinite(total) or total < 0:
+    if isinstance(total, bool) or not isinstance(total, (int, float)) \
+            or not math.isfinite(total) or total < 0:
         raise Rejected("out_of_range", "'sum' must be a finite number of seconds >= 0")
     return Latency(pid, gpu, tuple(clean_bounds), tuple(counts), float(total))
 

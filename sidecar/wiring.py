@@ -208,7 +208,6 @@ def simulated_paths(cfg: config.Config) -> Iterator[config.Config]:
     and spool (a demo needs no /run or /var/lib, and two demos do not collide), removed on exit.
     Chosen before anything is logged, so the start-up line names the paths actually used."""
     with contextlib.ExitStack() as stack:
-        paths: dict[str, str] = {}
         if cfg.simulate and (cfg.socket == protocol.DEFAULT_SOCKET_PATH
                              or cfg.spool_dir == config.Config.spool_dir):
             try:
@@ -221,12 +220,12 @@ def simulated_paths(cfg: config.Config) -> Iterator[config.Config]:
                     "file system?): give --socket and --spool-dir on writable volumes, or mount "
                     "a tmpfs on /tmp (docker run --tmpfs /tmp)") from None
         if cfg.simulate and cfg.socket == protocol.DEFAULT_SOCKET_PATH:
-            paths["socket"] = os.path.join(
-                stack.enter_context(tempfile.TemporaryDirectory(prefix="gpu-sidecar-")), "app.sock")
+            cfg = dataclasses.replace(cfg, socket=os.path.join(
+                stack.enter_context(tempfile.TemporaryDirectory(prefix="gpu-sidecar-")), "app.sock"))
         if cfg.simulate and cfg.spool_dir == config.Config.spool_dir:
-            paths["spool_dir"] = stack.enter_context(
-                tempfile.TemporaryDirectory(prefix="gpu-sidecar-spool-"))
-        yield dataclasses.replace(cfg, **paths)
+            cfg = dataclasses.replace(cfg, spool_dir=stack.enter_context(
+                tempfile.TemporaryDirectory(prefix="gpu-sidecar-spool-")))
+        yield cfg
 
 
 @contextlib.contextmanager

@@ -303,8 +303,10 @@ class PushgatewaySink:
         if self._reported:
             return
         self._reported = True
-        named = {k: self.grouping[k] for k in ("job_name", "job_index") if k in self.grouping}
-        where = {"job": self.job, **named, "grouping": self.grouping, "url": redact(self.url)}
+        named: dict[str, str] = {k: self.grouping[k] for k in ("job_name", "job_index")
+                                 if k in self.grouping}
+        where: dict[str, object] = {"job": self.job, **named, "grouping": self.grouping,
+                                    "url": redact(self.url)}
         if final.delivered:
             if final.attempts > 1:
                 log.info("run_summary_delivered", **where, attempts=final.attempts,
