@@ -206,6 +206,31 @@ class DutyCycle:
         return whole * on + min(rest, on)
 
 
+PidView = str  # "host", "namespace" or "mixed": which PIDs the process calls give (below)
+PID_VIEWS = ("host", "namespace", "mixed")
+PROCESS_SAMPLE_PERIOD_S = 1.0  # the driver's per-process utilization sample period (stand-in's)
+PROCESS_SAMPLE_BUFFER = 100  # samples per process the driver keeps; older ones are gone
+PROCESS_EPOCH_US = 1_767_225_600_000_000  # CPU µs at simulated t = 0 (2026-01-01T00:00:00Z)
+
+
+@dataclass(frozen=True)
+class FakeProcess:
+    """One CUDA process on a simulated GPU.
+
+    ``pid`` is its host PID; ``ns_pid`` its PID in the namespace of the caller (the agent), None
+    where that namespace does not hold it (another pod's process, or the app's without a shared
+    process namespace). Percentages in 0..100: its share of SM time and of memory bandwidth,
+    as ``nvmlDeviceGetProcessUtilization`` samples them; ``mps``: an MPS client, listed by
+    ``nvmlDeviceGetMPSComputeRunningProcesses_v3`` instead of the compute list."""
+
+    pid: int
+    used_memory: int = 0  # bytes
+    sm_util: float = 0.0
+    mem_util: float = 0.0
+    ns_pid: int | None = None
+    mps: bool = False
+
+
 @dataclass(frozen=True)
 class FakeMig:
     gpu_instance_id: int
@@ -296,6 +321,12 @@ class FakeGpu:
     c2c_tx: Signal = ZERO  # payload bytes/s, all links
     c2c_rx: Signal = ZERO
     c2c_protocol_overhead: float = 0.05  # GPM C2C TOTAL = DATA * (1 + this)
+    # CUDA processes on the GPU, and which PIDs the driver gives for them (NVML-FACTS.md §7):
+    # "host" (drivers up to ~470: host PIDs in both calls), "namespace" (both translated to the
+    # caller's namespace, processes outside it left out), "mixed" (560.35 in HAMi-core#112: the
+    # running-process lists translated, the utilization samples in host PIDs)
+    processes: tuple[FakeProcess, ...] = ()
+    pid_view: PidView = "namespace"
 
 
 @dataclass
@@ -392,6 +423,22 @@ class _FieldValue(Protocol):  # nvmlFieldValue_t
     valueType: int
     nvmlReturn: int
     value: _ValueUnion
+
+
+class _ProcessInfo(Protocol):  # nvmlProcessInfo_v2_t (= _v3)
+    pid: int
+    usedGpuMemory: int
+    gpuInstanceId: int
+    computeInstanceId: int
+
+
+class _ProcessSample(Protocol):  # nvmlProcessUtilizationSample_t
+    pid: int
+    timeStamp: int
+    smUtil: int
+    memUtil: int
+    encUtil: int
+    decUtil: int
 
 
 class _TemperatureV(Protocol):  # nvmlTemperature_v1_t
@@ -768,6 +815,100 @@ class FakeNvml:
         out = _out(ref)
         out.gpu = round(dev[1].utilization.value(t))
         out.memory = round(dev[1].memory_busy.value(t))
+        return SUCCESS
+
+    # -- processes -----------------------------------------------------------------------------
+
+    @staticmethod
+    def _pid(gpu: FakeGpu, proc: FakeProcess, call: str) -> int | None:
+        """The PID ``call`` gives for ``proc`` under the GPU's ``pid_view``; None: left out (a
+        process outside the caller's namespace, in a translated answer)."""
+        translated = gpu.pid_view == "namespace" or (gpu.pid_view == "mixed" and call == "list")
+        return proc.ns_pid if translated else proc.pid
+
+    def _running(self, handle: object, count: _Ref[_Int], infos: _Array[_ProcessInfo] | None,
+                 mps: bool) -> int:
+        """nvmlDevice{,MPS}ComputeRunningProcesses_v3: *count in is the array's room; too little
+        room (0 with a NULL array: the size query) answers INSUFFICIENT_SIZE with the number
+        needed, none running answers SUCCESS and 0. A MIG instance's handle lists what runs in
+        it (no process is declared on an instance); ids are 0xFFFFFFFF outside MIG."""
+        dev = self._device(handle)
+        if isinstance(dev, int):
+            return dev
+        _, gpu, mig = dev
+        found: list[tuple[int, FakeProcess]] = []
+        if mig is None:
+            for proc in gpu.processes:
+                pid = self._pid(gpu, proc, "list")
+                if proc.mps == mps and pid is not None:
+                    found.append((pid, proc))
+        room, out = _out(count), infos
+        if not found:
+            room.value = 0
+            return SUCCESS
+        if room.value < len(found) or out is None:
+            if out is None and room.value:
+                return INVALID_ARGUMENT
+            room.value = len(found)
+            return pynvml.NVML_ERROR_INSUFFICIENT_SIZE
+        for i, (pid, proc) in enumerate(found):
+            info = out[i]
+            info.pid, info.usedGpuMemory = pid, proc.used_memory
+            info.gpuInstanceId = info.computeInstanceId = NO_INSTANCE
+        room.value = len(found)
+        return SUCCESS
+
+    def nvmlDeviceGetComputeRunningProcesses_v3(self, handle: object, count: _Ref[_Int],
+                                                infos: _Array[_ProcessInfo] | None) -> int:
+        return self._running(handle, count, infos, mps=False)
+
+    def nvmlDeviceGetMPSComputeRunningProcesses_v3(self, handle: object, count: _Ref[_Int],
+                                                   infos: _Array[_ProcessInfo] | None) -> int:
+        return self._running(handle, count, infos, mps=True)
+
+    def process_samples(self, gpu: FakeGpu, last_seen_us: int) -> list[tuple[int, int, FakeProcess]]:
+        """(pid, timeStamp µs, process) of each sample newer than ``last_seen_us``: one per
+        sample period and process with non-zero utilization, the last PROCESS_SAMPLE_BUFFER
+        periods kept, as the driver's ring buffer."""
+        t = self.now()
+        last = math.floor(t / PROCESS_SAMPLE_PERIOD_S + 1e-9)
+        ticks = range(max(1, last - PROCESS_SAMPLE_BUFFER + 1), last + 1)
+        out = []
+        for k in ticks:
+            stamp = PROCESS_EPOCH_US + round(k * PROCESS_SAMPLE_PERIOD_S * 1e6)
+            if stamp <= last_seen_us:
+                continue
+            for proc in gpu.processes:
+                pid = self._pid(gpu, proc, "utilization")
+                if pid is not None and (round(proc.sm_util) or round(proc.mem_util)):
+                    out.append((pid, stamp, proc))
+        return out
+
+    def nvmlDeviceGetProcessUtilization(self, handle: object,
+                                        samples: _Array[_ProcessSample] | None,
+                                        count: _Ref[_Int], last_seen: _Int | int) -> int:
+        """Samples since ``last_seen`` (CPU µs; 0: the whole buffer): NOT_FOUND when none is
+        newer, INSUFFICIENT_SIZE with the number needed for a NULL array or too little room;
+        refused (NOT_SUPPORTED) on a MIG-enabled GPU and a MIG instance, as nvml.h says."""
+        dev = self._device(handle)
+        if isinstance(dev, int):
+            return dev
+        _, gpu, mig = dev
+        if mig is not None or gpu.mig:
+            return NOT_SUPPORTED
+        found = self.process_samples(gpu, _int_of(last_seen))
+        if not found:
+            return NOT_FOUND
+        room = _out(count)
+        if samples is None or room.value < len(found):
+            room.value = len(found)
+            return pynvml.NVML_ERROR_INSUFFICIENT_SIZE
+        for i, (pid, stamp, proc) in enumerate(found):
+            sample = samples[i]
+            sample.pid, sample.timeStamp = pid, stamp
+            sample.smUtil, sample.memUtil = round(proc.sm_util), round(proc.mem_util)
+            sample.encUtil = sample.decUtil = 0
+        room.value = len(found)
         return SUCCESS
 
     # -- PCIe ----------------------------------------------------------------------------------
