@@ -29,7 +29,7 @@ class _Seen(Recent):
 
 @pytest.mark.parametrize("scenario", sorted(SCENARIOS))
 def test_the_agent_feeds_its_window_the_figures_its_series_say(scenario):
-    cfg = config.Config(simulate=scenario, simulate_gpus=2, interval=0.5)
+    cfg = config.Config(simulate=scenario, simulate_gpus=2, interval=0.2)
     paced = threading.Event()  # never set: waits out the sampling interval, as the agent does
     seen = _Seen()
     exported = []
@@ -38,10 +38,10 @@ def test_the_agent_feeds_its_window_the_figures_its_series_say(scenario):
         agent = Agent(cfg, source=source, app=state, sinks=[], engine=engine, recent=seen)
         agent.prime()
         paced.wait(PRIME_WINDOW_S)
-        for _ in range(4):
+        for _ in range(3):
             exported.append(figures_of(agent.cycle()))
             paced.wait(cfg.interval)
-    assert len(seen.cycles) == 4
+    assert len(seen.cycles) == 3
     for fed, decoded in zip(seen.cycles, exported, strict=True):
         assert list(fed) == list(decoded)  # the same GPUs, in the same order
         assert fed == decoded
