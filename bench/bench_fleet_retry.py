@@ -56,7 +56,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 PYTHON = ROOT / ".venv" / "bin" / "python"
 TITLE = "Fleet retries after an outage (bench_fleet_retry.py)"
-INITIAL_BACKOFF_S = 0.5   # sidecar.sinks.http.HttpOptions.initial_backoff_s: the floor
+INITIAL_BACKOFF_S = 0.5   # sidecar.sinks.answers.INITIAL_BACKOFF_S: the floor
 IDLE_GAP_S = 0.3          # an agent whose next request comes this much later has a drained spool
 TERM_BOUND_S = 20.0       # SIGTERM, then SIGKILL after this long
 SETTLE_S = 5              # the fleet's rate is back to steady when its 5 s averages are

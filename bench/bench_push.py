@@ -27,7 +27,6 @@ from sidecar.samples import Series
 from sidecar.simulate import fake_nvml
 from sidecar.simulate.app import profile_messages
 from sidecar.simulate.scenarios import build
-from sidecar.sinks.http import HttpOptions
 from sidecar.sinks.remote_write import RemoteWriteSink
 from sidecar.sources.app_socket import AppState
 from sidecar.sources.nvml import NvmlSource
@@ -123,7 +122,7 @@ def drain_benchmark() -> dict:
     source = NvmlSource(clock=clock)
     source.open()
     spool = Spool(tmp / "spool", max_bytes=1 << 30)
-    sink = RemoteWriteSink(vm.write_url, spool, HttpOptions(max_backoff_s=0.2),
+    sink = RemoteWriteSink(vm.write_url, spool, Config(retry_max_backoff=0.2),
                            push_interval_s=15.0, max_batch_samples=1_000_000, clock=clock)
     wall0 = 1_790_000_000.0
     agent = Agent(Config(gpus="visible", interval=1.0), source=source, app=AppState(clock=clock),

@@ -27,7 +27,7 @@ from urllib.parse import urlencode, urlsplit
 
 from sidecar.config import Config
 from sidecar.sinks.answers import Retryable
-from sidecar.sinks.http import Http, HttpOptions
+from sidecar.sinks.http import Http
 from sidecar.urls import redact_url
 
 ANSWER_MAX_BYTES = 256 << 20  # a query's answer is read up to this; larger: narrow the query
@@ -119,8 +119,7 @@ class Store:
         self.url = cfg.query_url.rstrip("/")
         self.shown = redact_url(self.url)
         self.timeout_s = cfg.query_timeout
-        self.http = Http(HttpOptions.of(cfg, timeout_s=cfg.query_timeout,
-                                        max_answer_bytes=ANSWER_MAX_BYTES))
+        self.http = Http(cfg, timeout_s=cfg.query_timeout, max_answer_bytes=ANSWER_MAX_BYTES)
         self.queries = 0
         self.seconds = 0.0  # spent waiting for answers
 

@@ -35,7 +35,6 @@ from sidecar.window_socket import path_of as window_path
 
 if TYPE_CHECKING:
     from sidecar.simulate.scenarios import Scenario
-    from sidecar.sinks.http import HttpOptions
     from sidecar.sources.engine import EngineSource, Fetched
 
 log = structlog.get_logger("sidecar.wiring")
@@ -87,13 +86,13 @@ def build_sinks(cfg: config.Config, spool_root: str) -> list[Sink]:
     if not cfg.has_receivers:
         return sinks if sinks and not cfg.stdout else [*sinks, StdoutSink(cfg.output,
                                                                           socket=cfg.socket)]
-    http = http_options(cfg)
+    # each sink reads the receivers' options (credentials, headers, TLS, timeout) off cfg
     if cfg.remote_write_url:
         from sidecar.sinks.remote_write import RemoteWriteSink, sink_name
 
         for url, name, spool in _spools(spool_root, "remote_write", cfg.remote_write_url,
                                         sink_name, cfg):
-            sinks.append(RemoteWriteSink(url, spool, http,
+            sinks.append(RemoteWriteSink(url, spool, cfg,
                                          name=name, push_interval_s=cfg.push_interval,
                                          max_batch_samples=cfg.batch_max_samples,
                                          cadence=Cadence(RARE)))
@@ -102,7 +101,7 @@ def build_sinks(cfg: config.Config, spool_root: str) -> list[Sink]:
         from sidecar.sinks.otlp import sink_name as otlp_name
 
         for url, name, spool in _spools(spool_root, "otlp", cfg.otlp_url, otlp_name, cfg):
-            sinks.append(otlp_sink(url, spool, http, name=name,
+            sinks.append(otlp_sink(url, spool, cfg, name=name,
                                    extra_labels=tuple(k for k, _ in cfg.extra_label),
                                    push_interval_s=cfg.push_interval,
                                    max_batch_samples=cfg.batch_max_samples,
@@ -116,7 +115,7 @@ def build_sinks(cfg: config.Config, spool_root: str) -> list[Sink]:
                  ("job_name", cfg.batch_job) if cfg.batch_job else ("pod", cfg.pod_name),
                  ("job_index", cfg.batch_job_index))
         grouping = {k: v for k, v in pairs if v}
-        sinks.append(PushgatewaySink(cfg.pushgateway_url, http, job=cfg.pushgateway_job,
+        sinks.append(PushgatewaySink(cfg.pushgateway_url, cfg, job=cfg.pushgateway_job,
                                      grouping=grouping, push_interval_s=cfg.push_interval,
                                      delete_on_exit=cfg.pushgateway_delete_on_exit,
                                      summary_at_exit=bool(cfg.batch_job)))
@@ -136,14 +135,13 @@ def resend_rejected(cfg: config.Config) -> int:
         raise config.ConfigError("resend-rejected needs the receivers the batches were meant for: "
                                  "--remote-write-url or --otlp-url (GPU_SIDECAR_REMOTE_WRITE_URL, "
                                  "GPU_SIDECAR_OTLP_URL), as the agent was started with")
-    options = http_options(cfg)
     complete = True
     for urls, codec, sink_name in ((cfg.remote_write_url, remote_write.RemoteWriteCodec,
                                     remote_write.sink_name),
                                    (cfg.otlp_url, otlp.OtlpCodec, otlp.sink_name)):
         for url, name in _named(urls, sink_name):
             directory = Path(cfg.spool_dir) / spool_dir_name(name, url) / "rejected"
-            outcome = resend(url, directory, options, sink=name, headers=codec.headers,
+            outcome = resend(url, directory, cfg, sink=name, headers=codec.headers,
                              policy=codec.policy)
             complete = complete and outcome.complete
             line = (f"{name}: {outcome.sent} batches ({outcome.samples} samples) sent again, "
@@ -153,13 +151,6 @@ def resend_rejected(cfg: config.Config) -> int:
                 line += f"; stopped: {outcome.stopped_by}"
             print(line, flush=True)
     return 0 if complete else 1
-
-
-def http_options(cfg: config.Config) -> HttpOptions:
-    """How the receivers are spoken to (imported here: a stdout-only agent loads no HTTP)."""
-    from sidecar.sinks.http import HttpOptions
-
-    return HttpOptions.of(cfg)
 
 
 def _named(urls: Sequence[str], sink_name: Callable[[str], str]) -> list[tuple[str, str]]:
@@ -301,11 +292,12 @@ def engine_fetch(cfg: config.Config) -> Callable[[str], Fetched]:
     followed, the timeout over the whole request, the answer read as sent up to the bound), as
     the engine source's ``Fetched``. No credentials or headers of the receivers go to an engine."""
     from sidecar.sinks.answers import Retryable
-    from sidecar.sinks.http import Http, HttpOptions
+    from sidecar.sinks.http import Http
     from sidecar.sources.engine import Fetched
 
     limit, timeout = cfg.engine_metrics_max_bytes, cfg.engine_metrics_timeout
-    http = Http(HttpOptions(timeout_s=timeout, max_answer_bytes=limit))
+    # a bare Config: none of the receivers' credentials, headers or TLS files
+    http = Http(config.Config(), timeout_s=timeout, max_answer_bytes=limit)
     # identity: the bound is on what the engine sends, and a gzip bomb is not read
     headers = {"Accept": "text/plain;version=0.0.4", "Accept-Encoding": "identity"}
 

@@ -4,6 +4,7 @@ omits the argument gets, and the one ``--help`` shows cannot drift apart."""
 
 from __future__ import annotations
 
+import ast
 import inspect
 import re
 
@@ -13,7 +14,7 @@ from sidecar import config, urls
 from sidecar.config import RETRY_AFTER_CAP_S, Config
 from sidecar.simulate.app import SimulatedApp
 from sidecar.sinks import IDLE_WAIT_S, answers, pushgateway, spooled
-from sidecar.sinks.http import HttpOptions
+from sidecar.sinks.http import Http
 from sidecar.sinks.pushgateway import PushgatewaySink
 from sidecar.sinks.remote_write import RemoteWriteSink
 from sidecar.sinks.spooled import SpooledSink
@@ -29,8 +30,6 @@ DEFAULTED = [
     (RemoteWriteSink, "max_batch_samples", "batch_max_samples"),
     (PushgatewaySink, "push_interval_s", "push_interval"),
     (PushgatewaySink, "job", "pushgateway_job"),
-    (HttpOptions, "timeout_s", "push_timeout"),
-    (HttpOptions, "max_backoff_s", "retry_max_backoff"),
     (AppState, "stale_after_s", "app_stale_after"),
     (AppState, "max_processes", "app_max_processes"),
     (AppState, "max_gpus", "app_max_gpus"),
@@ -50,6 +49,35 @@ def test_a_constructor_default_is_the_config_s(cls, param, field):
     assert default == getattr(Config, field) == config.DEFAULTS[field], (
         f"{cls.__name__}({param}={default!r}) differs from Config.{field}")
     assert type(default) is type(getattr(Config, field))
+
+
+# what the command line says about reaching the receivers: read off the Config by the HTTP layer
+RECEIVER_OPTIONS = ("push_timeout", "retry_max_backoff", "bearer_token_file", "basic_auth_user",
+                    "basic_auth_password_file", "ca_file", "cert_file", "key_file",
+                    "insecure_skip_verify", "header")
+
+
+def test_the_http_layer_declares_none_of_config_s_receiver_options():
+    """No copy of the receivers' options with defaults of its own (issue #45): ``Http`` takes
+    the ``Config`` itself; its own parameters are only a client's timeout (``None``:
+    --push-timeout) and answer bound, and the sinks take none of those options either."""
+    assert set(RECEIVER_OPTIONS) <= set(Config.__dataclass_fields__)
+    params = inspect.signature(Http).parameters
+    assert list(params) == ["cfg", "timeout_s", "max_answer_bytes"]
+    assert params["timeout_s"].default is None
+    cfg = Config(push_timeout=3.5, header=(("X-Scope-OrgID", "t1"),))
+    client = Http(cfg)
+    assert client.cfg is cfg and client.timeout_s == 3.5
+    assert client.headers()["X-Scope-OrgID"] == "t1"
+    copied = {"timeout_s", "max_backoff_s", "headers", *RECEIVER_OPTIONS}
+    tree = ast.parse((ROOT / "sidecar" / "sinks" / "http.py").read_text())
+    fields = {f"{node.name}.{item.target.id}" for node in ast.walk(tree)
+              if isinstance(node, ast.ClassDef) for item in node.body
+              if isinstance(item, ast.AnnAssign) and isinstance(item.target, ast.Name)
+              and item.target.id in copied}
+    assert fields == set(), "http.py declares receiver options again"
+    for cls in (SpooledSink, RemoteWriteSink, PushgatewaySink):
+        assert not copied & set(inspect.signature(cls).parameters), cls.__name__
 
 
 def test_the_retry_after_cap_is_one_constant_the_help_shows():

@@ -18,6 +18,7 @@ import pytest
 import requests
 import tenacity
 
+from sidecar.config import Config
 from sidecar.sinks.answers import (
     OTLP,
     REMOTE_WRITE,
@@ -27,7 +28,7 @@ from sidecar.sinks.answers import (
     Retryable,
     parse_retry_after,
 )
-from sidecar.sinks.http import Http, HttpOptions
+from sidecar.sinks.http import Http
 from sidecar.urls import redact_url as redact
 from tests.conftest import ROOT, run_cli
 from tests.receivers import FaultProxy
@@ -132,7 +133,7 @@ def keep_alive_server():
 
 
 def test_one_connection_is_kept_and_one_the_receiver_closed_is_replaced(keep_alive_server):
-    client = Http(HttpOptions())
+    client = Http(Config())
     url = f"http://{keep_alive_server}/api/v1/write"
     for _ in range(3):
         assert client.request("POST", url, data=b"x").status_code == 204
@@ -146,10 +147,10 @@ def test_one_connection_is_kept_and_one_the_receiver_closed_is_replaced(keep_ali
 
 def test_credentials_in_the_url_become_basic_auth_and_the_options_win(keep_alive_server, tmp_path):
     url = f"http://bob:s%40cret@{keep_alive_server}/api/v1/write"
-    Http(HttpOptions()).request("POST", url, data=b"x")
+    Http(Config()).request("POST", url, data=b"x")
     password = tmp_path / "password"
     password.write_text("pw\n")
-    Http(HttpOptions(basic_auth_user="alice", basic_auth_password_file=str(password))).request(
+    Http(Config(basic_auth_user="alice", basic_auth_password_file=str(password))).request(
         "POST", url, data=b"x")
     sent = [headers["Authorization"] for _, headers in KeepAlive.seen]
     assert sent == [f"Basic {base64.b64encode(b'bob:s@cret').decode()}",
@@ -161,7 +162,7 @@ def test_a_token_http_cannot_carry_is_a_credentials_failure_that_never_quotes_it
         keep_alive_server, tmp_path):
     token = tmp_path / "token"
     token.write_text("sekrit-token\nsecond line\n")  # a file pasted with more than the token
-    client = Http(HttpOptions(bearer_token_file=str(token)))
+    client = Http(Config(bearer_token_file=str(token)))
     with pytest.raises(Retryable) as err:
         client.request("POST", f"http://{keep_alive_server}/api/v1/write", data=b"x")
     assert err.value.reason == "credentials" and "sekrit" not in str(err.value)
@@ -176,7 +177,7 @@ def test_rotated_bearer_token_is_picked_up_without_restart(tmp_path):
     threading.Thread(target=server.serve_forever, daemon=True).start()
     try:
         url = f"http://127.0.0.1:{server.server_address[1]}/api/v1/write"
-        client = Http(HttpOptions(bearer_token_file=str(token), headers=(("X-Scope-OrgID", "t1"),)))
+        client = Http(Config(bearer_token_file=str(token), header=(("X-Scope-OrgID", "t1"),)))
         client.request("POST", url, data=b"x")
         token.write_text("second-token-longer\n")  # the kubelet swapped the Secret
         client.request("POST", url, data=b"x")
@@ -314,7 +315,7 @@ def test_a_308_redirect_is_never_followed(tmp_path):
     redirecting = _serve(Redirecting)
     token = tmp_path / "token"
     token.write_text("tok-never-sent-elsewhere\n")
-    client = Http(HttpOptions(bearer_token_file=str(token)))
+    client = Http(Config(bearer_token_file=str(token)))
     url = f"http://127.0.0.1:{redirecting.server_address[1]}/api/v1/write"
     try:
         answer = client.request("POST", url, data=b"batch")
@@ -367,7 +368,7 @@ def test_a_kept_alive_connection_found_closed_is_retried_once_on_a_new_one(fresh
     DropsReused.requests.clear()
     DropsReused.fresh_too = False
     server = _serve(DropsReused)
-    client = Http(HttpOptions(timeout_s=5))
+    client = Http(Config(push_timeout=5))
     url = f"http://127.0.0.1:{server.server_address[1]}/api/v1/write"
     try:
         assert client.request("POST", url, data=b"one").status_code == 204
@@ -424,7 +425,7 @@ class Trickling(http.server.BaseHTTPRequestHandler):
 def test_push_timeout_bounds_a_trickled_answer(headers_first):
     Trickling.headers_first = headers_first
     server = _serve(Trickling)
-    client = Http(HttpOptions(timeout_s=1.5))
+    client = Http(Config(push_timeout=1.5))
     url = f"http://127.0.0.1:{server.server_address[1]}/api/v1/write"
     started = time.monotonic()
     try:
@@ -452,7 +453,7 @@ def test_push_timeout_bounds_name_resolution(monkeypatch):
         return real(host, *args, **kwargs)
 
     monkeypatch.setattr(socket, "getaddrinfo", hanging)
-    client = Http(HttpOptions(timeout_s=0.5))
+    client = Http(Config(push_timeout=0.5))
     started = time.monotonic()
     with pytest.raises(Retryable) as err:
         client.request("POST", "http://receiver.example:9/api/v1/write", data=b"x")
@@ -473,8 +474,8 @@ def test_a_2xx_whose_body_never_ends_is_final_and_said_once_not_per_push(tmp_pat
     server = _serve(Trickling)
     spool = Spool(tmp_path / "spool", max_bytes=1 << 20)
     sink = RemoteWriteSink(f"http://127.0.0.1:{server.server_address[1]}/api/v1/write", spool,
-                           HttpOptions(timeout_s=0.5, initial_backoff_s=0.05, max_backoff_s=0.1),
-                           push_interval_s=0.0)
+                           Config(push_timeout=0.5, retry_max_backoff=0.1),
+                           push_interval_s=0.0, initial_backoff_s=0.05)
     try:
         with structlog.testing.capture_logs() as logs:
             sink.start()
@@ -495,8 +496,8 @@ def test_a_2xx_whose_body_never_ends_is_final_and_said_once_not_per_push(tmp_pat
 def test_query_values_and_every_secret_are_masked_in_what_a_receiver_echoes(tmp_path):
     password = tmp_path / "password"
     password.write_text("pw-Zq81x\n")
-    client = Http(HttpOptions(basic_auth_user="alice", basic_auth_password_file=str(password),
-                              headers=(("X-Api-Key", "hdr-77xq"),)))
+    client = Http(Config(basic_auth_user="alice", basic_auth_password_file=str(password),
+                         header=(("X-Api-Key", "hdr-77xq"),)))
     url = "http://u:url-pw-5@127.0.0.1:9/api/v1/write?license=lic-9f8e&tenant=t%2D42x"
     echoed = response(401, "you sent pw-Zq81x hdr-77xq url-pw-5 lic-9f8e t-42x t%2D42x "
                       + base64.b64encode(b"alice:pw-Zq81x").decode())
@@ -508,23 +509,29 @@ def test_query_values_and_every_secret_are_masked_in_what_a_receiver_echoes(tmp_
         assert secret not in str(err.value)
 
 
-def test_the_http_options_are_the_command_line_s_read_off_config_once(tmp_path):
-    """Every receiver option of ``Config`` reaches ``HttpOptions.of``; a store's query client
-    changes only what it overrides."""
+def test_every_http_client_reads_the_receivers_options_off_the_config_itself(tmp_path):
+    """No copy of the command line's HTTP options: each sink's client and the store's keep the
+    agent's ``Config`` (credentials, headers, TLS read off it); the store sets only its own
+    timeout and answer bound, a sink's backoff tops out at --retry-max-backoff."""
     from sidecar import wiring
-    from sidecar.config import Config
-    from sidecar.store import ANSWER_MAX_BYTES, Store
+    from sidecar.sinks.http import ANSWER_MAX_BYTES
+    from sidecar.store import ANSWER_MAX_BYTES as QUERY_ANSWER_MAX_BYTES
+    from sidecar.store import Store
 
-    cfg = Config(push_timeout=3.5, retry_max_backoff=7.0, bearer_token_file="/t",
-                 basic_auth_user="u", basic_auth_password_file="/p", ca_file="/ca",
-                 cert_file="/c", key_file="/k", insecure_skip_verify=True,
+    cfg = Config(push_timeout=3.5, retry_max_backoff=7.0, basic_auth_user="u",
                  header=(("X-Scope-OrgID", "t1"),), query_url="http://127.0.0.1:9",
-                 query_timeout=12.0)
-    expected = HttpOptions(timeout_s=3.5, max_backoff_s=7.0, bearer_token_file="/t",
-                           basic_auth_user="u", basic_auth_password_file="/p", ca_file="/ca",
-                           cert_file="/c", key_file="/k", insecure_skip_verify=True,
-                           headers=(("X-Scope-OrgID", "t1"),))
-    assert HttpOptions.of(cfg) == wiring.http_options(cfg) == expected
+                 query_timeout=12.0, remote_write_url=("http://127.0.0.1:9/api/v1/write",),
+                 otlp_url=("http://127.0.0.1:9/v1/metrics",),
+                 pushgateway_url="http://127.0.0.1:9")
+    sinks = wiring.build_sinks(cfg, str(tmp_path / "spool"))
+    assert len(sinks) == 3
+    for sink in sinks:
+        assert sink.http.cfg is cfg, sink.name
+        assert (sink.http.timeout_s, sink.max_backoff_s) == (3.5, 7.0)
+        assert sink.http.max_answer_bytes == ANSWER_MAX_BYTES
+        assert sink.http.headers()["X-Scope-OrgID"] == "t1"
+        assert sink.http.auth() == ("u", "")
     store = Store(cfg)
-    assert store.http.options == HttpOptions.of(cfg, timeout_s=12.0,
-                                                max_answer_bytes=ANSWER_MAX_BYTES)
+    assert store.http.cfg is cfg
+    assert (store.http.timeout_s, store.http.max_answer_bytes) == (12.0, QUERY_ANSWER_MAX_BYTES)
+    store.close()

@@ -24,11 +24,11 @@ from pathlib import Path
 import pytest
 import structlog
 
+from sidecar.config import Config
 from sidecar.durability.spool import DROP_REASONS, STATES, Spool
 from sidecar.durability.spool import private_root as _private_root
 from sidecar.samples import Series
 from sidecar.sinks.answers import FAILURE_REASONS
-from sidecar.sinks.http import HttpOptions
 from sidecar.sinks.remote_write import RemoteWriteSink
 from sidecar.wire.remote_write import compress
 from tests.conftest import ROOT
@@ -708,8 +708,8 @@ def test_a_receiver_echoing_the_request_never_puts_a_secret_in_the_log(tmp_path)
 
 def _sink(url: str, spool_dir: Path) -> tuple[RemoteWriteSink, Spool]:
     spool = Spool(spool_dir, max_bytes=1 << 20)
-    options = HttpOptions(timeout_s=5, initial_backoff_s=0.05, max_backoff_s=0.1)
-    return RemoteWriteSink(url, spool, options, push_interval_s=0.0), spool
+    cfg = Config(push_timeout=5, retry_max_backoff=0.1)
+    return RemoteWriteSink(url, spool, cfg, push_interval_s=0.0, initial_backoff_s=0.05), spool
 
 
 def test_an_unexpected_error_in_the_sender_is_logged_counted_and_retried(tmp_path, monkeypatch):
@@ -808,8 +808,8 @@ def test_pushgateway_values_that_arrive_while_a_push_fails_are_pushed_without_wa
                        lambda n, body: (503, {}, b"busy") if n == 0 else (200, {}, b""),
                        delay=0.5)
     sink = PushgatewaySink(proxy.url.removesuffix("/api/v1/write"),
-                           HttpOptions(initial_backoff_s=0.1, max_backoff_s=0.2),
-                           push_interval_s=0.0)
+                           Config(retry_max_backoff=0.2),
+                           push_interval_s=0.0, initial_backoff_s=0.1)
     labels = (("gpu_uuid", "GPU-x"),)
     with running(proxy):
         sink.start()
@@ -826,9 +826,8 @@ def _backlog_sink(url: str, spool_dir: Path, token: Path, batches: int = 30,
                   max_bytes: int = 1 << 20) -> tuple[RemoteWriteSink, Spool]:
     """A remote-write sink with ``batches`` single-sample batches waiting in its spool."""
     spool = Spool(spool_dir, max_bytes=max_bytes)
-    options = HttpOptions(timeout_s=5, initial_backoff_s=0.05, max_backoff_s=0.1,
-                          bearer_token_file=str(token))
-    sink = RemoteWriteSink(url, spool, options, push_interval_s=0.0)
+    cfg = Config(push_timeout=5, retry_max_backoff=0.1, bearer_token_file=str(token))
+    sink = RemoteWriteSink(url, spool, cfg, push_interval_s=0.0, initial_backoff_s=0.05)
     for i in range(batches):
         sink.emit([Series("backlog_sample", (("i", str(i)),), float(i), 1_700_000_000_000 + i)])
     return sink, spool

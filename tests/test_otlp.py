@@ -425,14 +425,13 @@ def _status(code: int) -> bytes:
 
 
 def _backlog(url: str, spool_dir: Path, batches: int = 30):
+    from sidecar.config import Config
     from sidecar.durability.spool import Spool
-    from sidecar.sinks.http import HttpOptions
     from sidecar.sinks.otlp import otlp_sink
 
     spool = Spool(spool_dir, max_bytes=64 << 20)
-    sink = otlp_sink(url, spool, HttpOptions(timeout_s=5, initial_backoff_s=0.05,
-                                             max_backoff_s=0.1),
-                     push_interval_s=0.0, max_batch_samples=1000)
+    sink = otlp_sink(url, spool, Config(push_timeout=5, retry_max_backoff=0.1),
+                     push_interval_s=0.0, max_batch_samples=1000, initial_backoff_s=0.05)
     labels = (("gpu_uuid", "GPU-1"), ("namespace", "ml"), ("pod", "llm-0"))
     for i in range(batches):  # each emit seals a batch: 30 batches wait in the spool
         sink.emit([Series("gpu_sm_occupancy_ratio", labels, i / 100, 1_700_000_000_000 + i)])

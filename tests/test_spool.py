@@ -13,11 +13,11 @@ import time
 import pytest
 import structlog
 
+from sidecar.config import Config
 from sidecar.durability import journal
 from sidecar.durability.journal import RECORD, Journal, read
 from sidecar.durability.spool import HEADER, Spool, SpoolError, SpoolLocked
 from sidecar.samples import Series
-from sidecar.sinks.http import HttpOptions
 from sidecar.sinks.remote_write import RemoteWriteSink
 
 
@@ -402,8 +402,8 @@ def test_the_sink_replays_every_intact_record_logs_and_counts_the_damage(tmp_pat
     j.path.write_bytes(bytes(data))
     spool = Spool(directory, max_bytes=1 << 20)
     sink = RemoteWriteSink("http://127.0.0.1:9/api/v1/write", spool,
-                           HttpOptions(timeout_s=1, initial_backoff_s=5, max_backoff_s=5),
-                           push_interval_s=60.0)
+                           Config(push_timeout=1, retry_max_backoff=5),
+                           push_interval_s=60.0, initial_backoff_s=5)
     with structlog.testing.capture_logs() as logs:
         sink.start()
         sink.close(time.monotonic() + 0.2)
@@ -426,8 +426,8 @@ def test_a_batch_is_sealed_at_the_cycle_nearest_to_the_push_interval(tmp_path, i
     now = {"t": 0.0}
     spool = Spool(tmp_path / "spool", max_bytes=1 << 20)
     sink = RemoteWriteSink("http://127.0.0.1:9/api/v1/write", spool,
-                           HttpOptions(timeout_s=1, initial_backoff_s=5, max_backoff_s=5),
-                           push_interval_s=push, clock=lambda: now["t"])
+                           Config(push_timeout=1, retry_max_backoff=5),
+                           push_interval_s=push, clock=lambda: now["t"], initial_backoff_s=5)
     sealed = []
     for cycle in range(1, 31):
         now["t"] = next(readings)

@@ -235,11 +235,10 @@ def _spool(cfg: Config) -> Check:
 
 
 def _receiver(cfg: Config, kind: str, url: str) -> Check:
-    from sidecar import wiring
     from sidecar.sinks.answers import REMOTE_WRITE, Refused, Retryable
     from sidecar.sinks.http import Http
 
-    http = Http(wiring.http_options(cfg))
+    http = Http(cfg)
     try:
         if kind == "pushgateway":
             status = url.rstrip("/") + "/api/v1/status"

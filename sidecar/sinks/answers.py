@@ -35,6 +35,9 @@ from sidecar.config import RETRY_AFTER_CAP_S
 from sidecar.urls import redact_url
 
 BODY_LOGGED = 300  # characters of a receiver's answer kept in a log line
+# the first retry's wait, the backoff's floor (it grows from there up to --retry-max-backoff); no
+# option sets it: the sinks take it as a keyword, for tests that retry faster or not at all
+INITIAL_BACKOFF_S = 0.5
 
 
 @dataclass(frozen=True)

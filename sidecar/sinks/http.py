@@ -34,7 +34,6 @@ import threading
 import time
 import warnings
 from collections.abc import Callable, Iterator, Mapping
-from dataclasses import dataclass, replace
 from typing import Any
 from urllib.parse import parse_qsl, unquote, urlsplit, urlunsplit
 
@@ -56,38 +55,6 @@ MIN_REQUEST_S = 0.05  # a request cut to the shutdown deadline still gets this l
 RESOLVED_FOR_S = 30.0  # a name's addresses are looked up again after this (or a failure)
 ANSWER_MAX_BYTES = 4 << 20  # more than any receiver's answer to a push needs
 CHUNK_BYTES = 64 << 10
-
-
-@dataclass(frozen=True, kw_only=True)
-class HttpOptions:
-    """How to reach the receivers: the command line's HTTP options, one default each."""
-
-    timeout_s: float = Config.push_timeout
-    bearer_token_file: str | None = None
-    basic_auth_user: str | None = None
-    basic_auth_password_file: str | None = None
-    ca_file: str | None = None
-    cert_file: str | None = None
-    key_file: str | None = None
-    insecure_skip_verify: bool = False
-    headers: tuple[tuple[str, str], ...] = ()
-    initial_backoff_s: float = 0.5
-    max_backoff_s: float = Config.retry_max_backoff
-    max_answer_bytes: int = ANSWER_MAX_BYTES  # an answer's body is read up to this, no further
-
-    @classmethod
-    def of(cls, cfg: Config, **overrides: Any) -> HttpOptions:
-        """The receivers' options as the command line gave them (``cfg``), the one place that
-        reads them off ``Config``; ``overrides`` for a client that differs (the store's query
-        timeout and answer bound). The fields stay declared here, each default ``Config``'s,
-        because tests and tools build options without a ``Config``."""
-        return replace(cls(
-            timeout_s=cfg.push_timeout, bearer_token_file=cfg.bearer_token_file,
-            basic_auth_user=cfg.basic_auth_user,
-            basic_auth_password_file=cfg.basic_auth_password_file, ca_file=cfg.ca_file,
-            cert_file=cfg.cert_file, key_file=cfg.key_file,
-            insecure_skip_verify=cfg.insecure_skip_verify, headers=cfg.header,
-            max_backoff_s=cfg.retry_max_backoff), **overrides)
 
 
 class SecretFile:
@@ -305,11 +272,18 @@ class Http:
     and its kept-alive connection, one request at a time (each sink has one sender; at shutdown
     a final push may overlap the sender's last request, hence the lock)."""
 
-    def __init__(self, options: HttpOptions) -> None:
-        self.options = options
-        self._token = SecretFile(options.bearer_token_file) if options.bearer_token_file else None
-        self._password = (SecretFile(options.basic_auth_password_file)
-                          if options.basic_auth_password_file else None)
+    def __init__(self, cfg: Config, *, timeout_s: float | None = None,
+                 max_answer_bytes: int = ANSWER_MAX_BYTES) -> None:
+        """The credentials, headers and TLS files are ``cfg``'s, read off it where used, never
+        copied (one place says what the command line configures); ``timeout_s`` is
+        ``--push-timeout`` unless a client's own (the store's query timeout, an engine's), and an
+        answer's body is read up to ``max_answer_bytes``, no further."""
+        self.cfg = cfg
+        self.timeout_s = cfg.push_timeout if timeout_s is None else timeout_s
+        self.max_answer_bytes = max_answer_bytes
+        self._token = SecretFile(cfg.bearer_token_file) if cfg.bearer_token_file else None
+        self._password = (SecretFile(cfg.basic_auth_password_file)
+                          if cfg.basic_auth_password_file else None)
         self._tls: ssl.SSLContext | None = None
         self._resolver = _Resolver()
         self._adapter = _Adapter(self._tls_context)
@@ -324,24 +298,24 @@ class Http:
         self.session.mount("https://", self._adapter)
         self._lock = threading.Lock()
         self.deadline: float | None = None  # monotonic; set at shutdown
-        if options.insecure_skip_verify:  # said once at start by the agent, not per request
+        if cfg.insecure_skip_verify:  # said once at start by the agent, not per request
             warnings.filterwarnings("ignore", category=urllib3.exceptions.InsecureRequestWarning)
 
     def headers(self) -> dict[str, str]:
-        out = {"User-Agent": USER_AGENT, **dict(self.options.headers)}
+        out = {"User-Agent": USER_AGENT, **dict(self.cfg.header)}
         if self._token is not None:
             out["Authorization"] = f"Bearer {self._token.value()}"
         return out
 
     def auth(self) -> tuple[str, str] | None:
-        if self.options.basic_auth_user is None:
+        if self.cfg.basic_auth_user is None:
             return None
-        return (self.options.basic_auth_user, self._password.value() if self._password else "")
+        return (self.cfg.basic_auth_user, self._password.value() if self._password else "")
 
     def secrets(self, url: str = "") -> list[str]:
         """Every secret value this session sends, so that no receiver's answer echoing the
         request can carry one into a log line."""
-        out = [v for _, v in self.options.headers]
+        out = [v for _, v in self.cfg.header]
         with contextlib.suppress(OSError):
             if self._token is not None:
                 out.append(self._token.value())
@@ -387,7 +361,7 @@ class Http:
             failure = Retryable("credentials", f"cannot read a credentials file: {exc.strerror}")
         if failure is not None:
             raise failure
-        timeout = self.options.timeout_s
+        timeout = self.timeout_s
         if self.deadline is not None:  # shutting down: no request may outlast the deadline
             timeout = max(MIN_REQUEST_S, min(timeout, self.deadline - time.monotonic()))
         watch = _Watch(time.monotonic() + timeout)
@@ -416,7 +390,7 @@ class Http:
             addresses = self._resolver.addresses(host, port, watch.left())
         except TimeoutError:
             failure = Retryable("network", f"name resolution of {host} took longer than "
-                                f"{self.options.timeout_s:g} s (--push-timeout)")
+                                f"{self.timeout_s:g} s (--push-timeout)")
         except OSError as exc:
             failure = Retryable("network", f"cannot resolve {host}: {type(exc).__name__}")
         if failure is not None:
@@ -466,7 +440,7 @@ class Http:
                 return _kind(exc, watch), exc
             except ValueError as exc:  # a header or path the HTTP library cannot send as is
                 return "headers", exc
-            return self._read(answer, url, watch, self.options.max_answer_bytes)
+            return self._read(answer, url, watch, self.max_answer_bytes)
         finally:
             timer.cancel()
             _current.watch = None
@@ -507,7 +481,7 @@ class Http:
                              "files and the URL")
         if watch.expired or watch.left() <= 0:
             return Retryable("network", f"no answer from {redact(url)} within "
-                             f"{self.options.timeout_s:g} s (--push-timeout)")
+                             f"{self.timeout_s:g} s (--push-timeout)")
         if kind == "tls" and (watch.connected or _verification_failed(exc)):
             return Retryable("tls", f"TLS handshake with {redact(url)} failed: "
                              f"{_root(exc).__class__.__name__}; give its CA with --ca-file")
@@ -518,15 +492,15 @@ class Http:
         certificate if given, or no verification at all with --insecure-skip-verify. A file
         that cannot be loaded is a failure of that request (retried), not of the agent."""
         if self._tls is None:
-            options = self.options
+            cfg = self.cfg
             failure: Retryable | None = None
             try:
-                context = ssl.create_default_context(cafile=options.ca_file)
-                if options.insecure_skip_verify:
+                context = ssl.create_default_context(cafile=cfg.ca_file)
+                if cfg.insecure_skip_verify:
                     context.check_hostname = False
                     context.verify_mode = ssl.CERT_NONE
-                if options.cert_file:
-                    context.load_cert_chain(options.cert_file, options.key_file)
+                if cfg.cert_file:
+                    context.load_cert_chain(cfg.cert_file, cfg.key_file)
             except (OSError, ssl.SSLError) as exc:
                 failure = Retryable("tls", f"cannot load the TLS files (--ca-file, --cert-file, "
                                     f"--key-file): {type(exc).__name__}")

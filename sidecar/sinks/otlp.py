@@ -22,11 +22,11 @@ from collections.abc import Mapping
 from typing import Any
 
 from sidecar import __version__, metrics
+from sidecar.config import Config
 from sidecar.durability.spool import Spool
 from sidecar.samples import Series
 from sidecar.sinks.answers import OTLP, Response, is_protobuf
 from sidecar.sinks.codec import RecordsBatch
-from sidecar.sinks.http import HttpOptions
 from sidecar.sinks.spooled import SpooledSink
 from sidecar.urls import sink_label
 from sidecar.wire import otlp
@@ -87,9 +87,9 @@ def default_resource() -> dict[str, str]:
             "host.name": socket.gethostname()}
 
 
-def otlp_sink(url: str, spool: Spool, http: HttpOptions, *, name: str | None = None,
+def otlp_sink(url: str, spool: Spool, cfg: Config, *, name: str | None = None,
               extra_labels: tuple[str, ...] = (), **pipeline: Any) -> SpooledSink:
     """An OTLP sink: the spooled pipeline with the OTLP codec. ``pipeline``: the keyword
-    arguments of ``SpooledSink`` (push_interval_s, max_batch_samples, clock)."""
+    arguments of ``SpooledSink`` (push_interval_s, max_batch_samples, clock, initial_backoff_s)."""
     codec = OtlpCodec(default_resource(), extra_labels)
-    return SpooledSink(url, spool, http, codec, name=name or sink_name(url), **pipeline)
+    return SpooledSink(url, spool, cfg, codec, name=name or sink_name(url), **pipeline)

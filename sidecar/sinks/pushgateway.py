@@ -32,8 +32,8 @@ from sidecar.config import Config
 from sidecar.metrics import BY_NAME, histogram_of
 from sidecar.samples import Labels, Series
 from sidecar.sinks import IDLE_WAIT_S
-from sidecar.sinks.answers import FAILURE_REASONS, REMOTE_WRITE, Refused, Retryable
-from sidecar.sinks.http import MIN_REQUEST_S, Http, HttpOptions
+from sidecar.sinks.answers import FAILURE_REASONS, INITIAL_BACKOFF_S, REMOTE_WRITE, Refused, Retryable
+from sidecar.sinks.http import MIN_REQUEST_S, Http
 from sidecar.summary import is_summary
 from sidecar.urls import redact_url as redact
 
@@ -86,7 +86,7 @@ class PushgatewaySink:
     def __init__(
         self,
         url: str,
-        http: HttpOptions,
+        cfg: Config,
         *,
         job: str = Config.pushgateway_job,
         grouping: dict[str, str] | None = None,
@@ -94,13 +94,14 @@ class PushgatewaySink:
         delete_on_exit: bool = False,
         summary_at_exit: bool = False,
         clock: Callable[[], float] = time.monotonic,
+        initial_backoff_s: float = INITIAL_BACKOFF_S,
     ) -> None:
         self.url = url.rstrip("/")
         self.name = "pushgateway"
         self.job = job
         self.grouping = dict(grouping or {}) or {"instance": socket.gethostname()}
-        self.options = http
-        self.http = Http(http)
+        self.http = Http(cfg)  # the receivers' credentials, headers and TLS: cfg's
+        self.initial_backoff_s, self.max_backoff_s = initial_backoff_s, cfg.retry_max_backoff
         self.push_interval_s = push_interval_s
         self.delete_on_exit = delete_on_exit
         self.summary_at_exit = summary_at_exit
@@ -150,8 +151,8 @@ class PushgatewaySink:
     def _retrying(self, *, stop: Callable[[Any], bool], sleep: Callable[[float], object],
                   closing: Callable[[], bool] = lambda: False) -> Any:
         """The Pushgateway answers as remote-write receivers do (``answers.REMOTE_WRITE``)."""
-        return REMOTE_WRITE.retrying(initial_s=self.options.initial_backoff_s,
-                                     max_s=self.options.max_backoff_s, stop=stop, sleep=sleep,
+        return REMOTE_WRITE.retrying(initial_s=self.initial_backoff_s,
+                                     max_s=self.max_backoff_s, stop=stop, sleep=sleep,
                                      closing=closing)
 
     def _push_latest(self, stop: Callable[[Any], bool], *,

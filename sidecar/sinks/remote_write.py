@@ -14,9 +14,8 @@ from collections.abc import Callable
 from sidecar.config import Config
 from sidecar.durability.spool import Spool
 from sidecar.samples import Series
-from sidecar.sinks.answers import REMOTE_WRITE, Response
+from sidecar.sinks.answers import INITIAL_BACKOFF_S, REMOTE_WRITE, Response
 from sidecar.sinks.cadence import Cadence
-from sidecar.sinks.http import HttpOptions
 from sidecar.sinks.spooled import SpooledSink
 from sidecar.urls import sink_label
 from sidecar.wire.remote_write import CONTENT_HEADERS, Encoder, SnappyBatch, compress, decompress
@@ -67,14 +66,15 @@ class RemoteWriteSink(SpooledSink):
         self,
         url: str,
         spool: Spool,
-        http: HttpOptions,
+        cfg: Config,
         *,
         name: str | None = None,
         push_interval_s: float = Config.push_interval,
         max_batch_samples: int = Config.batch_max_samples,
         clock: Callable[[], float] = time.monotonic,
         cadence: Cadence | None = None,
+        initial_backoff_s: float = INITIAL_BACKOFF_S,
     ) -> None:
-        super().__init__(url, spool, http, RemoteWriteCodec(), name=name or sink_name(url),
+        super().__init__(url, spool, cfg, RemoteWriteCodec(), name=name or sink_name(url),
                          push_interval_s=push_interval_s, max_batch_samples=max_batch_samples,
-                         clock=clock, cadence=cadence)
+                         clock=clock, cadence=cadence, initial_backoff_s=initial_backoff_s)

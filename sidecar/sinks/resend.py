@@ -22,9 +22,10 @@ from pathlib import Path
 
 import structlog
 
+from sidecar.config import Config
 from sidecar.durability.spool import read_batch
 from sidecar.sinks.answers import Policy, Refused, Retryable
-from sidecar.sinks.http import Http, HttpOptions
+from sidecar.sinks.http import Http
 from sidecar.urls import redact_url
 
 log = structlog.get_logger("sidecar.resend")
@@ -48,14 +49,14 @@ class Resent:
         return not (self.refused or self.left or self.unreadable)
 
 
-def resend_rejected(url: str, directory: Path, options: HttpOptions, *, sink: str,
+def resend_rejected(url: str, directory: Path, cfg: Config, *, sink: str,
                     headers: Mapping[str, str], policy: Policy) -> Resent:
     """Send every batch of ``directory`` (a spool's ``rejected/``) to ``url`` once, oldest
     first; a batch is deleted only after the receiver accepted it."""
     batches = sorted(directory.glob("*.batch")) if directory.is_dir() else []
     sent = samples = refused = unreadable = 0
     stopped_by = None
-    http = Http(options)
+    http = Http(cfg)
     try:
         for index, path in enumerate(batches):
             try:

@@ -22,10 +22,10 @@ from sidecar.durability.spool import STATES, URL_CONFIRMED, Spool, SpooledBatch
 from sidecar.log import Episodes, log_count
 from sidecar.samples import Labels, Series
 from sidecar.sinks import IDLE_WAIT_S
-from sidecar.sinks.answers import BODY_LOGGED, Held, Refused, Response, Retryable, mask
+from sidecar.sinks.answers import BODY_LOGGED, INITIAL_BACKOFF_S, Held, Refused, Response, Retryable, mask
 from sidecar.sinks.cadence import Cadence
 from sidecar.sinks.codec import Codec
-from sidecar.sinks.http import Http, HttpOptions
+from sidecar.sinks.http import Http
 from sidecar.summary import is_summary
 from sidecar.urls import redact_url as redact
 
@@ -67,7 +67,7 @@ class SpooledSink:
         self,
         url: str,
         spool: Spool,
-        http: HttpOptions,
+        cfg: Config,
         codec: Codec,
         *,
         name: str,
@@ -75,6 +75,7 @@ class SpooledSink:
         max_batch_samples: int = Config.batch_max_samples,
         clock: Callable[[], float] = time.monotonic,
         cadence: Cadence | None = None,
+        initial_backoff_s: float = INITIAL_BACKOFF_S,
     ) -> None:
         self.url = url
         self.cadence = cadence  # the rare figures sent when they change (sinks/cadence.py)
@@ -82,9 +83,9 @@ class SpooledSink:
         self.codec = codec
         self.log = structlog.get_logger(f"sidecar.{codec.kind}")
         self.spool = spool
-        self.http = Http(http)
+        self.http = Http(cfg)  # the receivers' credentials, headers and TLS: cfg's
         self.policy = codec.policy
-        self.options = http
+        self.initial_backoff_s, self.max_backoff_s = initial_backoff_s, cfg.retry_max_backoff
         self.push_interval_s = push_interval_s
         self.max_batch_samples = max_batch_samples
         self.clock = clock
@@ -296,8 +297,7 @@ class SpooledSink:
         # with the same backoff as a push (tenacity; a success starts the count afresh)
         sender = tenacity.Retrying(
             retry=tenacity.retry_if_exception_type(Exception),
-            wait=self.policy.wait(initial_s=self.options.initial_backoff_s,
-                                  max_s=self.options.max_backoff_s,
+            wait=self.policy.wait(initial_s=self.initial_backoff_s, max_s=self.max_backoff_s,
                                   closing=self._draining.is_set),
             stop=lambda _state: self._stop.is_set(),
             sleep=self._sleep,
@@ -359,7 +359,7 @@ class SpooledSink:
         response: Response | None = None
         try:
             for attempt in self.policy.retrying(
-                    initial_s=self.options.initial_backoff_s, max_s=self.options.max_backoff_s,
+                    initial_s=self.initial_backoff_s, max_s=self.max_backoff_s,
                     stop=self._give_up(head), sleep=self._sleep, closing=self._draining.is_set):
                 with attempt:
                     attempts = attempt.retry_state.attempt_number
@@ -548,7 +548,7 @@ class SpooledSink:
             return
         self.log.error("push_refused", sink=self.name, url=redact(self.url), status=exc.status,
                        receiver_said=str(exc), hint=exc.hint, backlog_batches=len(self.spool),
-                       retry_every_s=self.options.max_backoff_s,
+                       retry_every_s=self.max_backoff_s,
                        effect="every batch stays in the spool (within its bound) and is sent "
                               "once the receiver accepts")
 
