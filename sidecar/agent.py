@@ -185,7 +185,7 @@ class Agent:
         ts = int(self.wall() * 1000)
         available: dict[str, bool] = {}
         samples: list[GpuSample] = []
-        readings = self.source.read(uuids) if self.source is not None else {}
+        readings = self.source.read(uuids, app=self.app) if self.source is not None else {}
         figures = self.app.all_figures()
         for uuid in uuids:
             app = figures.get(uuid, NO_FIGURES)

@@ -18,6 +18,16 @@ class ComputeLayer:
     tensor_core_util_ratio: float | None = None  # gpu_tensor_core_util_ratio
     sm_active_ratio: float | None = None  # gpu_sm_active_ratio
     utilization_ratio: float | None = None  # gpu_utilization_ratio
+    processes_attributed: int | None = None  # gpu_processes_attributed
+    process_utilization_attributed: int | None = None  # gpu_process_utilization_attributed
+    pod_processes: float | None = None  # gpu_pod_processes
+    other_processes: float | None = None  # gpu_other_processes
+    pod_process_memory_bytes: int | None = None  # gpu_pod_process_memory_bytes
+    other_process_memory_bytes: int | None = None  # gpu_other_process_memory_bytes
+    pod_sm_share_ratio: float | None = None  # gpu_pod_sm_share_ratio
+    other_sm_share_ratio: float | None = None  # gpu_other_sm_share_ratio
+    pod_mem_bandwidth_share_ratio: float | None = None  # gpu_pod_mem_bandwidth_share_ratio
+    other_mem_bandwidth_share_ratio: float | None = None  # gpu_other_mem_bandwidth_share_ratio
 
 
 @dataclass(frozen=True, slots=True)
@@ -107,6 +117,16 @@ LAYER_METRICS: dict[type[Layer], tuple[tuple[str, str], ...]] = {
         ('tensor_core_util_ratio', 'gpu_tensor_core_util_ratio'),
         ('sm_active_ratio', 'gpu_sm_active_ratio'),
         ('utilization_ratio', 'gpu_utilization_ratio'),
+        ('processes_attributed', 'gpu_processes_attributed'),
+        ('process_utilization_attributed', 'gpu_process_utilization_attributed'),
+        ('pod_processes', 'gpu_pod_processes'),
+        ('other_processes', 'gpu_other_processes'),
+        ('pod_process_memory_bytes', 'gpu_pod_process_memory_bytes'),
+        ('other_process_memory_bytes', 'gpu_other_process_memory_bytes'),
+        ('pod_sm_share_ratio', 'gpu_pod_sm_share_ratio'),
+        ('other_sm_share_ratio', 'gpu_other_sm_share_ratio'),
+        ('pod_mem_bandwidth_share_ratio', 'gpu_pod_mem_bandwidth_share_ratio'),
+        ('other_mem_bandwidth_share_ratio', 'gpu_other_mem_bandwidth_share_ratio'),
     ),
     MemoryLayer: (
         ('bandwidth_util_ratio', 'gpu_mem_bandwidth_util_ratio'),

@@ -29,6 +29,7 @@ from sidecar.sources.nvml.capabilities import (
 )
 from sidecar.sources.nvml.errors import Failures, GpuLost
 from sidecar.sources.nvml.health import ClockEventTotals, current_link, read_health
+from sidecar.sources.nvml.processes import ProcessState
 from sidecar.sources.nvml.timed import nvml
 from sidecar.sources.pcie import counter_rate
 
@@ -94,6 +95,8 @@ class ReadState:
     throughput_next: int = pynvml.NVML_PCIE_UTIL_RX_BYTES
     throughput_tx: float | None = None
     throughput_rx: float | None = None
+    # the process calls (processes.py), every PROCESS_READ_S, their figures carried between
+    processes: ProcessState = field(default_factory=ProcessState)
 
     def forget(self) -> None:
         """The GPU was lost: counters and samples from before are no base for a rate."""
@@ -104,6 +107,7 @@ class ReadState:
         self.clock_events = None
         self.gpm_prev_t = None
         self.gpm_next = 1
+        self.processes = ProcessState()
 
 
 def read_gpu(handles: Handles, caps: Capabilities, state: ReadState, failures: Failures,

@@ -27,6 +27,14 @@ from sidecar.metrics import RARE_READ_S
 from sidecar.samples import GpuIdentity
 from sidecar.sources.nvml.devices import Device, open_gpu, reopen
 from sidecar.sources.nvml.errors import GpuLost, NvmlUnavailable, error_name, init_advice, is_lost
+from sidecar.sources.nvml.processes import (
+    PROC_ROOT,
+    PROCESS_READ_S,
+    ProcessFigures,
+    Publishers,
+    publisher_pids,
+    read_figures,
+)
 from sidecar.sources.nvml.reading import (
     GPM_MIN_INTERVAL_S,
     KIB,
@@ -53,6 +61,8 @@ class NvmlSource:
         interval_s: float = Config.interval,
         rare_read_s: float = RARE_READ_S,
         throughput_call_s: float | None = None,
+        process_read_s: float | None = PROCESS_READ_S,
+        proc_root: str = PROC_ROOT,
         clock: Callable[[], float] = time.monotonic,
         sleep: Callable[[float], None] = time.sleep,
     ) -> None:
@@ -64,6 +74,9 @@ class NvmlSource:
         # more often (diagnose's own few seconds ask every cycle: rare_read_s=0)
         self.throughput_call_s = (min(THROUGHPUT_CALL_S, rare_read_s) if throughput_call_s is None
                                   else throughput_call_s)
+        # how often each GPU's processes are asked for (processes.py); None: never
+        self.process_read_s = process_read_s
+        self.proc_root = proc_root
         self.clock = clock
         self.sleep = sleep
         self.driver_version = ""
@@ -147,8 +160,10 @@ class NvmlSource:
 
     # -- reading -------------------------------------------------------------------------------
 
-    def read(self, uuids: Iterable[str]) -> dict[str, NvmlReading | None]:
-        """One reading per requested GPU; None for a GPU that is lost or unknown.
+    def read(self, uuids: Iterable[str], app: Publishers | None = None
+             ) -> dict[str, NvmlReading | None]:
+        """One reading per requested GPU; None for a GPU that is lost or unknown. ``app``: the
+        app's publishers, whose PIDs tell this pod's processes on a GPU from others'.
 
         A reading closer than GPM's minimum to the previous one (the last sample taken at
         shutdown, just after a cycle) first waits out the rest of that minimum, at most 0.1 s,
@@ -161,13 +176,15 @@ class NvmlSource:
         pending = self._throughput.start([d for d in slow if self._throughput_due(d, now)],
                                          meters)
         result: dict[str, NvmlReading | None] = dict.fromkeys(uuids)
+        app_pids: list[frozenset[int]] = []  # asked of the app once, when a process read is due
         for dev in live:
             try:
                 with metered(meters[dev.identity.uuid]):
-                    result[dev.identity.uuid] = read_gpu(dev.handles, dev.caps, dev.state,
-                                                         dev.failures, now,
-                                                         self._xids.counts(dev.identity.uuid),
-                                                         rare_read_s=self.rare_read_s)
+                    reading = read_gpu(dev.handles, dev.caps, dev.state, dev.failures, now,
+                                       self._xids.counts(dev.identity.uuid),
+                                       rare_read_s=self.rare_read_s)
+                    result[dev.identity.uuid] = self._with_processes(dev, reading, now, app,
+                                                                     app_pids)
             except GpuLost as exc:
                 self._mark_lost(dev, now, str(exc.__cause__ or exc))
         for dev in slow:
@@ -175,6 +192,25 @@ class NvmlSource:
                 dev, result[dev.identity.uuid], pending.get(dev.identity.uuid), now)
         self.last_read_nvml = meters
         return result
+
+    def _with_processes(self, dev: Device, reading: NvmlReading, now: float,
+                        app: Publishers | None, app_pids: list[frozenset[int]]) -> NvmlReading:
+        """``reading`` with the GPU's process figures: read when due (every
+        ``process_read_s``), else the last read's carried; unchanged where there are none."""
+        state = dev.state.processes
+        if self.process_read_s is None:
+            return reading
+        figures: ProcessFigures | None = state.figures
+        if state.due(now, self.process_read_s):
+            if not app_pids:
+                app_pids.append(publisher_pids(app))
+            figures = read_figures(dev.handles.device, state, dev.failures, app_pids[0], now,
+                                   is_mig=dev.handles.is_mig, proc_root=self.proc_root)
+        if figures is None:
+            return reading
+        compute = dataclasses.replace(reading.compute, **{
+            f.name: getattr(figures, f.name) for f in dataclasses.fields(figures)})
+        return dataclasses.replace(reading, compute=compute)
 
     def _after_gpm_minimum(self, devices: list[Device]) -> float:
         """Now, once at least GPM's minimum has passed since any of ``devices``' last sample."""
