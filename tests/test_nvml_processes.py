@@ -210,6 +210,21 @@ def test_no_process_no_figure(install_fake, clock, tmp_path):
     fake, got = read_once(install_fake, clock, pod_proc(tmp_path), Publishers(12))
     assert got == ProcessFigures()
     assert fake.calls["nvmlDeviceGetComputeRunningProcesses_v3"] == 1
+    assert fake.calls["nvmlDeviceGetProcessUtilization"] == 0  # nothing to sample
+
+
+def test_two_hundred_processes_keep_the_series_per_gpu_bounded(install_fake, clock, tmp_path):
+    """No PID label: 200 neighbours are counts and sums, the same ten figures."""
+    root = host_proc(tmp_path)
+    crowd = tuple(FakeProcess(pid=10_000 + i, used_memory=GiB, sm_util=0.4, mem_util=0.4)
+                  for i in range(200))
+    for proc in crowd:
+        write_proc(root, proc.pid, f"{OTHER_POD}/cri-containerd-{proc.pid}.scope")
+    _, got = read_once(install_fake, clock, root, Publishers(4101),
+                       processes=(APP, *crowd), pid_view="host")
+    assert (got.pod_processes, got.other_processes, got.other_process_memory_bytes) == \
+        (1.0, 200.0, 200 * GiB)
+    assert got.pod_sm_share_ratio == pytest.approx(0.3)
 
 
 def test_mig_gives_no_utilization_shares(install_fake, clock, tmp_path):

@@ -87,7 +87,9 @@ class ProcessState:
 def read_processes(device: Any, state: ProcessState, failures: Failures, *,
                    is_mig: bool = False) -> ProcessAnswer:
     """One read of the GPU's process calls (the caller keeps the cadence). A lost GPU raises
-    ``GpuLost``; a passing failure leaves that call's figures absent this time."""
+    ``GpuLost``; a passing failure leaves that call's figures absent this time. Where both
+    lists are empty the utilization call is not made: a GPU without processes costs two calls
+    every ``PROCESS_READ_S``."""
     lists = [_listed(call, fn, device, state, failures) for call, fn in (
         (LIST, nvml.nvmlDeviceGetComputeRunningProcesses_v3),
         (MPS, nvml.nvmlDeviceGetMPSComputeRunningProcesses_v3))]
@@ -97,6 +99,8 @@ def read_processes(device: Any, state: ProcessState, failures: Failures, *,
     if lists[0] is not None:
         processes = lists[0] + tuple(GpuProcess(p.pid, p.used_memory, mps=True)
                                      for p in lists[1] or ())
+    if processes == ():  # no CUDA process on the GPU: no sample worth a third call
+        return ProcessAnswer(processes=(), shares=())
     return ProcessAnswer(processes=processes, shares=_shares(device, state, failures))
 
 
