@@ -125,9 +125,12 @@ def logs_through_pytest_capture() -> Iterator[None]:
 # receiver, no agent subprocess, no image build, no tool), and a list of such tests goes stale the
 # day one of them starts a process. With --fast, starting a process (subprocess, fork) skips the
 # test at that moment, in a fixture or in the test: what is left is in-process by construction,
-# and a test that gains a process leaves the tier by itself.
+# and a test that gains a process leaves the tier by itself. A test marked ``slow`` runs in this
+# process but waits seconds of real time (sampling intervals, deadlines, trickled answers): it is
+# left to the full suite too, so the tier stays within a couple of minutes.
 
 FAST_SKIP = "not in the fast tier: it starts a process"
+SLOW_SKIP = "not in the fast tier: marked slow (it waits on real time)"
 _in_a_test = [False]  # collection may start a process (ctypes' find_library runs ldconfig)
 
 
@@ -138,9 +141,10 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 
 
 def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("markers", "slow: waits seconds of real time; left out of --fast")
     if not config.getoption("--fast"):
         return
-    real_init, real_fork = subprocess.Popen.__init__, os.fork
+    real_init, real_fork, real_forkpty = subprocess.Popen.__init__, os.fork, os.forkpty
 
     def guarded_popen(self: subprocess.Popen, *args: object, **kw: object) -> None:
         if _in_a_test[0]:
@@ -152,14 +156,27 @@ def pytest_configure(config: pytest.Config) -> None:
             raise pytest.skip.Exception(FAST_SKIP, _use_item_location=True)
         return real_fork()
 
+    def guarded_forkpty() -> tuple[int, int]:  # pty.fork: a process on a pseudo-terminal
+        if _in_a_test[0]:
+            raise pytest.skip.Exception(FAST_SKIP, _use_item_location=True)
+        return real_forkpty()
+
     subprocess.Popen.__init__ = guarded_popen  # type: ignore[method-assign]
     os.fork = guarded_fork
+    os.forkpty = guarded_forkpty
 
     def restore() -> None:
         subprocess.Popen.__init__ = real_init  # type: ignore[method-assign]
-        os.fork = real_fork
+        os.fork, os.forkpty = real_fork, real_forkpty
 
     config.add_cleanup(restore)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if config.getoption("--fast"):
+        for item in items:
+            if item.get_closest_marker("slow") is not None:
+                item.add_marker(pytest.mark.skip(reason=SLOW_SKIP))
 
 
 @pytest.hookimpl(hookwrapper=True)

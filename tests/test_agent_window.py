@@ -192,6 +192,7 @@ def test_the_window_merged_from_buckets_judges_as_one_summary_of_the_same_cycles
     assert 10 <= part.cycles <= 14 and span.covered_s < 45
 
 
+@pytest.mark.slow
 def test_the_window_is_bounded_in_time_and_in_memory():
     import tracemalloc
 

@@ -510,6 +510,7 @@ REPORT_LINK = re.compile(r"^(?:  IO:)?\s+(\S+) RX ([\d.]+) % \(([\d.]+) GB/s\), 
                          r"([\d.]+) % \(([\d.]+) GB/s\) of ([\d.]+) GB/s", re.M)
 
 
+@pytest.mark.slow
 def test_a_link_the_metric_table_gains_reaches_probe_the_table_and_the_report_as_it_stands(
         monkeypatch, capsys):
     """A link is its table entries (rates, a maximum naming it, the shares dividing them): a copy

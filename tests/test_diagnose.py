@@ -174,6 +174,7 @@ def windows():
     return out
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("scenario", "change", "in_rules"), [
     ("pcie-saturated", {"pcie_util_ratio": 0.95}, "> 0.95"),
     ("fragmented", {"fragmentation_ratio": 0.7}, "gpu_memory_fragmentation_ratio > 0.7"),
@@ -192,6 +193,7 @@ def test_a_threshold_changed_in_one_place_moves_the_rules_and_the_verdicts(
     assert before == {VERDICT[scenario]} and after == {"none"}
 
 
+@pytest.mark.slow
 def test_the_command_reads_the_thresholds_at_run_time(monkeypatch, capsys):
     """The hook: ``sidecar.thresholds.THRESHOLDS`` is read when diagnose judges, not copied at
     import, so what renders the rules (python -m sidecar.alert_rules) and diagnose agree."""
@@ -283,6 +285,7 @@ def test_an_interrupted_diagnose_prints_a_partial_report_and_exits_128_plus_the_
     assert str(code) in run_cli("diagnose", "--help").stdout
 
 
+@pytest.mark.slow
 def test_the_window_is_kept_as_running_aggregates_not_as_cycles():
     def cycle(n: int) -> dict[str, Figures]:
         return {f"GPU-{g}": Figures(uuid=f"GPU-{g}", index=str(g), utilization=n % 7 / 7,

@@ -201,6 +201,7 @@ def read(tmp_path_factory) -> Iterator[Read]:
         yield got
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("capture", CAPTURES, ids=[c.name for c in CAPTURES])
 def test_the_forwarded_engine_figures_are_the_captures_values(read, capture):
     expected = expected_series(capture.mapping, read.bodies[capture.name],

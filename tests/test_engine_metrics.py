@@ -663,6 +663,7 @@ def cycle_times(agent: Agent) -> list[int]:
     return sorted({ts for _, _, ts, _ in agent.sampled()})
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("fault", FAULTS)
 def test_a_failing_endpoint_never_delays_a_cycle_and_is_said_once_when_it_starts_and_ends(
         tmp_path, fault):

@@ -1,13 +1,14 @@
 """The fast tier (`bash scripts/test --fast`, issue #45) is every test that needs no process of
-its own: a test that starts one, in a fixture or in its body, is skipped there, and the rest
-runs as in the full suite. A pytest run of its own over a small test file shows both."""
+its own: a test that starts one (a subprocess, a fork, a pseudo-terminal), in a fixture or in its
+body, is skipped there, as is one marked ``slow`` (it waits on real time), and the rest runs as
+in the full suite. A pytest run of its own over a small test file shows both."""
 
 from __future__ import annotations
 
 import subprocess
 import sys
 
-from tests.conftest import FAST_SKIP, ROOT
+from tests.conftest import FAST_SKIP, ROOT, SLOW_SKIP
 
 SPEC = '''
 import os
@@ -41,6 +42,18 @@ def test_behind_a_fixture_that_starts_one(a_server):
     pass
 
 
+def test_on_a_pseudo_terminal():
+    pid, _ = os.forkpty()
+    if pid == 0:
+        os._exit(0)
+    os.waitpid(pid, 0)
+
+
+@pytest.mark.slow
+def test_waiting_on_real_time():
+    pass
+
+
 def test_failing_in_process():
     assert False, "still judged"
 '''
@@ -59,11 +72,12 @@ def run(tmp_path, *args: str) -> subprocess.CompletedProcess[str]:
 def test_with_fast_a_test_that_starts_a_process_is_skipped_and_the_rest_judged(tmp_path):
     proc = run(tmp_path, "--fast")
     out = proc.stdout
-    assert "1 failed, 1 passed, 3 skipped" in out, out + proc.stderr
-    assert out.count(FAST_SKIP) == 3, out
+    assert "1 failed, 1 passed, 5 skipped" in out, out + proc.stderr
+    assert out.count(FAST_SKIP) == 4, out
+    assert out.count(SLOW_SKIP) == 1, out
     assert "still judged" in out
 
 
 def test_without_it_every_test_runs(tmp_path):
     proc = run(tmp_path)
-    assert "1 failed, 4 passed" in proc.stdout and FAST_SKIP not in proc.stdout, proc.stdout
+    assert "1 failed, 6 passed" in proc.stdout and FAST_SKIP not in proc.stdout, proc.stdout

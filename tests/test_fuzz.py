@@ -13,6 +13,7 @@ import random
 import re
 import socket
 
+import pytest
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
@@ -28,6 +29,7 @@ REASONS = {"too_large", "not_json", "not_object", "bad_version", "bad_kind", "un
            "unknown_gpu", "bucket_mismatch", "too_many_processes", "too_many_gpus"}
 
 
+@pytest.mark.slow
 @settings(max_examples=3000, deadline=None)
 @given(st.binary(max_size=protocol.MAX_MESSAGE_BYTES + 64))
 def test_any_bytes_are_accepted_or_rejected_with_a_known_reason_never_raised(data):
@@ -47,6 +49,7 @@ json_values = st.recursive(
 )
 
 
+@pytest.mark.slow
 @settings(max_examples=2000, deadline=None)
 @given(st.dictionaries(st.sampled_from(["v", "kind", "pid", "gpu", "gpus", "reserved_bytes",
                                         "allocated_bytes", "bounds", "counts", "sum", "x"]),
@@ -138,6 +141,7 @@ def malformed_message(rng: random.Random) -> tuple[bytes, str]:
     return json.dumps([base]).encode(), "not_object"
 
 
+@pytest.mark.slow
 def test_hundred_thousand_datagrams_through_the_real_socket(tmp_path):
     path = str(tmp_path / "app.sock")
     state = AppState(known_gpu=set(GPUS).__contains__)

@@ -44,6 +44,7 @@ def simulated() -> Iterator[NvmlSource]:
         fake_nvml.uninstall()
 
 
+@pytest.mark.slow
 def test_step_9_records_the_time_per_nvml_call_the_agent_exports(simulated):
     got = gpu_check.step_nvml_time(simulated)
     json.dumps(got)  # recorded as gpu_check.json

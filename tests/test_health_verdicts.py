@@ -458,6 +458,7 @@ def test_figures_are_read_back_from_the_exported_series_xids_by_code():
     assert f.xids == ((13, 1.0), (79, 2.0))
 
 
+@pytest.mark.slow
 def test_the_window_with_health_figures_is_still_constant_in_size():
     def cycle(n: int) -> dict[str, Figures]:
         return {f"GPU-{g}": on_link(3 if n % 2 else 5, 8 if n % 2 else 16, n % 5 / 5,

@@ -27,6 +27,7 @@ class _Seen(Recent):
         return super().add(cycle, now)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("scenario", sorted(SCENARIOS))
 def test_the_agent_feeds_its_window_the_figures_its_series_say(scenario):
     cfg = config.Config(simulate=scenario, simulate_gpus=2, interval=0.2)

@@ -111,6 +111,7 @@ series_strategy = st.lists(
 )
 
 
+@pytest.mark.slow
 @settings(max_examples=200, deadline=None)
 @given(series_strategy)
 def test_encoder_agrees_with_protobuf_for_any_series(items):
@@ -129,6 +130,7 @@ def test_encoder_agrees_with_protobuf_for_any_series(items):
         assert [bits(v) for _, v in got[key]] == [bits(v) for _, v in want]
 
 
+@pytest.mark.slow
 @settings(max_examples=200, deadline=None)
 @given(st.lists(series_strategy, min_size=1, max_size=5))
 def test_cycles_joined_are_one_write_request_with_every_sample_in_order(cycles):

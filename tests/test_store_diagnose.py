@@ -591,6 +591,7 @@ AT_TEXTS = st.one_of(
     st.sampled_from(["now", "0", "-0s", "1970-01-01T00:00:00Z"]))
 
 
+@pytest.mark.slow
 @settings(max_examples=400, deadline=None)
 @given(at=AT_TEXTS, seconds=st.sampled_from(["1", "600", "3600"]))
 def test_any_at_is_a_bad_option_or_a_window_a_store_can_be_asked_for(at, seconds):

@@ -20,6 +20,8 @@ import re
 import socket
 from pathlib import Path
 
+import pytest
+
 from sidecar import window_socket
 from sidecar.recent import Recent
 from sidecar.window_socket import DEADLINE_S, FILE_NAME, MAX_ASKERS, MAX_QUESTION, WindowSocket, ask
@@ -202,6 +204,7 @@ class Clock:
         until(lambda: self.calls >= seen + n, what=f"{n} rounds of the socket's thread")
 
 
+@pytest.mark.slow
 def test_an_asker_has_deadline_s_from_its_answer_to_take_it_then_it_is_dropped(tmp_path):
     """An answer larger than the socket's buffers, and an asker that reads none of it: held
     until ``DEADLINE_S`` after the answer was ready (not after the connection: the question
