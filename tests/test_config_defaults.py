@@ -10,7 +10,8 @@ from urllib.parse import urlsplit
 import pytest
 
 from sidecar import protocol, urls
-from sidecar.config import OPTION_BY_NAME, OPTIONS, Config, _urls
+from sidecar.config import OPTION_BY_NAME, OPTIONS, Config
+from sidecar.option_values import urls as receiver_urls
 from tests.conftest import run_cli
 
 DEFAULTS = {f.name: f.default for f in fields(Config)}
@@ -93,5 +94,5 @@ def test_a_url_s_default_port_is_the_same_for_the_sink_label_and_the_duplicate_c
     assert urls.effective_port(urlsplit("http://vm.example:8428/")) == 8428
     for scheme, port in urls.DEFAULT_PORTS.items():
         with pytest.raises(ValueError, match="names the receiver of URL 1 again"):
-            _urls(f"{scheme}://vm.example/api/v1/write,{scheme}://VM.example:{port}/api/v1/write")
-    assert _urls("http://vm.example:443/w,https://vm.example/w")  # two receivers
+            receiver_urls(f"{scheme}://vm.example/api/v1/write,{scheme}://VM.example:{port}/api/v1/write")
+    assert receiver_urls("http://vm.example:443/w,https://vm.example/w")  # two receivers
