@@ -45,7 +45,6 @@ from sidecar.option_values import (
     url,
     urls,
 )
-from sidecar.option_values import instant as instant  # sidecar.commands.from_store: config.instant
 from sidecar.urls import redact_url
 
 ENV_PREFIX = protocol.ENV_PREFIX

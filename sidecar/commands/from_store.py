@@ -35,13 +35,14 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from sidecar import config, thresholds
+from sidecar import thresholds
 from sidecar.judge.figures import Figures
 from sidecar.judge.rules import ALL_KINDS
 from sidecar.judge.series import figures_of
 from sidecar.judge.verdict import Verdict, judge
 from sidecar.judge.window import Summary
 from sidecar.metrics import RARE
+from sidecar.option_values import instant
 from sidecar.samples import Series
 from sidecar.sinks.cadence import RESEND_S
 from sidecar.store import (
@@ -121,7 +122,7 @@ def window_of(cfg: Config, now: float | None = None) -> Window:
     """The window --at and --duration name; a time in the future is refused."""
     now = time.time() if now is None else now
     try:
-        end = config.instant(cfg.at, now)
+        end = instant(cfg.at, now)
     except (ValueError, OverflowError) as exc:
         raise Refused(f"--at {cfg.at!r} {exc}") from None
     if end > now + NOT_FUTURE_S:
