@@ -536,10 +536,10 @@ def in_process(agent_cycles: int = 300, naive_cycles: int = 20) -> dict:
         read_in_cycle = [0.0]  # the GPUs' reading as part of each cycle, timed where it runs
         read = source.read
 
-        def timed_read(uuids: list[str]) -> dict:
+        def timed_read(uuids: list[str], **kw: object) -> dict:
             t = time.process_time()
             try:
-                return read(uuids)
+                return read(uuids, **kw)
             finally:
                 read_in_cycle[0] += time.process_time() - t
 
