@@ -18,6 +18,16 @@ class TableFigures:
     tensor: float | None = None  # gpu_tensor_core_util_ratio
     sm_active: float | None = None  # gpu_sm_active_ratio
     utilization: float | None = None  # gpu_utilization_ratio
+    processes_attributed: float | None = None  # gpu_processes_attributed
+    process_utilization_attributed: float | None = None  # gpu_process_utilization_attributed
+    pod_processes: float | None = None  # gpu_pod_processes
+    other_processes: float | None = None  # gpu_other_processes
+    pod_process_memory: float | None = None  # gpu_pod_process_memory_bytes
+    other_process_memory: float | None = None  # gpu_other_process_memory_bytes
+    pod_sm_share: float | None = None  # gpu_pod_sm_share_ratio
+    other_sm_share: float | None = None  # gpu_other_sm_share_ratio
+    pod_mem_bw_share: float | None = None  # gpu_pod_mem_bandwidth_share_ratio
+    other_mem_bw_share: float | None = None  # gpu_other_mem_bandwidth_share_ratio
     dram_bw: float | None = None  # gpu_mem_bandwidth_util_ratio
     mem_used: float | None = None  # gpu_memory_used_bytes
     mem_total: float | None = None  # gpu_memory_total_bytes
@@ -81,6 +91,16 @@ FIELD_OF: dict[str, str] = {
     'gpu_tensor_core_util_ratio': 'tensor',
     'gpu_sm_active_ratio': 'sm_active',
     'gpu_utilization_ratio': 'utilization',
+    'gpu_processes_attributed': 'processes_attributed',
+    'gpu_process_utilization_attributed': 'process_utilization_attributed',
+    'gpu_pod_processes': 'pod_processes',
+    'gpu_other_processes': 'other_processes',
+    'gpu_pod_process_memory_bytes': 'pod_process_memory',
+    'gpu_other_process_memory_bytes': 'other_process_memory',
+    'gpu_pod_sm_share_ratio': 'pod_sm_share',
+    'gpu_other_sm_share_ratio': 'other_sm_share',
+    'gpu_pod_mem_bandwidth_share_ratio': 'pod_mem_bw_share',
+    'gpu_other_mem_bandwidth_share_ratio': 'other_mem_bw_share',
     'gpu_mem_bandwidth_util_ratio': 'dram_bw',
     'gpu_memory_used_bytes': 'mem_used',
     'gpu_memory_total_bytes': 'mem_total',
